@@ -1,0 +1,186 @@
+// Saves a Model as a Hugging Face directory: config.json plus one
+// model.safetensors, or N shards and model.safetensors.index.json.
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "server/common/status_macros.h"
+#include "server/model/model.h"
+#include "server/model/safetensors.h"
+#include "server/model/weight_layout.h"
+
+namespace draftfeed {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr std::string_view kIndexFile = "model.safetensors.index.json";
+constexpr std::string_view kSingleFile = "model.safetensors";
+
+std::string_view TorchDTypeName(DType d) {
+  switch (d) {
+    case DType::kBF16: return "bfloat16";
+    case DType::kF16: return "float16";
+    case DType::kF32: return "float32";
+    case DType::kInvalid: break;
+  }
+  return "";
+}
+
+std::string Quote(std::string_view s) {
+  google::protobuf::Value v;
+  v.set_string_value(std::string(s));
+  std::string out;
+  (void)google::protobuf::util::MessageToJsonString(v, &out);
+  return out;
+}
+
+absl::Status WriteText(const fs::path& path, std::string_view text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(text.data(), static_cast<std::streamsize>(text.size()));
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path.string()));
+  return absl::OkStatus();
+}
+
+struct Item {
+  std::string name;  // full name in the checkpoint
+  const Tensor* tensor;
+  uint64_t out_bytes;
+};
+
+// `t` in dtype `to`; `buffer` receives the converted bytes unless no
+// conversion is needed, in which case the result points at `t`'s own data.
+SafetensorsTensor Convert(const Item& item, DType to, std::vector<std::byte>& buffer) {
+  const Tensor& t = *item.tensor;
+  SafetensorsTensor out;
+  out.name = item.name;
+  out.dtype = std::string(DTypeName(to));
+  out.shape = t.shape;
+  out.nbytes = item.out_bytes;
+  if (t.dtype == to) {
+    out.data = t.data;
+    return out;
+  }
+  const std::vector<float> f = ToFloat(t);
+  buffer.resize(item.out_bytes);
+  if (to == DType::kF32) {
+    std::memcpy(buffer.data(), f.data(), item.out_bytes);
+  } else {
+    for (size_t i = 0; i < f.size(); ++i) {
+      const uint16_t h = to == DType::kBF16 ? FloatToBf16(f[i]) : FloatToFp16(f[i]);
+      std::memcpy(buffer.data() + 2 * i, &h, 2);
+    }
+  }
+  out.data = buffer.data();
+  return out;
+}
+
+}  // namespace
+
+absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
+                               const HfWriteOptions& options) {
+  if (TorchDTypeName(options.dtype).empty()) {
+    return absl::InvalidArgumentError("WriteHfCheckpoint: dtype must be BF16, F16 or F32");
+  }
+  if (options.num_shards < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("WriteHfCheckpoint: num_shards must be at least 1, got ", options.num_shards));
+  }
+  ModelConfig config = model.config;
+  config.multimodal = options.multimodal_naming;
+  DF_RETURN_IF_ERROR(config.Validate());
+  if (model.weights.layers.size() != static_cast<size_t>(config.num_layers)) {
+    return absl::InvalidArgumentError(absl::StrCat("WriteHfCheckpoint: model ", model.id, " has ",
+                                                   model.weights.layers.size(),
+                                                   " layers, its config ", config.num_layers));
+  }
+
+  const std::string prefix = options.multimodal_naming ? "model.language_model." : "model.";
+  std::vector<Item> items;
+  auto add = [&](const WeightSpec& spec, std::string name) -> absl::Status {
+    const Tensor& t = WeightSlot(model.weights, spec);
+    if (!t.valid() || t.shape != spec.shape || DTypeSize(t.dtype) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "WriteHfCheckpoint: model ", model.id, " tensor ", spec.name, " is ",
+          t.valid() ? absl::StrCat(std::string(DTypeName(t.dtype)), " ", t.ShapeString())
+                    : "missing",
+          ", expected shape [", absl::StrJoin(spec.shape, ", "), "]"));
+    }
+    items.push_back(
+        {std::move(name), &t, static_cast<uint64_t>(t.numel()) * DTypeSize(options.dtype)});
+    return absl::OkStatus();
+  };
+  for (const WeightSpec& spec : DecoderWeightSpecs(config)) {
+    DF_RETURN_IF_ERROR(add(spec, prefix + spec.name));
+  }
+  if (!config.tie_word_embeddings && model.weights.lm_head.valid()) {
+    const WeightSpec head = LmHeadSpec(config);
+    DF_RETURN_IF_ERROR(add(head, head.name));
+  }
+  const size_t n = static_cast<size_t>(options.num_shards);
+  if (n > items.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("WriteHfCheckpoint: ", n, " shards for ", items.size(), " tensors"));
+  }
+
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  const fs::path root(dir);
+  std::string config_json = config.ToJson();
+  absl::StrReplaceAll({{"\"bfloat16\"", Quote(TorchDTypeName(options.dtype))}}, &config_json);
+  DF_RETURN_IF_ERROR(WriteText(root / "config.json", config_json));
+  // A stale file of the other layout would shadow this one for some readers.
+  fs::remove(root / (n == 1 ? kIndexFile : kSingleFile), ec);
+
+  // Contiguous runs of tensors, split where the running byte count crosses
+  // each 1/n of the total; every shard gets at least one tensor.
+  uint64_t total = 0;
+  for (const Item& it : items) total += it.out_bytes;
+  std::vector<size_t> shard_of(items.size());
+  size_t s = 0;
+  uint64_t running = 0;
+  for (size_t k = 0; k < items.size(); ++k) {
+    shard_of[k] = s;
+    running += items[k].out_bytes;
+    const size_t tensors_left = items.size() - 1 - k;
+    const size_t shards_left = n - 1 - s;
+    if (shards_left > 0 && (tensors_left == shards_left || running * n >= (s + 1) * total)) ++s;
+  }
+
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  std::vector<std::string> file_names;
+  for (size_t shard = 0; shard < n; ++shard) {
+    file_names.push_back(n == 1 ? std::string(kSingleFile)
+                                : absl::StrFormat("model-%05d-of-%05d.safetensors", shard + 1, n));
+    std::vector<std::vector<std::byte>> buffers;
+    std::vector<SafetensorsTensor> entries;
+    for (size_t k = 0; k < items.size(); ++k) {
+      if (shard_of[k] != shard) continue;
+      buffers.emplace_back();
+      entries.push_back(Convert(items[k], options.dtype, buffers.back()));
+    }
+    DF_RETURN_IF_ERROR(WriteSafetensors((root / file_names.back()).string(), entries, metadata));
+  }
+  if (n == 1) return absl::OkStatus();
+
+  std::vector<std::string> weight_map;
+  for (size_t k = 0; k < items.size(); ++k) {
+    weight_map.push_back(
+        absl::StrCat("    ", Quote(items[k].name), ": ", Quote(file_names[shard_of[k]])));
+  }
+  const std::string index =
+      absl::StrCat("{\n  \"metadata\": {\n    \"total_size\": ", total,
+                   "\n  },\n  \"weight_map\": {\n", absl::StrJoin(weight_map, ",\n"), "\n  }\n}\n");
+  return WriteText(root / kIndexFile, index);
+}
+
+}  // namespace draftfeed

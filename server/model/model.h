@@ -1,0 +1,83 @@
+// A loaded target model: validated config, the decoder's weights as typed
+// views, and the fingerprint that clients check before trusting its states.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/model/config.h"
+#include "server/model/tensor.h"
+
+namespace draftfeed {
+
+// Names follow the HF suffixes of qwen35-forward.md §2 so a reader can map them.
+struct LayerWeights {
+  LayerKind kind = LayerKind::kFullAttention;
+  Tensor input_layernorm;           // [D]
+  Tensor post_attention_layernorm;  // [D]
+  Tensor gate_proj, up_proj;        // [F, D]
+  Tensor down_proj;                 // [D, F]
+  // Full attention (self_attn.*).
+  Tensor q_proj;  // [Hq*hd*(2 if output gate else 1), D]; gate interleaved per head
+  Tensor k_proj, v_proj;  // [Hkv*hd, D]
+  Tensor o_proj;          // [D, Hq*hd]
+  Tensor q_norm, k_norm;  // [hd]
+  // Gated DeltaNet (linear_attn.*).
+  Tensor in_proj_qkv;  // [2*Nk*dk + Nv*dv, D]
+  Tensor in_proj_z;    // [Nv*dv, D]
+  Tensor in_proj_b;    // [Nv, D]
+  Tensor in_proj_a;    // [Nv, D]
+  Tensor conv1d;       // [2*Nk*dk + Nv*dv, 1, kernel]
+  Tensor A_log;        // [Nv]
+  Tensor dt_bias;      // [Nv]
+  Tensor norm;         // [dv]  gated RMSNorm, multiplicative
+  Tensor out_proj;     // [D, Nv*dv]
+};
+
+struct ModelWeights {
+  Tensor embed_tokens;  // [V, D]
+  Tensor norm;          // [D] final norm
+  Tensor lm_head;       // [V, D]; equals embed_tokens when tied, absent is allowed
+  std::vector<LayerWeights> layers;
+};
+
+struct Model {
+  std::string id;  // "tiny-random:7", or the checkpoint directory
+  ModelConfig config;
+  ModelWeights weights;
+  // Hex digest over the canonical config and every decoder tensor's name,
+  // dtype, shape and a sample of its bytes: two targets with the same
+  // fingerprint produce the same hidden states.
+  std::string fingerprint;
+  // Keeps the mmaps / in-memory buffers behind every Tensor alive.
+  std::shared_ptr<const void> storage;
+};
+
+// Loads an HF directory (config.json + model.safetensors or a sharded index).
+absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir);
+
+// Built-in random models. Specs: "tiny-random" or "tiny-random:SEED" (a small
+// Qwen3.5 hybrid with both layer kinds), "tiny-random-qwen3[:SEED]" (dense).
+absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec);
+
+// Resolves --model: a built-in spec, else a checkpoint directory.
+absl::StatusOr<std::unique_ptr<Model>> OpenModel(const std::string& spec);
+
+struct HfWriteOptions {
+  bool multimodal_naming = false;  // model.language_model.* + config under text_config
+  int num_shards = 1;              // >1 writes model-0000i-of-0000n + index.json
+  DType dtype = DType::kBF16;      // of the written weight tensors
+};
+// Saves a model as an HF-format directory that LoadModel (and transformers) read.
+absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
+                               const HfWriteOptions& options);
+
+}  // namespace draftfeed
+
+namespace draftfeed {
+// Computes Model::fingerprint (see there). Used by the loader and the random models.
+std::string ComputeFingerprint(const Model& model);
+}  // namespace draftfeed
