@@ -1,0 +1,415 @@
+// CPU reference forward (qwen35-forward.md §3 for the Qwen3.5 hybrid, §4 for
+// Qwen3 dense). Everything is fp32: weights are widened once in Create, the
+// residual stream and every intermediate stay fp32, and none of transformers'
+// intermediate bf16 roundings are replayed, so this is the oracle that HF run
+// in fp32 is compared with. Every op is row-local or per sequence, so a
+// sequence's states do not depend on what else is packed with it.
+#include "server/model/cpu_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <thread>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/embedding.h"
+#include "kernels/cpu/gdn.h"
+#include "kernels/cpu/gemm.h"
+#include "kernels/cpu/rmsnorm.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/swiglu.h"
+#include "server/common/status_macros.h"
+#include "server/model/weight_layout.h"
+
+namespace draftfeed {
+namespace {
+
+// transformers' torch_chunk_gated_delta_rule and FLA both use 64.
+constexpr int64_t kGdnChunk = 64;
+// L2 norm of the GDN q/k (§3.5): fixed, not rms_norm_eps.
+constexpr float kGdnL2Eps = 1e-6f;
+
+using Buffer = std::vector<float>;
+
+struct AttentionWeights {
+  Buffer wq;  // [Hq*hd, D]: the query rows of q_proj
+  Buffer wg;  // [Hq*hd, D]: the output-gate rows (Qwen3.5); empty for Qwen3
+  Buffer wk, wv, wo, q_norm, k_norm;
+};
+
+struct GdnWeights {
+  Buffer w_qkv, w_z, w_b, w_a, conv, a_log, dt_bias, norm, w_out;
+};
+
+struct LayerF32 {
+  LayerKind kind = LayerKind::kFullAttention;
+  Buffer input_norm, post_norm, gate, up, down;
+  AttentionWeights attn;
+  GdnWeights gdn;
+};
+
+// Checks that a tensor is the one weight_layout.h expects.
+absl::Status CheckWeight(const ModelWeights& weights, const WeightSpec& spec) {
+  const Tensor& t = WeightSlot(weights, spec);
+  if (!t.valid()) {
+    return absl::InvalidArgumentError(absl::StrCat("weight ", spec.name, " is missing"));
+  }
+  if (t.shape != spec.shape) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("weight ", spec.name, " has shape ", t.ShapeString(), ", expected [",
+                     absl::StrJoin(spec.shape, ", "), "] (", spec.origin, ")"));
+  }
+  if (t.dtype != DType::kBF16 && t.dtype != DType::kF16 && t.dtype != DType::kF32) {
+    return absl::InvalidArgumentError(absl::StrCat("weight ", spec.name, " has unsupported dtype ",
+                                                   std::string(DTypeName(t.dtype))));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Buffer> Widen(const ModelWeights& weights, const WeightSpec& spec) {
+  DF_RETURN_IF_ERROR(CheckWeight(weights, spec));
+  return ToFloat(WeightSlot(weights, spec));
+}
+
+// q_proj of Qwen3.5 interleaves per head: rows [2hd·h, 2hd·h + hd) are the
+// query of head h and the next hd rows its gate (§2.2). Splitting them here
+// makes Q and G two dense GEMM outputs.
+void SplitQueryGate(const Buffer& q_proj, int64_t heads, int64_t hd, int64_t d, Buffer& wq,
+                    Buffer& wg) {
+  const int64_t block = hd * d;
+  wq.resize(static_cast<size_t>(heads * block));
+  wg.resize(static_cast<size_t>(heads * block));
+  for (int64_t h = 0; h < heads; ++h) {
+    std::copy_n(q_proj.data() + 2 * h * block, block, wq.data() + h * block);
+    std::copy_n(q_proj.data() + (2 * h + 1) * block, block, wg.data() + h * block);
+  }
+}
+
+// Where the widened copy of a layer tensor goes.
+Buffer* LayerSlot(LayerF32& l, Tensor LayerWeights::*member) {
+  const std::pair<Tensor LayerWeights::*, Buffer*> slots[] = {
+      {&LayerWeights::input_layernorm, &l.input_norm},
+      {&LayerWeights::post_attention_layernorm, &l.post_norm},
+      {&LayerWeights::gate_proj, &l.gate},
+      {&LayerWeights::up_proj, &l.up},
+      {&LayerWeights::down_proj, &l.down},
+      {&LayerWeights::q_proj, &l.attn.wq},
+      {&LayerWeights::k_proj, &l.attn.wk},
+      {&LayerWeights::v_proj, &l.attn.wv},
+      {&LayerWeights::o_proj, &l.attn.wo},
+      {&LayerWeights::q_norm, &l.attn.q_norm},
+      {&LayerWeights::k_norm, &l.attn.k_norm},
+      {&LayerWeights::in_proj_qkv, &l.gdn.w_qkv},
+      {&LayerWeights::in_proj_z, &l.gdn.w_z},
+      {&LayerWeights::in_proj_b, &l.gdn.w_b},
+      {&LayerWeights::in_proj_a, &l.gdn.w_a},
+      {&LayerWeights::conv1d, &l.gdn.conv},
+      {&LayerWeights::A_log, &l.gdn.a_log},
+      {&LayerWeights::dt_bias, &l.gdn.dt_bias},
+      {&LayerWeights::norm, &l.gdn.norm},
+      {&LayerWeights::out_proj, &l.gdn.w_out},
+  };
+  for (const auto& [m, dst] : slots) {
+    if (m == member) return dst;
+  }
+  std::abort();  // weight_layout.h names a layer tensor this engine does not know
+}
+
+void AddInto(Buffer& h, const Buffer& m) {
+  for (size_t i = 0; i < h.size(); ++i) h[i] += m[i];
+}
+
+float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+}  // namespace
+
+struct CpuEngine::Impl {
+  const Model* model = nullptr;
+  int threads = 1;
+  bool hybrid = true;
+  cpu::RmsNormKind norm_kind = cpu::RmsNormKind::kZeroCentred;
+  float eps = 1e-6f;
+  Buffer embed_f32;  // a copy only when the stored table is misaligned for its dtype
+  Buffer final_norm;
+  std::vector<LayerF32> layers;
+
+  absl::Status Load();
+  // Validates the input; returns T·K·H, the number of output elements.
+  absl::StatusOr<int64_t> CheckInput(const ForwardInput& in) const;
+  void Run(const ForwardInput& in, float* out) const;
+
+ private:
+  struct Batch {
+    int64_t tokens = 0;
+    std::vector<int32_t> cu;
+    std::vector<int32_t> positions;
+    int64_t num_seqs() const { return static_cast<int64_t>(cu.size()) - 1; }
+  };
+  void Embed(const ForwardInput& in, float* h) const;
+  void Attention(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
+  void GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
+  void Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
+  void Linear(const Buffer& x, const Buffer& w, int64_t rows, int64_t out_dim, int64_t in_dim,
+              Buffer& y) const {
+    y.resize(static_cast<size_t>(rows * out_dim));
+    cpu::Gemm(x.data(), w.data(), y.data(), rows, out_dim, in_dim, threads);
+  }
+};
+
+absl::Status CpuEngine::Impl::Load() {
+  const ModelConfig& c = model->config;
+  DF_RETURN_IF_ERROR(c.Validate());
+  if (model->weights.layers.size() != static_cast<size_t>(c.num_layers)) {
+    return absl::InvalidArgumentError(absl::StrCat("model has ", model->weights.layers.size(),
+                                                   " layers of weights, config says ",
+                                                   c.num_layers));
+  }
+  hybrid = c.arch == Arch::kQwen35Hybrid;
+  norm_kind = hybrid ? cpu::RmsNormKind::kZeroCentred : cpu::RmsNormKind::kMultiplicative;
+  eps = static_cast<float>(c.rms_norm_eps);
+  layers.resize(static_cast<size_t>(c.num_layers));
+  for (size_t i = 0; i < layers.size(); ++i) layers[i].kind = c.layer_types[i];
+
+  for (const WeightSpec& spec : DecoderWeightSpecs(c)) {
+    if (spec.layer < 0 && spec.global == &ModelWeights::embed_tokens) {
+      // Gathered straight from storage (a real table is vocab x D, too big to
+      // widen), unless it is not aligned for its element type.
+      DF_RETURN_IF_ERROR(CheckWeight(model->weights, spec));
+      const Tensor& t = model->weights.embed_tokens;
+      if (reinterpret_cast<uintptr_t>(t.data) % DTypeSize(t.dtype) != 0) embed_f32 = ToFloat(t);
+      continue;
+    }
+    DF_ASSIGN_OR_RETURN(Buffer w, Widen(model->weights, spec));
+    if (spec.layer < 0) {  // the only other global decoder tensor
+      final_norm = std::move(w);
+      continue;
+    }
+    LayerF32& l = layers[static_cast<size_t>(spec.layer)];
+    if (spec.member == &LayerWeights::q_proj && hybrid) {
+      SplitQueryGate(w, c.num_heads, c.head_dim, c.hidden_size, l.attn.wq, l.attn.wg);
+    } else {
+      *LayerSlot(l, spec.member) = std::move(w);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> CpuEngine::Impl::CheckInput(const ForwardInput& in) const {
+  // The token budget is the service's to enforce; the reference takes any size.
+  DF_RETURN_IF_ERROR(ValidateForwardInput(model->config, in, std::numeric_limits<int64_t>::max()));
+  return static_cast<int64_t>(in.token_ids.size()) * static_cast<int64_t>(in.layers.size()) *
+         model->config.hidden_size;
+}
+
+void CpuEngine::Impl::Embed(const ForwardInput& in, float* h) const {
+  const Tensor& t = model->weights.embed_tokens;
+  const int64_t n = static_cast<int64_t>(in.token_ids.size());
+  const int64_t vocab = model->config.vocab_size, d = model->config.hidden_size;
+  if (!embed_f32.empty()) {
+    cpu::EmbeddingF32(embed_f32.data(), vocab, d, in.token_ids.data(), n, h);
+  } else if (t.dtype == DType::kBF16) {
+    cpu::EmbeddingBf16(reinterpret_cast<const uint16_t*>(t.data), vocab, d, in.token_ids.data(), n,
+                       h);
+  } else if (t.dtype == DType::kF16) {
+    cpu::EmbeddingFp16(reinterpret_cast<const uint16_t*>(t.data), vocab, d, in.token_ids.data(), n,
+                       h);
+  } else {
+    cpu::EmbeddingF32(reinterpret_cast<const float*>(t.data), vocab, d, in.token_ids.data(), n, h);
+  }
+}
+
+// §3.6 (Qwen3.5, with the sigmoid output gate) and §4 (Qwen3, without).
+void CpuEngine::Impl::Attention(const LayerF32& w, const Batch& b, const Buffer& u,
+                                Buffer& m) const {
+  const ModelConfig& c = model->config;
+  const int64_t t = b.tokens, d = c.hidden_size, hd = c.head_dim;
+  const int64_t hq = c.num_heads, hkv = c.num_kv_heads;
+  Buffer q, k, v, o(static_cast<size_t>(t * hq * hd));
+  Linear(u, w.attn.wq, t, hq * hd, d, q);
+  Linear(u, w.attn.wk, t, hkv * hd, d, k);
+  Linear(u, w.attn.wv, t, hkv * hd, d, v);
+  // Per-head norms come before RoPE.
+  cpu::RmsNorm(q.data(), w.attn.q_norm.data(), t * hq, hd, eps, norm_kind, q.data());
+  cpu::RmsNorm(k.data(), w.attn.k_norm.data(), t * hkv, hd, eps, norm_kind, k.data());
+  const float theta = static_cast<float>(c.rope_theta);
+  cpu::ApplyRope(q.data(), t, hq, hd, c.rotary_dim(), b.positions.data(), theta);
+  cpu::ApplyRope(k.data(), t, hkv, hd, c.rotary_dim(), b.positions.data(), theta);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  cpu::VarlenCausalAttention(q.data(), k.data(), v.data(), b.cu.data(), b.num_seqs(), hq, hkv, hd,
+                             scale, o.data(), threads);
+  if (!w.attn.wg.empty()) {
+    Buffer gate;
+    Linear(u, w.attn.wg, t, hq * hd, d, gate);
+    for (size_t i = 0; i < o.size(); ++i) o[i] *= Sigmoid(gate[i]);
+  }
+  Linear(o, w.attn.wo, t, d, hq * hd, m);
+}
+
+// §3.7: projections, causal conv + SiLU, L2-normed q/k, gates, the chunked
+// gated delta rule, the gated norm and out_proj.
+void CpuEngine::Impl::GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& u,
+                                    Buffer& m) const {
+  const ModelConfig& c = model->config;
+  const int64_t t = b.tokens, d = c.hidden_size;
+  const int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+  const int64_t channels = 2 * nk * dk + nv * dv;
+  Buffer x, z, beta_logit, a;
+  Linear(u, w.gdn.w_qkv, t, channels, d, x);
+  Linear(u, w.gdn.w_z, t, nv * dv, d, z);
+  Linear(u, w.gdn.w_b, t, nv, d, beta_logit);
+  Linear(u, w.gdn.w_a, t, nv, d, a);
+
+  // Channel order q | k | v (§2.2); the conv output is read in place by all
+  // three through token strides.
+  Buffer y(static_cast<size_t>(t * channels));
+  cpu::CausalConv1dSilu(x.data(), w.gdn.conv.data(), b.cu.data(), b.num_seqs(), channels,
+                        c.linear_conv_kernel, y.data());
+  float* q = y.data();
+  float* k = y.data() + nk * dk;
+  const float* v = y.data() + 2 * nk * dk;
+  const float q_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(dk)));
+  cpu::L2NormHeads(q, t, nk, dk, channels, kGdnL2Eps, q_scale);
+  cpu::L2NormHeads(k, t, nk, dk, channels, kGdnL2Eps, 1.0f);
+
+  Buffer g(static_cast<size_t>(t * nv)), beta(static_cast<size_t>(t * nv));
+  cpu::GdnGates(a.data(), beta_logit.data(), w.gdn.a_log.data(), w.gdn.dt_bias.data(), t, nv,
+                g.data(), beta.data());
+
+  Buffer o(static_cast<size_t>(t * nv * dv));
+  cpu::DeltaRuleArgs args;
+  args.q = q;
+  args.q_stride = channels;
+  args.k = k;
+  args.k_stride = channels;
+  args.v = v;
+  args.v_stride = channels;
+  args.g = g.data();
+  args.beta = beta.data();
+  args.o = o.data();
+  args.cu_seqlens = b.cu.data();
+  args.num_seqs = b.num_seqs();
+  args.num_k_heads = nk;
+  args.num_v_heads = nv;
+  args.key_dim = dk;
+  args.value_dim = dv;
+  cpu::GatedDeltaRuleChunked(args, kGdnChunk, threads);
+
+  cpu::GatedRmsNorm(o.data(), z.data(), w.gdn.norm.data(), t * nv, dv, eps, o.data());
+  Linear(o, w.gdn.w_out, t, d, nv * dv, m);
+}
+
+// §3.9: down_proj(SiLU(gate_proj(u)) ⊙ up_proj(u)).
+void CpuEngine::Impl::Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const {
+  const ModelConfig& c = model->config;
+  const int64_t t = b.tokens, d = c.hidden_size, f = c.intermediate_size;
+  Buffer gate, up;
+  Linear(u, w.gate, t, f, d, gate);
+  Linear(u, w.up, t, f, d, up);
+  cpu::SwiGlu(gate.data(), up.data(), t * f, gate.data());
+  Linear(gate, w.down, t, d, f, m);
+}
+
+void CpuEngine::Impl::Run(const ForwardInput& in, float* out) const {
+  const ModelConfig& c = model->config;
+  const int64_t d = c.hidden_size;
+  const int64_t num_layers = c.num_layers;
+  const int64_t k_total = static_cast<int64_t>(in.layers.size());
+
+  Batch b;
+  b.tokens = static_cast<int64_t>(in.token_ids.size());
+  b.cu.push_back(0);
+  for (int32_t len : in.seq_lens) b.cu.push_back(b.cu.back() + len);
+  b.positions.resize(static_cast<size_t>(b.tokens));
+  cpu::SequencePositions(b.cu.data(), b.num_seqs(), b.positions.data());
+
+  // Output slot of each capture id (index 0 is the final norm, i + 1 layer i),
+  // and how deep the forward has to go.
+  std::vector<int64_t> slot(static_cast<size_t>(num_layers + 1), -1);
+  int64_t last_layer = -1;
+  for (int64_t kk = 0; kk < k_total; ++kk) {
+    const int32_t id = in.layers[kk];
+    slot[static_cast<size_t>(id + 1)] = kk;
+    last_layer = std::max<int64_t>(last_layer, id == kFinalLayerId ? num_layers - 1 : id);
+  }
+  auto capture = [&](const Buffer& state, int64_t kk) {
+    for (int64_t t = 0; t < b.tokens; ++t) {
+      std::copy_n(state.data() + t * d, d, out + (t * k_total + kk) * d);
+    }
+  };
+
+  Buffer h(static_cast<size_t>(b.tokens * d)), u(h.size()), m;
+  Embed(in, h.data());
+  for (int64_t i = 0; i <= last_layer; ++i) {
+    const LayerF32& w = layers[static_cast<size_t>(i)];
+    cpu::RmsNorm(h.data(), w.input_norm.data(), b.tokens, d, eps, norm_kind, u.data());
+    if (w.kind == LayerKind::kFullAttention) {
+      Attention(w, b, u, m);
+    } else {
+      GatedDeltaNet(w, b, u, m);
+    }
+    AddInto(h, m);
+    cpu::RmsNorm(h.data(), w.post_norm.data(), b.tokens, d, eps, norm_kind, u.data());
+    Ffn(w, b, u, m);
+    AddInto(h, m);
+    if (slot[static_cast<size_t>(i + 1)] >= 0) capture(h, slot[static_cast<size_t>(i + 1)]);
+  }
+  if (slot[0] >= 0) {
+    cpu::RmsNorm(h.data(), final_norm.data(), b.tokens, d, eps, norm_kind, u.data());
+    capture(u, slot[0]);
+  }
+}
+
+CpuEngine::CpuEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CpuEngine::~CpuEngine() = default;
+
+absl::StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Create(const Model* model, int num_threads) {
+  if (model == nullptr) return absl::InvalidArgumentError("CpuEngine::Create: model is null");
+  if (num_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_threads is ", num_threads, "; use 0 for one per core, or a count"));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->model = model;
+  impl->threads = num_threads > 0
+                      ? num_threads
+                      : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  if (absl::Status st = impl->Load(); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("model ", model->id, ": ", st.message()));
+  }
+  return std::unique_ptr<CpuEngine>(new CpuEngine(std::move(impl)));
+}
+
+const Model& CpuEngine::model() const { return *impl_->model; }
+
+absl::Status CpuEngine::ForwardFloat(const ForwardInput& in, std::span<float> out) {
+  DF_ASSIGN_OR_RETURN(const int64_t n, impl_->CheckInput(in));
+  if (static_cast<int64_t>(out.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output has ", out.size(), " elements; tokens x layers x hidden = ", in.token_ids.size(),
+        " x ", in.layers.size(), " x ", impl_->model->config.hidden_size, " = ", n));
+  }
+  impl_->Run(in, out.data());
+  return absl::OkStatus();
+}
+
+absl::Status CpuEngine::Forward(const ForwardInput& in, std::span<uint16_t> out) {
+  DF_ASSIGN_OR_RETURN(const int64_t n, impl_->CheckInput(in));
+  if (static_cast<int64_t>(out.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output has ", out.size(), " elements; tokens x layers x hidden = ", in.token_ids.size(),
+        " x ", in.layers.size(), " x ", impl_->model->config.hidden_size, " = ", n));
+  }
+  std::vector<float> states(static_cast<size_t>(n));
+  impl_->Run(in, states.data());
+  std::transform(states.begin(), states.end(), out.begin(), FloatToBf16);
+  return absl::OkStatus();
+}
+
+}  // namespace draftfeed

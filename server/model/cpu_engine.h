@@ -1,0 +1,31 @@
+// CPU reference engine: fp32 maths over the bf16/fp16/fp32 weights, exactly as
+// qwen35-forward.md describes the model; the oracle for every other backend.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "server/model/engine.h"
+
+namespace draftfeed {
+
+class CpuEngine final : public Engine {
+ public:
+  // Widens every weight to fp32 once; `model` must outlive the engine.
+  static absl::StatusOr<std::unique_ptr<CpuEngine>> Create(const Model* model, int num_threads);
+  ~CpuEngine() override;
+
+  const Model& model() const override;
+  std::string device_name() const override { return "cpu"; }
+  absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) override;
+  // Same forward, fp32 capture (the residual stream is fp32 throughout here).
+  absl::Status ForwardFloat(const ForwardInput& in, std::span<float> out);
+
+ private:
+  struct Impl;
+  explicit CpuEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace draftfeed

@@ -1,0 +1,66 @@
+#include "server/model/engine.h"
+
+#include <unordered_map>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace draftfeed {
+
+absl::Status ValidateForwardInput(const ModelConfig& config, const ForwardInput& in,
+                                  int64_t max_tokens) {
+  const int64_t num_tokens = static_cast<int64_t>(in.token_ids.size());
+  if (num_tokens == 0 || in.seq_lens.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "empty batch: token_ids has ", num_tokens, " tokens and seq_lens has ", in.seq_lens.size(),
+        " entries; send at least one sequence of at least one token"));
+  }
+  int64_t total = 0;
+  for (size_t i = 0; i < in.seq_lens.size(); ++i) {
+    if (in.seq_lens[i] < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "seq_lens[", i, "] is ", in.seq_lens[i], "; every sequence must hold at least 1 token"));
+    }
+    total += in.seq_lens[i];
+  }
+  if (total != num_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("seq_lens add up to ", total,
+                                                   " tokens but token_ids has ", num_tokens,
+                                                   "; they must be equal"));
+  }
+  if (num_tokens > max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat("batch has ", num_tokens,
+                                                   " tokens, over the token budget of ", max_tokens,
+                                                   "; split it into smaller batches"));
+  }
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    const int32_t id = in.token_ids[i];
+    if (id < 0 || id >= config.vocab_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token_ids[", i, "] = ", id, " is outside the vocabulary of ",
+                       config.vocab_size, " (valid ids are 0..", config.vocab_size - 1, ")"));
+    }
+  }
+  const std::string valid_layers =
+      absl::StrCat("valid layer ids are -1 (final norm) and 0..", config.num_layers - 1);
+  if (in.layers.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no layers to capture: layers is empty; ", valid_layers));
+  }
+  std::unordered_map<int32_t, size_t> first_seen;
+  for (size_t i = 0; i < in.layers.size(); ++i) {
+    const int32_t id = in.layers[i];
+    if (id < kFinalLayerId || id >= config.num_layers) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layers[", i, "] = ", id, " is not a layer of this model; ", valid_layers));
+    }
+    const auto [it, inserted] = first_seen.emplace(id, i);
+    if (!inserted) {
+      return absl::InvalidArgumentError(absl::StrCat("layers[", i, "] = ", id, " repeats layers[",
+                                                     it->second, "]; ask for each layer once"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace draftfeed

@@ -1,0 +1,233 @@
+// Built-in random-weight models, so the whole system runs without a
+// checkpoint. Shapes come from a table that can grow (tiny today, real-size
+// shapes later); weights are drawn from a seeded mt19937_64 in the canonical
+// tensor order of weight_layout.h, scaled so activations stay O(1) through
+// every layer.
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+#include <random>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "server/model/model.h"
+#include "server/model/weight_layout.h"
+
+namespace draftfeed {
+namespace {
+
+struct RandomShape {
+  std::string_view name;
+  Arch arch;
+  int64_t vocab, hidden, intermediate, layers;
+  int64_t heads, kv_heads, head_dim;
+  double rope_theta, partial_rotary_factor;
+  bool tie_word_embeddings;
+  // Hybrid only: every full_attention_interval-th layer is full attention (as
+  // transformers derives layer_types), the others Gated DeltaNet.
+  int64_t full_attention_interval = 1;
+  int64_t conv_kernel = 0, key_head_dim = 0, value_head_dim = 0;
+  int64_t num_key_heads = 0, num_value_heads = 0;
+};
+
+constexpr RandomShape kShapes[] = {
+    {.name = "tiny-random",
+     .arch = Arch::kQwen35Hybrid,
+     .vocab = 4096,
+     .hidden = 128,
+     .intermediate = 256,
+     .layers = 4,
+     .heads = 4,
+     .kv_heads = 2,
+     .head_dim = 64,
+     .rope_theta = 1e7,
+     .partial_rotary_factor = 0.25,
+     .tie_word_embeddings = false,
+     .full_attention_interval = 4,
+     .conv_kernel = 4,
+     .key_head_dim = 32,
+     .value_head_dim = 32,
+     .num_key_heads = 2,
+     .num_value_heads = 4},
+    {.name = "tiny-random-qwen3",
+     .arch = Arch::kQwen3Dense,
+     .vocab = 4096,
+     .hidden = 128,
+     .intermediate = 256,
+     .layers = 3,
+     .heads = 4,
+     .kv_heads = 2,
+     .head_dim = 32,
+     .rope_theta = 1e6,
+     .partial_rotary_factor = 1.0,
+     .tie_word_embeddings = true},
+};
+
+std::string ValidSpecs() {
+  std::string out;
+  for (const RandomShape& s : kShapes) {
+    absl::StrAppend(&out, out.empty() ? "" : ", ", std::string(s.name), "[:SEED]");
+  }
+  return out;
+}
+
+ModelConfig ConfigFor(const RandomShape& s) {
+  ModelConfig c;
+  c.arch = s.arch;
+  c.vocab_size = s.vocab;
+  c.hidden_size = s.hidden;
+  c.intermediate_size = s.intermediate;
+  c.num_layers = s.layers;
+  c.num_heads = s.heads;
+  c.num_kv_heads = s.kv_heads;
+  c.head_dim = s.head_dim;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = s.rope_theta;
+  c.partial_rotary_factor = s.partial_rotary_factor;
+  c.tie_word_embeddings = s.tie_word_embeddings;
+  if (s.arch == Arch::kQwen35Hybrid) {
+    c.linear_conv_kernel = s.conv_kernel;
+    c.linear_key_head_dim = s.key_head_dim;
+    c.linear_value_head_dim = s.value_head_dim;
+    c.linear_num_key_heads = s.num_key_heads;
+    c.linear_num_value_heads = s.num_value_heads;
+  }
+  for (int64_t i = 0; i < s.layers; ++i) {
+    const bool full = (i + 1) % s.full_attention_interval == 0;
+    c.layer_types.push_back(full ? LayerKind::kFullAttention : LayerKind::kLinearAttention);
+  }
+  return c;
+}
+
+// Gaussian and uniform draws built on the raw mt19937_64 stream, which the
+// standard fixes bit for bit; std::normal_distribution is
+// implementation-defined, and the same seed must give the same model (and
+// fingerprint) with every standard library.
+class Sampler {
+ public:
+  explicit Sampler(uint64_t seed) : rng_(seed) {}
+  double Uniform() { return (static_cast<double>(rng_() >> 11) + 0.5) * 0x1p-53; }  // (0, 1)
+  double Normal() {
+    if (has_spare_) {
+      has_spare_ = false;
+      return spare_;
+    }
+    const double r = std::sqrt(-2.0 * std::log(Uniform()));
+    const double phi = 2.0 * std::numbers::pi * Uniform();
+    spare_ = r * std::sin(phi);
+    has_spare_ = true;
+    return r * std::cos(phi);
+  }
+
+ private:
+  std::mt19937_64 rng_;
+  double spare_ = 0.0;
+  bool has_spare_ = false;
+};
+
+// How one tensor is initialised: value = offset + scale·N(0,1), or for A_log
+// log(U(1, 16)) so the decay rates A = exp(A_log) span the range HF uses.
+struct Init {
+  double offset = 0.0, scale = 1.0;
+  bool log_uniform_1_16 = false;
+};
+
+Init InitFor(const WeightSpec& spec, Arch arch) {
+  // Zero-centred norms (Qwen3.5) store w ≈ 0, multiplicative ones w ≈ 1.
+  const Init norm = arch == Arch::kQwen35Hybrid ? Init{0.0, 0.1} : Init{1.0, 0.1};
+  if (spec.layer < 0) {
+    if (spec.global == &ModelWeights::norm) return norm;
+    if (spec.global == &ModelWeights::embed_tokens) return {0.0, 1.0};
+  } else {
+    const auto m = spec.member;
+    if (m == &LayerWeights::input_layernorm || m == &LayerWeights::post_attention_layernorm ||
+        m == &LayerWeights::q_norm || m == &LayerWeights::k_norm) {
+      return norm;
+    }
+    if (m == &LayerWeights::norm) return {1.0, 0.1};  // GDN gated norm: multiplicative
+    if (m == &LayerWeights::A_log) return {.log_uniform_1_16 = true};
+    if (m == &LayerWeights::dt_bias) return {0.0, 0.1};
+    if (m == &LayerWeights::conv1d) return {0.0, 0.3};
+  }
+  // Projections [out, in]: std 1/sqrt(in) keeps each output O(1).
+  return {0.0, 1.0 / std::sqrt(static_cast<double>(spec.shape.back()))};
+}
+
+int64_t Numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) {
+  // Debian's Abseil has its own string_view, so strings cross into absl here.
+  std::string name = spec;
+  uint64_t seed = 0;
+  if (const size_t colon = name.rfind(':'); colon != std::string::npos) {
+    const std::string seed_text = name.substr(colon + 1);
+    name = name.substr(0, colon);
+    if (seed_text.empty() || seed_text[0] == '-' || seed_text[0] == '+' ||
+        !absl::SimpleAtoi(seed_text, &seed)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model spec '", spec, "': seed '", seed_text,
+                       "' is not a non-negative integer; built-in specs are ", ValidSpecs()));
+    }
+  }
+  const RandomShape* shape = nullptr;
+  for (const RandomShape& s : kShapes) {
+    if (s.name == name) shape = &s;
+  }
+  if (shape == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown built-in model '", spec, "'; built-in specs are ", ValidSpecs()));
+  }
+
+  auto model = std::make_unique<Model>();
+  model->id = absl::StrCat(std::string(shape->name), ":", seed);
+  model->config = ConfigFor(*shape);
+  if (absl::Status st = model->config.Validate(); !st.ok()) {
+    return absl::InternalError(
+        absl::StrCat("built-in shape ", std::string(shape->name), ": ", st.message()));
+  }
+  const ModelConfig& config = model->config;
+
+  std::vector<WeightSpec> specs = DecoderWeightSpecs(config);
+  if (!config.tie_word_embeddings) specs.push_back(LmHeadSpec(config));
+  int64_t total = 0;
+  for (const WeightSpec& s : specs) total += Numel(s.shape);
+  auto buffer = std::make_shared<std::vector<uint16_t>>(static_cast<size_t>(total));
+
+  model->weights.layers.resize(static_cast<size_t>(config.num_layers));
+  for (size_t i = 0; i < model->weights.layers.size(); ++i) {
+    model->weights.layers[i].kind = config.layer_types[i];
+  }
+  Sampler sampler(seed);
+  int64_t offset = 0;
+  for (const WeightSpec& s : specs) {
+    const Init init = InitFor(s, config.arch);
+    const int64_t n = Numel(s.shape);
+    uint16_t* dst = buffer->data() + offset;
+    for (int64_t i = 0; i < n; ++i) {
+      const double v = init.log_uniform_1_16 ? std::log(1.0 + 15.0 * sampler.Uniform())
+                                             : init.offset + init.scale * sampler.Normal();
+      dst[i] = FloatToBf16(static_cast<float>(v));
+    }
+    Tensor& t = WeightSlot(model->weights, s);
+    t.dtype = DType::kBF16;
+    t.shape = s.shape;
+    t.data = reinterpret_cast<const std::byte*>(dst);
+    offset += n;
+  }
+  if (config.tie_word_embeddings) model->weights.lm_head = model->weights.embed_tokens;
+  model->storage = std::move(buffer);
+  model->fingerprint = ComputeFingerprint(*model);
+  return model;
+}
+
+}  // namespace draftfeed
