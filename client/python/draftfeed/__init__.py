@@ -1,0 +1,187 @@
+"""draftfeed: hidden states of a frozen target LLM, streamed to drafter trainers.
+
+    import draftfeed
+    with draftfeed.Feed(targets=["127.0.0.1:50051"], layers=[1, 3, -1], prefetch=8) as feed:
+        for result in feed.map(batches):          # batches: (token_ids, seq_lens) pairs
+            h = result.torch()                     # bf16 [T, K, H] (DLPack, no copy)
+            x = h.view(result.num_tokens, -1)      # the concatenation DFlash's fc takes
+
+Layer ids: i is the raw output of decoder layer i (transformers' hidden_states[i+1]);
+-1 is the post-final-norm state (hidden_states[num_layers]).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Iterable, Iterator, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _draftfeed
+
+__all__ = ["Feed", "Result", "DraftfeedError", "describe_target", "FINAL_LAYER"]
+
+FINAL_LAYER = -1
+
+# google.rpc.Code names, for messages and for `DraftfeedError.code_name`.
+_CODE_NAMES = {
+    0: "OK", 1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED",
+    5: "NOT_FOUND", 6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED",
+    9: "FAILED_PRECONDITION", 10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED",
+    13: "INTERNAL", 14: "UNAVAILABLE", 15: "DATA_LOSS", 16: "UNAUTHENTICATED",
+}
+
+
+class DraftfeedError(RuntimeError):
+    """A draftfeed call failed. `code` is the gRPC/absl status code number."""
+
+    def __init__(self, code: int, message: str):
+        self.code = code
+        self.code_name = _CODE_NAMES.get(code, str(code))
+        self.message = message
+        super().__init__(f"{self.code_name}: {message}")
+
+
+def _check(triple):
+    code, message, value = triple
+    if code != 0:
+        raise DraftfeedError(code, message)
+    return value
+
+
+def describe_target(address: str, timeout_s: float = 10.0) -> dict:
+    """Model id, fingerprint, layer count, hidden size, ... of one target."""
+    return _check(_draftfeed.describe_target(address, timeout_s))
+
+
+class Result:
+    """One batch's hidden states: `hidden` is [T, K, H] (K = layers in the order asked)."""
+
+    __slots__ = ("_r",)
+
+    def __init__(self, r):
+        self._r = r
+
+    batch_id = property(lambda self: self._r.batch_id)
+    num_tokens = property(lambda self: self._r.num_tokens)
+    num_layers = property(lambda self: self._r.num_layers)
+    hidden_size = property(lambda self: self._r.hidden_size)
+    checksum = property(lambda self: self._r.checksum)
+    target = property(lambda self: self._r.target)
+    timings = property(lambda self: self._r.timings)
+    token_ids = property(lambda self: self._r.token_ids, doc="int32 [T], as submitted")
+    seq_lens = property(lambda self: self._r.seq_lens, doc="int32 [num_sequences]")
+    hidden_bits = property(lambda self: self._r.hidden_bits,
+                           doc="uint16 [T, K, H]: the bf16 bit patterns, no copy")
+
+    @property
+    def hidden(self) -> np.ndarray:
+        """float32 numpy [T, K, H]; exact (bf16 widens losslessly). numpy has no bf16."""
+        return (self._r.hidden_bits.astype(np.uint32) << 16).view(np.float32)
+
+    def __dlpack__(self, stream=None):
+        return self._r.dlpack_capsule()
+
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU
+
+    def torch(self, device=None, non_blocking: bool = True):
+        """bf16 torch tensor [T, K, H] through DLPack (no copy on CPU).
+
+        With `device` (e.g. "cuda:0") it is copied there; from pinned memory the
+        copy is asynchronous when `non_blocking`.
+        """
+        import torch
+
+        try:
+            t = torch.utils.dlpack.from_dlpack(self)
+        except (TypeError, RuntimeError, BufferError):
+            # Older torch without bf16 DLPack import: same bytes, reinterpreted.
+            t = torch.from_numpy(self._r.hidden_bits.view(np.int16)).view(torch.bfloat16)
+        if device is not None:
+            t = t.to(device, non_blocking=non_blocking)
+        return t
+
+    def __repr__(self):
+        return (f"Result(batch_id={self.batch_id}, hidden=[{self.num_tokens}, {self.num_layers}, "
+                f"{self.hidden_size}] bf16, target={self.target!r})")
+
+
+Batch = Tuple[Sequence[int], Sequence[int]]
+
+
+class Feed:
+    """Sends packed token batches to target servers and yields their hidden states.
+
+    Args:
+      targets: addresses ("host:port") of draftfeed-target servers.
+      layers: layer ids to capture, in output order (-1 = final normed state).
+      prefetch: batches in flight before `submit` blocks.
+      credits_per_target: batches each target may hold for this feed.
+      expected_fingerprint: refuse targets serving another model; default: the
+        first target's fingerprint, which every other target must match.
+      verify_checksum: check every batch against the target's checksum.
+    """
+
+    def __init__(self, targets: Sequence[str], layers: Sequence[int], prefetch: int = 8,
+                 credits_per_target: int = 4, expected_fingerprint: str = "",
+                 verify_checksum: bool = True, connect_timeout_s: float = 30.0,
+                 client_name: str = ""):
+        if isinstance(targets, str):
+            targets = [targets]
+        self._feed = _check(_draftfeed.Feed.open(
+            list(targets), [int(l) for l in layers], int(prefetch), int(credits_per_target),
+            expected_fingerprint, bool(verify_checksum), float(connect_timeout_s), client_name))
+        self.prefetch = int(prefetch)
+        self.layers = [int(l) for l in layers]
+        self._outstanding = 0
+
+    @property
+    def target(self) -> dict:
+        """Description of the first target (model id, fingerprint, sizes)."""
+        return self._feed.target()
+
+    def submit(self, token_ids, seq_lens) -> int:
+        """Queues one packed batch; returns its batch id. Blocks beyond `prefetch`."""
+        token_ids = np.ascontiguousarray(token_ids, dtype=np.int32)
+        seq_lens = np.ascontiguousarray(seq_lens, dtype=np.int32)
+        batch_id = _check(self._feed.submit(token_ids, seq_lens))
+        self._outstanding += 1
+        return batch_id
+
+    def next(self) -> Result:
+        """The next result, in submission order. Raises DraftfeedError for a refused batch."""
+        self._outstanding -= 1
+        return Result(_check(self._feed.next()))
+
+    def map(self, batches: Iterable[Batch]) -> Iterator[Result]:
+        """Keeps `prefetch` batches in flight; yields results in the batches' order."""
+        it = iter(batches)
+        exhausted = False
+        while True:
+            while not exhausted and self._outstanding < self.prefetch:
+                try:
+                    token_ids, seq_lens = next(it)
+                except StopIteration:
+                    exhausted = True
+                    break
+                self.submit(token_ids, seq_lens)
+            if self._outstanding == 0:
+                return
+            yield self.next()
+
+    def stats(self) -> dict:
+        """Counters for dashboards: submitted, delivered, failed, tokens, bytes, outstanding."""
+        return self._feed.stats()
+
+    def close(self) -> None:
+        if self._feed is not None:
+            feed, self._feed = self._feed, None
+            _check(feed.close())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

@@ -1,0 +1,257 @@
+// _draftfeed: the thin compiled half of the Python client. Every call returns
+// (code, message, value); the pure-Python layer turns codes into exceptions.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+
+#include "draftfeed/client.h"
+
+namespace py = pybind11;
+
+namespace draftfeed {
+namespace {
+
+// DLPack ABI (v0.x, the layout every framework's from_dlpack reads).
+struct DLDevice {
+  int32_t device_type;  // 1 = CPU
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 4 = bfloat
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+
+struct DlpackHolder {
+  std::shared_ptr<HiddenBatch> batch;
+  int64_t shape[3];
+  DLManagedTensor managed;
+};
+
+void DeleteHolder(DLManagedTensor* t) { delete static_cast<DlpackHolder*>(t->manager_ctx); }
+
+py::tuple Ok(py::object value) { return py::make_tuple(0, "", std::move(value)); }
+py::tuple Err(const absl::Status& s) {
+  return py::make_tuple(static_cast<int>(s.code()), std::string(s.message()), py::none());
+}
+
+// A result shared between the numpy views and DLPack capsules handed out.
+class PyResult {
+ public:
+  explicit PyResult(HiddenBatch b) : batch_(std::make_shared<HiddenBatch>(std::move(b))) {}
+
+  uint64_t batch_id() const { return batch_->batch_id; }
+  int64_t num_tokens() const { return batch_->num_tokens; }
+  int64_t num_layers() const { return batch_->num_layers; }
+  int64_t hidden_size() const { return batch_->hidden_size; }
+  uint64_t checksum() const { return batch_->checksum; }
+  std::string target() const { return batch_->target; }
+  py::dict timings() const {
+    py::dict d;
+    d["queue_ms"] = batch_->queue_ms;
+    d["forward_ms"] = batch_->forward_ms;
+    d["send_ms"] = batch_->send_ms;
+    return d;
+  }
+
+  py::array token_ids() const { return View(batch_->token_ids.data(), {batch_->token_ids.size()}); }
+  py::array seq_lens() const { return View(batch_->seq_lens.data(), {batch_->seq_lens.size()}); }
+  // bf16 bit patterns [T, K, H] as uint16, no copy.
+  py::array hidden_bits() const {
+    return View(batch_->hidden.data(),
+                {static_cast<size_t>(batch_->num_tokens), static_cast<size_t>(batch_->num_layers),
+                 static_cast<size_t>(batch_->hidden_size)});
+  }
+
+  py::capsule Dlpack() const {
+    auto* h = new DlpackHolder;
+    h->batch = batch_;
+    h->shape[0] = batch_->num_tokens;
+    h->shape[1] = batch_->num_layers;
+    h->shape[2] = batch_->hidden_size;
+    DLTensor& t = h->managed.dl_tensor;
+    t.data = batch_->hidden.data();
+    t.device = DLDevice{1, 0};
+    t.ndim = 3;
+    t.dtype = DLDataType{4, 16, 1};
+    t.shape = h->shape;
+    t.strides = nullptr;  // compact row-major
+    t.byte_offset = 0;
+    h->managed.manager_ctx = h;
+    h->managed.deleter = DeleteHolder;
+    // A consumer renames the capsule to "used_dltensor" and owns the tensor;
+    // an unconsumed capsule frees it here.
+    return py::capsule(&h->managed, "dltensor", [](PyObject* cap) {
+      if (PyCapsule_IsValid(cap, "dltensor")) {
+        auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+        m->deleter(m);
+      }
+    });
+  }
+
+ private:
+  template <typename T>
+  py::array View(const T* data, std::vector<size_t> shape) const {
+    auto* keep = new std::shared_ptr<HiddenBatch>(batch_);
+    py::capsule base(keep, [](void* p) { delete static_cast<std::shared_ptr<HiddenBatch>*>(p); });
+    py::array_t<T> a(shape, data, base);
+    py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+    return a;
+  }
+
+  std::shared_ptr<HiddenBatch> batch_;
+};
+
+py::dict DescriptionDict(const TargetDescription& d) {
+  py::dict r;
+  r["address"] = d.address;
+  r["model_id"] = d.model_id;
+  r["architecture"] = d.architecture;
+  r["fingerprint"] = d.fingerprint;
+  r["server_version"] = d.server_version;
+  r["num_layers"] = d.num_layers;
+  r["hidden_size"] = d.hidden_size;
+  r["vocab_size"] = d.vocab_size;
+  r["max_batch_tokens"] = d.max_batch_tokens;
+  r["devices"] = d.devices;
+  r["layer_types"] = d.layer_types;
+  return r;
+}
+
+std::vector<int32_t> ToInt32Vector(const py::array& a, const char* what) {
+  py::array_t<int32_t, py::array::c_style | py::array::forcecast> arr(a);
+  if (arr.ndim() != 1) {
+    throw py::value_error(std::string(what) + " must be 1-D, got " + std::to_string(arr.ndim()) +
+                          " dims");
+  }
+  return std::vector<int32_t>(arr.data(), arr.data() + arr.size());
+}
+
+class PyFeed {
+ public:
+  static py::tuple Open(std::vector<std::string> targets, std::vector<int32_t> layers,
+                        int32_t prefetch, int32_t credits_per_target,
+                        std::string expected_fingerprint, bool verify_checksum,
+                        double connect_timeout_s, std::string client_name) {
+    FeedOptions o;
+    o.targets = std::move(targets);
+    o.layers = std::move(layers);
+    o.prefetch = prefetch;
+    o.credits_per_target = credits_per_target;
+    o.expected_fingerprint = std::move(expected_fingerprint);
+    o.verify_checksum = verify_checksum;
+    o.connect_timeout_s = connect_timeout_s;
+    o.client_name = std::move(client_name);
+    absl::StatusOr<std::unique_ptr<Feed>> feed;
+    {
+      py::gil_scoped_release nogil;
+      feed = Feed::Open(o);
+    }
+    if (!feed.ok()) return Err(feed.status());
+    return Ok(py::cast(new PyFeed(*std::move(feed)), py::return_value_policy::take_ownership));
+  }
+
+  py::tuple Submit(const py::array& token_ids, const py::array& seq_lens) {
+    std::vector<int32_t> tokens = ToInt32Vector(token_ids, "token_ids");
+    std::vector<int32_t> lens = ToInt32Vector(seq_lens, "seq_lens");
+    absl::StatusOr<uint64_t> id;
+    {
+      py::gil_scoped_release nogil;
+      id = feed_->Submit(std::move(tokens), std::move(lens));
+    }
+    if (!id.ok()) return Err(id.status());
+    return Ok(py::int_(*id));
+  }
+
+  py::tuple Next() {
+    absl::StatusOr<HiddenBatch> b;
+    {
+      py::gil_scoped_release nogil;
+      b = feed_->Next();
+    }
+    if (!b.ok()) return Err(b.status());
+    return Ok(py::cast(PyResult(*std::move(b))));
+  }
+
+  py::tuple Close() {
+    absl::Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = feed_->Close();
+    }
+    if (!s.ok()) return Err(s);
+    return Ok(py::none());
+  }
+
+  py::dict Stats() const {
+    FeedStats s = feed_->Stats();
+    py::dict d;
+    d["submitted"] = s.submitted;
+    d["delivered"] = s.delivered;
+    d["failed"] = s.failed;
+    d["tokens_delivered"] = s.tokens_delivered;
+    d["bytes_received"] = s.bytes_received;
+    d["outstanding"] = s.outstanding;
+    d["elapsed_s"] = s.elapsed_s;
+    return d;
+  }
+
+  py::dict Target() const { return DescriptionDict(feed_->target()); }
+
+ private:
+  explicit PyFeed(std::unique_ptr<Feed> feed) : feed_(std::move(feed)) {}
+  std::unique_ptr<Feed> feed_;
+};
+
+}  // namespace
+}  // namespace draftfeed
+
+PYBIND11_MODULE(_draftfeed, m) {
+  using namespace draftfeed;
+  m.doc() = "draftfeed compiled core; use the `draftfeed` package instead.";
+  py::class_<PyResult>(m, "Result")
+      .def_property_readonly("batch_id", &PyResult::batch_id)
+      .def_property_readonly("num_tokens", &PyResult::num_tokens)
+      .def_property_readonly("num_layers", &PyResult::num_layers)
+      .def_property_readonly("hidden_size", &PyResult::hidden_size)
+      .def_property_readonly("checksum", &PyResult::checksum)
+      .def_property_readonly("target", &PyResult::target)
+      .def_property_readonly("timings", &PyResult::timings)
+      .def_property_readonly("token_ids", &PyResult::token_ids)
+      .def_property_readonly("seq_lens", &PyResult::seq_lens)
+      .def_property_readonly("hidden_bits", &PyResult::hidden_bits)
+      .def("dlpack_capsule", &PyResult::Dlpack);
+  py::class_<PyFeed>(m, "Feed")
+      .def_static("open", &PyFeed::Open)
+      .def("submit", &PyFeed::Submit)
+      .def("next", &PyFeed::Next)
+      .def("close", &PyFeed::Close)
+      .def("stats", &PyFeed::Stats)
+      .def("target", &PyFeed::Target);
+  m.def("describe_target", [](const std::string& address, double timeout_s) {
+    absl::StatusOr<TargetDescription> d;
+    {
+      py::gil_scoped_release nogil;
+      d = DescribeTarget(address, timeout_s);
+    }
+    if (!d.ok()) return Err(d.status());
+    return Ok(DescriptionDict(*d));
+  });
+}

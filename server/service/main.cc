@@ -1,0 +1,152 @@
+// draftfeed-target: serves a frozen Qwen model's hidden states over gRPC.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <pthread.h>
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "server/model/cpu_engine.h"
+#include "server/model/model.h"
+#include "server/service/target_service.h"
+#include "server/service/version.h"
+
+ABSL_FLAG(std::string, model, "tiny-random",
+          "Checkpoint directory (HF config.json + safetensors, single or sharded) or a built-in "
+          "random model: tiny-random[:SEED] (Qwen3.5 hybrid), tiny-random-qwen3[:SEED].");
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
+          "Address to serve on. Port 0 picks a free port (see --port_file).");
+ABSL_FLAG(std::string, device, "auto",
+          "cpu, cuda:N, or auto (CUDA when a GPU and the CUDA engine are present, else cpu).");
+ABSL_FLAG(int32_t, threads, 0, "CPU engine threads (0 = all cores).");
+ABSL_FLAG(int64_t, max_batch_tokens, 16384, "Token budget of one batch; larger batches fail.");
+ABSL_FLAG(int32_t, default_credits, 4, "In-flight batches per stream when the client asks for 0.");
+ABSL_FLAG(int32_t, max_credits, 32, "Upper bound on a stream's in-flight batches.");
+ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "Payload bytes per HiddenChunk (rounded to whole tokens).");
+ABSL_FLAG(int64_t, max_queued_batches, 256, "Scheduler queue bound across all streams.");
+ABSL_FLAG(int32_t, drain_timeout_s, 60,
+          "On SIGTERM/SIGINT: seconds to let accepted batches finish before cancelling.");
+ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written there once serving.");
+
+namespace draftfeed {
+namespace {
+
+int Fail(const std::string& msg) {
+  std::fprintf(stderr, "draftfeed-target: error: %s\n", msg.c_str());
+  return 1;
+}
+
+int Run() {
+  const std::string device = absl::GetFlag(FLAGS_device);
+  if (device != "cpu" && device != "auto") {
+    if (device.rfind("cuda", 0) == 0) {
+      return Fail(absl::StrCat("--device=", device,
+                               ": this build has no CUDA engine yet; use --device=cpu"));
+    }
+    return Fail(absl::StrCat("--device=", device, " is not cpu, cuda:N or auto"));
+  }
+  if (absl::GetFlag(FLAGS_max_batch_tokens) < 1) return Fail("--max_batch_tokens must be >= 1");
+  if (absl::GetFlag(FLAGS_chunk_bytes) < 1) return Fail("--chunk_bytes must be >= 1");
+  if (absl::GetFlag(FLAGS_default_credits) < 1 || absl::GetFlag(FLAGS_max_credits) < 1) {
+    return Fail("--default_credits and --max_credits must be >= 1");
+  }
+
+  // Signals are taken by sigwait below; every thread started from here on
+  // inherits the block.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  auto model = OpenModel(absl::GetFlag(FLAGS_model));
+  if (!model.ok()) return Fail(std::string(model.status().message()));
+  auto engine = CpuEngine::Create(model->get(), absl::GetFlag(FLAGS_threads));
+  if (!engine.ok()) return Fail(std::string(engine.status().message()));
+  const double load_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  ServiceOptions options;
+  options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.default_credits = absl::GetFlag(FLAGS_default_credits);
+  options.max_credits = absl::GetFlag(FLAGS_max_credits);
+  options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  options.max_queued_batches = absl::GetFlag(FLAGS_max_queued_batches);
+  TargetService service({engine->get()}, options);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.SetMaxSendMessageSize(-1);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen),
+                             " (address in use or malformed?)"));
+  }
+  const Model& m = **model;
+  std::fprintf(stderr,
+               "draftfeed-target %s: serving %s (%s, %lld layers, hidden %lld, fingerprint %s) "
+               "on port %d, device %s, token budget %lld, loaded in %.2fs\n",
+               std::string(kDraftfeedVersion).c_str(), m.id.c_str(),
+               std::string(ArchName(m.config.arch)).c_str(),
+               static_cast<long long>(m.config.num_layers),
+               static_cast<long long>(m.config.hidden_size), m.fingerprint.c_str(), port,
+               (*engine)->device_name().c_str(),
+               static_cast<long long>(options.max_batch_tokens), load_s);
+  if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
+    const std::string tmp = pf + ".tmp";
+    std::ofstream(tmp) << port << "\n";
+    std::rename(tmp.c_str(), pf.c_str());  // atomic: readers never see a partial file
+  }
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::fprintf(stderr, "draftfeed-target: %s received, finishing accepted batches\n",
+               sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  service.BeginDrain();
+  const auto deadline =
+      std::chrono::system_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s));
+  server->Shutdown(deadline);
+  service.StopScheduler();
+  std::fprintf(stderr, "draftfeed-target: stopped after %lld batches, %lld tokens\n",
+               static_cast<long long>(service.scheduler().completed_batches()),
+               static_cast<long long>(service.scheduler().completed_tokens()));
+  return 0;
+}
+
+}  // namespace
+}  // namespace draftfeed
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Serves the hidden states of a frozen Qwen3.5/3.6 or Qwen3 model to drafter trainers.\n"
+      "  draftfeed-target --model tiny-random --listen 127.0.0.1:50051 --device cpu\n"
+      "  draftfeed-target --model /ckpt/Qwen3.6-27B --listen 0.0.0.0:50051");
+  absl::FlagsUsageConfig usage;
+  // --help lists this binary's own flags (absl's default matches on file names).
+  usage.contains_help_flags = [](absl::string_view path) {
+    return path.find("server/service/main.cc") != absl::string_view::npos;
+  };
+  usage.version_string = [] { return std::string(draftfeed::kDraftfeedVersion) + "\n"; };
+  absl::SetFlagsUsageConfig(usage);
+  absl::ParseCommandLine(argc, argv);
+  return draftfeed::Run();
+}

@@ -1,0 +1,74 @@
+// The scheduler shared by every stream of a target: one bounded FIFO of
+// batches, one worker thread per engine replica. Streams hold credits, so the
+// queue cannot grow past the sum of credits; the explicit bound is the backstop.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "server/model/engine.h"
+
+namespace draftfeed {
+
+// The captured states of one batch, bf16 [T, K, H].
+struct ForwardResult {
+  std::vector<uint16_t> hidden;
+  int64_t tokens = 0;
+  double queue_ms = 0;
+  double forward_ms = 0;
+};
+
+struct WorkItem {
+  std::vector<int32_t> token_ids;
+  std::vector<int32_t> seq_lens;
+  std::vector<int32_t> layers;
+  // Called on the worker thread exactly once: with the result, or with the
+  // error that stopped it (cancelled items get CANCELLED without running).
+  std::function<void(absl::StatusOr<ForwardResult>)> done;
+  // Checked before the forward starts; true skips the work.
+  std::function<bool()> cancelled;
+};
+
+class Scheduler {
+ public:
+  Scheduler(std::vector<Engine*> engines, int64_t max_queued);
+  ~Scheduler();  // Stop()s
+
+  // RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE once stopping.
+  absl::Status Submit(WorkItem item);
+  // Finishes what is queued and running, then joins the workers.
+  void Stop();
+
+  int64_t queued() const;
+  int64_t running() const;
+  int64_t completed_batches() const;
+  int64_t completed_tokens() const;
+
+ private:
+  struct Entry {
+    WorkItem item;
+    std::chrono::steady_clock::time_point enqueued;
+  };
+  void WorkerLoop(Engine* engine);
+
+  const int64_t max_queued_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Entry> queue_;
+  bool stopping_ = false;
+  int64_t running_ = 0;
+  int64_t completed_batches_ = 0;
+  int64_t completed_tokens_ = 0;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace draftfeed

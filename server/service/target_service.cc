@@ -1,0 +1,434 @@
+#include "server/service/target_service.h"
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "draftfeed/v1/checksum.h"
+#include "server/service/status_util.h"
+#include "server/service/version.h"
+
+namespace draftfeed {
+
+namespace {
+
+using v1::StreamRequest;
+using v1::StreamResponse;
+
+const char* EncodingName(v1::Encoding e) {
+  switch (e) {
+    case v1::ENCODING_UNSPECIFIED:
+    case v1::ENCODING_BF16: return "bf16";
+    case v1::ENCODING_FP8_E4M3: return "fp8_e4m3";
+    case v1::ENCODING_BF16_ZSTD: return "bf16_zstd";
+    default: return "unknown";
+  }
+}
+
+double MsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Lets scheduler callbacks reach a reactor that may already be gone: OnDone
+// clears `reactor` under `mu` before the reactor deletes itself.
+struct ReactorLink {
+  std::mutex mu;
+  StreamReactor* reactor = nullptr;
+  std::atomic<bool> cancelled{false};
+};
+
+}  // namespace
+
+class StreamReactor final : public grpc::ServerBidiReactor<StreamRequest, StreamResponse> {
+ public:
+  StreamReactor(TargetService* service, grpc::CallbackServerContext* ctx)
+      : service_(service), ctx_(ctx), link_(std::make_shared<ReactorLink>()) {
+    link_->reactor = this;
+    service_->Register(this);
+    std::lock_guard<std::mutex> lock(mu_);
+    Pump();
+  }
+
+  void OnReadDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    read_pending_ = false;
+    if (!ok) {
+      reads_done_ = true;
+    } else if (!opened_) {
+      HandleOpen();
+    } else {
+      HandleRequest();
+    }
+    Pump();
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    write_pending_ = false;
+    if (!ok) {
+      // The client is gone; nothing more can be sent. Queued batches skip.
+      broken_ = true;
+      link_->cancelled = true;
+      outbox_.clear();
+    }
+    Pump();
+  }
+
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    broken_ = true;
+    link_->cancelled = true;
+    outbox_.clear();
+    Pump();
+  }
+
+  void OnDone() override {
+    {
+      std::lock_guard<std::mutex> lock(link_->mu);
+      link_->reactor = nullptr;
+      link_->cancelled = true;
+    }
+    service_->Unregister(this);
+    delete this;
+  }
+
+  void Drain() {
+    std::lock_guard<std::mutex> lock(mu_);
+    draining_ = true;
+    Pump();
+  }
+
+  // Called on a scheduler worker thread.
+  static void DeliverResult(const std::shared_ptr<ReactorLink>& link, uint64_t batch_id,
+                            absl::StatusOr<ForwardResult> result) {
+    uint64_t checksum = 0;
+    if (result.ok()) {
+      checksum = v1::PayloadChecksum(result->hidden.data(), result->hidden.size() * 2);
+    }
+    std::lock_guard<std::mutex> link_lock(link->mu);
+    if (link->reactor == nullptr) return;
+    link->reactor->OnResult(batch_id, std::move(result), checksum);
+  }
+
+ private:
+  // One thing to send: a ready message, or a batch result sent as chunks then
+  // BatchDone. `releases_credit` marks the last message of an accepted batch.
+  struct Outgoing {
+    std::optional<StreamResponse> message;
+    uint64_t batch_id = 0;
+    std::shared_ptr<ForwardResult> result;
+    int64_t token_stride = 0;  // payload elements per token (K*H)
+    int64_t next_token = 0;
+    uint64_t checksum = 0;
+    bool releases_credit = false;
+    std::chrono::steady_clock::time_point send_start{};
+  };
+
+  void OnResult(uint64_t batch_id, absl::StatusOr<ForwardResult> result, uint64_t checksum) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_ || broken_) return;
+    if (!result.ok()) {
+      PushError(batch_id, result.status(), /*releases_credit=*/true);
+    } else {
+      Outgoing out;
+      out.batch_id = batch_id;
+      out.token_stride = result->tokens > 0
+                             ? static_cast<int64_t>(result->hidden.size()) / result->tokens
+                             : 0;
+      out.result = std::make_shared<ForwardResult>(*std::move(result));
+      out.checksum = checksum;
+      out.releases_credit = true;
+      outbox_.push_back(std::move(out));
+    }
+    Pump();
+  }
+
+  void HandleOpen() {
+    if (req_.msg_case() != StreamRequest::kOpen) {
+      FailStream(absl::InvalidArgumentError(
+          "the first message of StreamHiddenStates must be Open (layers, encoding, transport)"));
+      return;
+    }
+    const v1::Open& open = req_.open();
+    const ModelConfig& config = service_->model().config;
+    if (!open.expected_fingerprint().empty() &&
+        open.expected_fingerprint() != service_->model().fingerprint) {
+      FailStream(absl::FailedPreconditionError(absl::StrCat(
+          "model fingerprint mismatch: the client expects ", open.expected_fingerprint(),
+          " but this target serves ", service_->model().id, " with fingerprint ",
+          service_->model().fingerprint)));
+      return;
+    }
+    if (open.encoding() != v1::ENCODING_UNSPECIFIED && open.encoding() != v1::ENCODING_BF16) {
+      FailStream(absl::UnimplementedError(
+          absl::StrCat("encoding ", EncodingName(open.encoding()),
+                       " is not served by this target; offered: bf16")));
+      return;
+    }
+    if (open.transport() == v1::TRANSPORT_NCCL) {
+      FailStream(absl::UnimplementedError(
+          "transport nccl is not served by this target (built without a GPU engine); "
+          "offered: grpc. Use transport=auto to fall back to grpc."));
+      return;
+    }
+    if (open.transport() != v1::TRANSPORT_UNSPECIFIED && open.transport() != v1::TRANSPORT_GRPC &&
+        open.transport() != v1::TRANSPORT_AUTO) {
+      FailStream(absl::UnimplementedError(absl::StrCat("unknown transport value ",
+                                                       static_cast<int>(open.transport()))));
+      return;
+    }
+    std::vector<int32_t> layers(open.layers().begin(), open.layers().end());
+    if (absl::Status s = ValidateLayers(config, layers); !s.ok()) {
+      FailStream(std::move(s));
+      return;
+    }
+    const ServiceOptions& opt = service_->options();
+    credits_ = open.max_inflight_batches() <= 0
+                   ? opt.default_credits
+                   : std::min(open.max_inflight_batches(), opt.max_credits);
+    layers_ = std::move(layers);
+    opened_ = true;
+
+    StreamResponse resp;
+    v1::Opened* opened = resp.mutable_opened();
+    *opened->mutable_info() = service_->Info();
+    for (int32_t l : layers_) opened->add_layers(l);
+    opened->set_encoding(v1::ENCODING_BF16);
+    opened->set_transport(v1::TRANSPORT_GRPC);
+    opened->set_max_inflight_batches(credits_);
+    opened->set_chunk_bytes(opt.chunk_bytes);
+    outbox_.push_back(Outgoing{.message = std::move(resp)});
+  }
+
+  static absl::Status ValidateLayers(const ModelConfig& config, std::span<const int32_t> layers) {
+    // Token checks need a batch; reuse the shared validator with one token.
+    const int32_t token = 0;
+    const int32_t len = 1;
+    return ValidateForwardInput(config, ForwardInput{{&token, 1}, {&len, 1}, layers}, 1);
+  }
+
+  void HandleRequest() {
+    if (req_.msg_case() == StreamRequest::kOpen) {
+      FailStream(absl::InvalidArgumentError("Open was sent twice on one stream"));
+      return;
+    }
+    if (req_.msg_case() != StreamRequest::kBatch) {
+      FailStream(absl::InvalidArgumentError("empty StreamRequest (neither open nor batch)"));
+      return;
+    }
+    v1::Batch* batch = req_.mutable_batch();
+    const uint64_t batch_id = batch->batch_id();
+    if (draining_ || service_->draining()) {
+      PushError(batch_id,
+                absl::UnavailableError("target is shutting down; send this batch elsewhere"),
+                false);
+      return;
+    }
+    WorkItem item;
+    item.token_ids.assign(batch->token_ids().begin(), batch->token_ids().end());
+    item.seq_lens.assign(batch->seq_lens().begin(), batch->seq_lens().end());
+    if (batch->layers_size() > 0) {
+      item.layers.assign(batch->layers().begin(), batch->layers().end());
+    } else {
+      item.layers = layers_;
+    }
+    absl::Status valid =
+        ValidateForwardInput(service_->model().config,
+                             ForwardInput{item.token_ids, item.seq_lens, item.layers},
+                             service_->options().max_batch_tokens);
+    if (!valid.ok()) {
+      PushError(batch_id,
+                absl::Status(valid.code(), absl::StrCat("batch ", batch_id, ": ", valid.message())),
+                false);
+      return;
+    }
+    std::shared_ptr<ReactorLink> link = link_;
+    item.cancelled = [link] { return link->cancelled.load(); };
+    item.done = [link, batch_id](absl::StatusOr<ForwardResult> r) {
+      DeliverResult(link, batch_id, std::move(r));
+    };
+    ++inflight_;
+    if (absl::Status s = service_->scheduler().Submit(std::move(item)); !s.ok()) {
+      --inflight_;
+      PushError(batch_id, s, false);
+    }
+  }
+
+  void PushError(uint64_t batch_id, const absl::Status& status, bool releases_credit) {
+    StreamResponse resp;
+    v1::BatchError* err = resp.mutable_error();
+    err->set_batch_id(batch_id);
+    err->set_code(static_cast<int32_t>(status.code()));
+    err->set_message(std::string(status.message()));
+    outbox_.push_back(Outgoing{.message = std::move(resp), .releases_credit = releases_credit});
+  }
+
+  // Ends the stream with `status` once what is already queued has been sent.
+  void FailStream(absl::Status status) {
+    if (finish_status_.ok()) finish_status_ = std::move(status);
+    reads_done_ = true;
+  }
+
+  // Fills resp_ with the next message of the outbox front.
+  void NextMessage() {
+    Outgoing& out = outbox_.front();
+    if (out.message.has_value()) {
+      resp_ = std::move(*out.message);
+      if (out.releases_credit) --inflight_;
+      outbox_.pop_front();
+      return;
+    }
+    ForwardResult& r = *out.result;
+    if (out.next_token == 0) out.send_start = std::chrono::steady_clock::now();
+    if (out.next_token < r.tokens) {
+      const int64_t bytes_per_token = out.token_stride * 2;
+      const int64_t per_chunk =
+          std::max<int64_t>(1, service_->options().chunk_bytes / std::max<int64_t>(1, bytes_per_token));
+      const int64_t count = std::min(per_chunk, r.tokens - out.next_token);
+      resp_.Clear();
+      v1::HiddenChunk* chunk = resp_.mutable_chunk();
+      chunk->set_batch_id(out.batch_id);
+      chunk->set_token_offset(out.next_token);
+      chunk->set_token_count(count);
+      chunk->set_data(reinterpret_cast<const char*>(r.hidden.data() + out.next_token * out.token_stride),
+                      static_cast<size_t>(count * bytes_per_token));
+      out.next_token += count;
+      return;
+    }
+    resp_.Clear();
+    v1::BatchDone* done = resp_.mutable_done();
+    done->set_batch_id(out.batch_id);
+    done->set_tokens(r.tokens);
+    done->set_checksum(out.checksum);
+    done->mutable_timings()->set_queue_ms(r.queue_ms);
+    done->mutable_timings()->set_forward_ms(r.forward_ms);
+    done->mutable_timings()->set_send_ms(MsSince(out.send_start));
+    if (out.releases_credit) --inflight_;
+    outbox_.pop_front();
+  }
+
+  // Advances the stream: next write, next read, or Finish. Called with mu_ held.
+  void Pump() {
+    if (finished_) return;
+    if (broken_) {
+      if (!write_pending_) {
+        finished_ = true;
+        Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+      }
+      return;
+    }
+    if (!write_pending_ && !outbox_.empty()) {
+      NextMessage();
+      write_pending_ = true;
+      StartWrite(&resp_);
+    }
+    const bool draining = draining_ || service_->draining();
+    if (!read_pending_ && !reads_done_ && !draining && (!opened_ || inflight_ < credits_)) {
+      read_pending_ = true;
+      StartRead(&req_);
+    }
+    const bool input_over = reads_done_ || draining;
+    if (input_over && inflight_ == 0 && outbox_.empty() && !write_pending_) {
+      finished_ = true;
+      if (!finish_status_.ok()) {
+        Finish(ToGrpcStatus(finish_status_));
+      } else if (draining && !reads_done_) {
+        Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                            "target is shutting down; every accepted batch was sent, "
+                            "send further batches to another target"));
+      } else {
+        Finish(grpc::Status::OK);
+      }
+    }
+  }
+
+  TargetService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  const std::shared_ptr<ReactorLink> link_;
+
+  std::mutex mu_;
+  StreamRequest req_;
+  StreamResponse resp_;
+  std::deque<Outgoing> outbox_;
+  std::vector<int32_t> layers_;
+  absl::Status finish_status_;
+  int32_t credits_ = 0;
+  int64_t inflight_ = 0;  // accepted batches whose last message is not yet written
+  bool opened_ = false;
+  bool read_pending_ = false;
+  bool write_pending_ = false;
+  bool reads_done_ = false;
+  bool draining_ = false;
+  bool broken_ = false;
+  bool finished_ = false;
+};
+
+TargetService::TargetService(std::vector<Engine*> engines, ServiceOptions options)
+    : engines_(std::move(engines)),
+      options_(options),
+      scheduler_(engines_, options.max_queued_batches) {}
+
+TargetService::~TargetService() { scheduler_.Stop(); }
+
+v1::TargetInfo TargetService::Info() const {
+  const Model& m = model();
+  v1::TargetInfo info;
+  info.set_model_id(m.id);
+  info.set_architecture(std::string(ArchName(m.config.arch)));
+  info.set_num_layers(static_cast<int32_t>(m.config.num_layers));
+  info.set_hidden_size(static_cast<int32_t>(m.config.hidden_size));
+  info.set_vocab_size(static_cast<int32_t>(m.config.vocab_size));
+  info.set_dtype("bf16");
+  info.set_fingerprint(m.fingerprint);
+  for (Engine* e : engines_) info.add_devices(e->device_name());
+  info.set_max_batch_tokens(options_.max_batch_tokens);
+  info.add_transports(v1::TRANSPORT_GRPC);
+  info.add_encodings(v1::ENCODING_BF16);
+  info.set_server_version(std::string(kDraftfeedVersion));
+  for (LayerKind k : m.config.layer_types) {
+    info.add_layer_types(k == LayerKind::kFullAttention ? "full_attention" : "linear_attention");
+  }
+  info.set_max_credits(options_.max_credits);
+  return info;
+}
+
+grpc::ServerUnaryReactor* TargetService::GetTargetInfo(grpc::CallbackServerContext* ctx,
+                                                       const v1::GetTargetInfoRequest*,
+                                                       v1::TargetInfo* response) {
+  *response = Info();
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>*
+TargetService::StreamHiddenStates(grpc::CallbackServerContext* ctx) {
+  return new StreamReactor(this, ctx);
+}
+
+void TargetService::Register(StreamReactor* r) {
+  std::lock_guard<std::mutex> lock(mu_);
+  streams_.insert(r);
+}
+
+void TargetService::Unregister(StreamReactor* r) {
+  std::lock_guard<std::mutex> lock(mu_);
+  streams_.erase(r);
+}
+
+void TargetService::BeginDrain() {
+  draining_ = true;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (StreamReactor* r : streams_) r->Drain();
+}
+
+int64_t TargetService::open_streams() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(streams_.size());
+}
+
+}  // namespace draftfeed

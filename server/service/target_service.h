@@ -1,0 +1,67 @@
+// gRPC service of a target: GetTargetInfo and the StreamHiddenStates data
+// plane (callback API, one reactor per stream, a scheduler shared by all).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "draftfeed/v1/draftfeed.grpc.pb.h"
+#include "server/model/engine.h"
+#include "server/service/scheduler.h"
+
+namespace draftfeed {
+
+struct ServiceOptions {
+  int64_t max_batch_tokens = 16384;  // token budget of one Batch
+  int32_t default_credits = 4;       // Open.max_inflight_batches == 0
+  int32_t max_credits = 32;          // larger requests are clamped
+  int64_t chunk_bytes = 4 << 20;     // payload per HiddenChunk (whole tokens)
+  int64_t max_queued_batches = 256;  // scheduler backstop
+};
+
+class StreamReactor;
+
+class TargetService final : public v1::TargetService::CallbackService {
+ public:
+  // `engines` are replicas of one model (one per device); not owned.
+  TargetService(std::vector<Engine*> engines, ServiceOptions options);
+  ~TargetService() override;
+
+  grpc::ServerUnaryReactor* GetTargetInfo(grpc::CallbackServerContext* ctx,
+                                          const v1::GetTargetInfoRequest* request,
+                                          v1::TargetInfo* response) override;
+  grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* StreamHiddenStates(
+      grpc::CallbackServerContext* ctx) override;
+
+  // Graceful shutdown, step 1: no new batches are accepted; every stream ends
+  // with UNAVAILABLE once its accepted batches have been sent in full.
+  void BeginDrain();
+  int64_t open_streams() const;
+  // Step 2, after the server has shut down: finish queued work, join workers.
+  void StopScheduler() { scheduler_.Stop(); }
+
+  const ServiceOptions& options() const { return options_; }
+  const Model& model() const { return engines_.front()->model(); }
+  v1::TargetInfo Info() const;
+  Scheduler& scheduler() { return scheduler_; }
+  bool draining() const { return draining_.load(); }
+
+ private:
+  friend class StreamReactor;
+  void Register(StreamReactor* r);
+  void Unregister(StreamReactor* r);
+
+  std::vector<Engine*> engines_;
+  const ServiceOptions options_;
+  Scheduler scheduler_;
+  std::atomic<bool> draining_{false};
+  mutable std::mutex mu_;
+  std::set<StreamReactor*> streams_;
+};
+
+}  // namespace draftfeed
