@@ -146,19 +146,29 @@ std::vector<int32_t> ToInt32Vector(const py::array& a, const char* what) {
 
 class PyFeed {
  public:
+  // `opts` holds FeedOptions fields by name; unknown keys are an error.
   static py::tuple Open(std::vector<std::string> targets, std::vector<int32_t> layers,
-                        int32_t prefetch, int32_t credits_per_target,
-                        std::string expected_fingerprint, bool verify_checksum,
-                        double connect_timeout_s, std::string client_name) {
+                        const py::dict& opts) {
     FeedOptions o;
     o.targets = std::move(targets);
     o.layers = std::move(layers);
-    o.prefetch = prefetch;
-    o.credits_per_target = credits_per_target;
-    o.expected_fingerprint = std::move(expected_fingerprint);
-    o.verify_checksum = verify_checksum;
-    o.connect_timeout_s = connect_timeout_s;
-    o.client_name = std::move(client_name);
+    for (auto [key, value] : opts) {
+      const std::string k = py::cast<std::string>(key);
+      if (k == "prefetch") o.prefetch = py::cast<int32_t>(value);
+      else if (k == "prefetch_bytes") o.prefetch_bytes = py::cast<int64_t>(value);
+      else if (k == "ordered") o.ordered = py::cast<bool>(value);
+      else if (k == "credits_per_target") o.credits_per_target = py::cast<int32_t>(value);
+      else if (k == "expected_fingerprint") o.expected_fingerprint = py::cast<std::string>(value);
+      else if (k == "verify_checksum") o.verify_checksum = py::cast<bool>(value);
+      else if (k == "connect_timeout_s") o.connect_timeout_s = py::cast<double>(value);
+      else if (k == "batch_timeout_s") o.batch_timeout_s = py::cast<double>(value);
+      else if (k == "unavailable_timeout_s") o.unavailable_timeout_s = py::cast<double>(value);
+      else if (k == "reconnect_backoff_min_s") o.reconnect_backoff_min_s = py::cast<double>(value);
+      else if (k == "reconnect_backoff_max_s") o.reconnect_backoff_max_s = py::cast<double>(value);
+      else if (k == "dns_refresh_s") o.dns_refresh_s = py::cast<double>(value);
+      else if (k == "client_name") o.client_name = py::cast<std::string>(value);
+      else throw py::value_error("unknown Feed option: " + k);
+    }
     absl::StatusOr<std::unique_ptr<Feed>> feed;
     {
       py::gil_scoped_release nogil;
@@ -166,6 +176,16 @@ class PyFeed {
     }
     if (!feed.ok()) return Err(feed.status());
     return Ok(py::cast(new PyFeed(*std::move(feed)), py::return_value_policy::take_ownership));
+  }
+
+  py::tuple AddTarget(const std::string& address) {
+    absl::Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = feed_->AddTarget(address);
+    }
+    if (!s.ok()) return Err(s);
+    return Ok(py::none());
   }
 
   py::tuple Submit(const py::array& token_ids, const py::array& seq_lens) {
@@ -206,10 +226,29 @@ class PyFeed {
     d["submitted"] = s.submitted;
     d["delivered"] = s.delivered;
     d["failed"] = s.failed;
+    d["resent"] = s.resent;
+    d["duplicates_dropped"] = s.duplicates_dropped;
     d["tokens_delivered"] = s.tokens_delivered;
     d["bytes_received"] = s.bytes_received;
     d["outstanding"] = s.outstanding;
+    d["outstanding_bytes"] = s.outstanding_bytes;
+    d["waiting_dispatch"] = s.waiting_dispatch;
+    d["live_targets"] = s.live_targets;
     d["elapsed_s"] = s.elapsed_s;
+    py::list targets;
+    for (const TargetStats& t : s.targets) {
+      py::dict td;
+      td["address"] = t.address;
+      td["state"] = t.state;
+      td["outstanding_batches"] = t.outstanding_batches;
+      td["outstanding_tokens"] = t.outstanding_tokens;
+      td["delivered_batches"] = t.delivered_batches;
+      td["delivered_tokens"] = t.delivered_tokens;
+      td["failures"] = t.failures;
+      td["last_error"] = t.last_error;
+      targets.append(td);
+    }
+    d["targets"] = targets;
     return d;
   }
 
@@ -241,6 +280,7 @@ PYBIND11_MODULE(_draftfeed, m) {
   py::class_<PyFeed>(m, "Feed")
       .def_static("open", &PyFeed::Open)
       .def("submit", &PyFeed::Submit)
+      .def("add_target", &PyFeed::AddTarget)
       .def("next", &PyFeed::Next)
       .def("close", &PyFeed::Close)
       .def("stats", &PyFeed::Stats)

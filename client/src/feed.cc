@@ -1,11 +1,17 @@
 #include <grpcpp/grpcpp.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <arpa/inet.h>
 
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -19,6 +25,7 @@ namespace draftfeed {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using Stream = grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>;
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& context) {
   if (s.ok()) return absl::OkStatus();
@@ -30,7 +37,16 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
+  // Each target gets its own connection even when two share an address.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+std::chrono::system_clock::time_point DeadlineIn(double s) {
+  return std::chrono::system_clock::now() +
+         std::chrono::milliseconds(static_cast<int64_t>(s * 1000));
 }
 
 TargetDescription Describe(const std::string& address, const v1::TargetInfo& info) {
@@ -49,252 +65,528 @@ TargetDescription Describe(const std::string& address, const v1::TargetInfo& inf
   return d;
 }
 
-}  // namespace
-
-absl::StatusOr<TargetDescription> DescribeTarget(const std::string& address, double timeout_s) {
-  auto stub = v1::TargetService::NewStub(MakeChannel(address));
+absl::StatusOr<TargetDescription> QueryInfo(v1::TargetService::Stub* stub,
+                                            const std::string& address, double timeout_s,
+                                            bool wait_for_ready) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
-  ctx.set_wait_for_ready(true);
+  ctx.set_deadline(DeadlineIn(timeout_s));
+  ctx.set_wait_for_ready(wait_for_ready);
   v1::TargetInfo info;
   grpc::Status s = stub->GetTargetInfo(&ctx, v1::GetTargetInfoRequest(), &info);
   if (!s.ok()) return FromGrpc(s, absl::StrCat("target ", address, ": GetTargetInfo"));
   return Describe(address, info);
 }
 
+// "dns:///name:port" -> every address the name resolves to, as "ip:port".
+absl::StatusOr<std::vector<std::string>> ExpandTarget(const std::string& target) {
+  constexpr std::string_view kDns = "dns:///";
+  if (target.rfind(kDns, 0) != 0) return std::vector<std::string>{target};
+  const std::string rest = target.substr(kDns.size());
+  const size_t colon = rest.rfind(':');
+  if (colon == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("target ", target, " has no :port"));
+  }
+  const std::string host = rest.substr(0, colon);
+  const std::string port = rest.substr(colon + 1);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve ", target, ": ", gai_strerror(rc)));
+  }
+  std::set<std::string> out;
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+    char buf[INET6_ADDRSTRLEN] = {};
+    if (a->ai_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, buf, sizeof buf);
+      out.insert(absl::StrCat(buf, ":", port));
+    } else if (a->ai_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, buf,
+                sizeof buf);
+      out.insert(absl::StrCat("[", buf, "]:", port));
+    }
+  }
+  freeaddrinfo(res);
+  return std::vector<std::string>(out.begin(), out.end());
+}
+
+}  // namespace
+
+absl::StatusOr<TargetDescription> DescribeTarget(const std::string& address, double timeout_s) {
+  auto stub = v1::TargetService::NewStub(MakeChannel(address));
+  return QueryInfo(stub.get(), address, timeout_s, /*wait_for_ready=*/true);
+}
+
 struct Feed::Impl {
+  // One stream to one target. Its reader thread owns the end of the stream;
+  // its writer thread sends queued batches so no lock is held across Write.
+  struct Conn {
+    grpc::ClientContext ctx;
+    std::unique_ptr<Stream> stream;
+    std::thread reader;
+    std::thread writer;
+    std::mutex wmu;
+    std::condition_variable wcv;
+    std::deque<v1::StreamRequest> wq;
+    bool wclosed = false;  // writer: send what is queued, then WritesDone
+    bool finished = false;  // reader is done (guarded by Impl::mu)
+  };
+
+  enum class State { kConnecting, kLive, kDown, kRefused };
+
+  struct Target {
+    std::string address;
+    std::unique_ptr<v1::TargetService::Stub> stub;
+    TargetDescription info;
+    State state = State::kConnecting;
+    std::shared_ptr<Conn> conn;
+    int32_t credits = 1;
+    int64_t attempts = 0;
+    double backoff_s = 0;
+    Clock::time_point next_attempt{};
+    std::thread connector;
+    absl::Status refusal;  // why it is kRefused
+    TargetStats stats;
+  };
+
   struct Pending {
     std::vector<int32_t> token_ids;
     std::vector<int32_t> seq_lens;
     std::vector<uint16_t> hidden;
     int64_t tokens_received = 0;
-    int target = -1;
+    Target* target = nullptr;
+    Conn* conn = nullptr;
+    Clock::time_point last_progress{};
     bool complete = false;
     absl::Status error;
     HiddenBatch result;
   };
 
-  struct Target {
-    std::string address;
-    TargetDescription info;
-    std::unique_ptr<v1::TargetService::Stub> stub;
-    grpc::ClientContext ctx;
-    std::unique_ptr<grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>> stream;
-    std::mutex write_mu;
-    std::thread reader;
-    int32_t credits = 0;
-    int64_t outstanding_batches = 0;  // guarded by Impl::mu
-    int64_t outstanding_tokens = 0;   // guarded by Impl::mu
-    bool alive = true;                // guarded by Impl::mu
-    absl::Status end_status;          // guarded by Impl::mu
-  };
-
   FeedOptions options;
-  std::vector<std::unique_ptr<Target>> targets;
+  std::string fingerprint;  // every target must serve this
+  std::string fingerprint_source;
+  int32_t hidden_size = 0;
   Clock::time_point opened_at = Clock::now();
 
   mutable std::mutex mu;
   std::condition_variable cv;
-  std::map<uint64_t, Pending> pending;  // by batch id; ids grow in submission order
+  std::vector<std::unique_ptr<Target>> targets;
+  std::vector<std::string> dns_targets;
+  Clock::time_point next_dns_refresh{};
+  std::map<uint64_t, Pending> pending;  // by batch id = submission order
+  std::set<uint64_t> unassigned;        // pending, not on any target
+  std::vector<std::shared_ptr<Conn>> dead_conns;  // threads still to join
   uint64_t next_id = 1;
+  int64_t outstanding_bytes = 0;
   FeedStats stats;
+  absl::Status fatal;  // sticky: no target for unavailable_timeout_s
+  std::optional<Clock::time_point> no_target_since;
   bool closing = false;
+  std::thread supervisor;
 
   int64_t K() const { return static_cast<int64_t>(options.layers.size()); }
-  int64_t H() const { return targets.front()->info.hidden_size; }
 
-  absl::Status OpenTarget(const std::string& address, const std::string& fingerprint) {
+  // ---- connecting ----------------------------------------------------------
+
+  Target* AddTargetLocked(const std::string& address) {
+    for (auto& t : targets) {
+      if (t->address == address) return nullptr;
+    }
     auto t = std::make_unique<Target>();
     t->address = address;
+    t->stats.address = address;
     t->stub = v1::TargetService::NewStub(MakeChannel(address));
+    t->backoff_s = options.reconnect_backoff_min_s;
+    Target* raw = t.get();
+    targets.push_back(std::move(t));
+    raw->connector = std::thread([this, raw] { ConnectLoop(raw); });
+    return raw;
+  }
+
+  void ConnectLoop(Target* t) {
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+      if (closing) return;
+      if (t->state == State::kLive || t->state == State::kRefused) {
+        cv.wait(lock);
+        continue;
+      }
+      if (Clock::now() < t->next_attempt) {
+        cv.wait_until(lock, t->next_attempt);
+        continue;
+      }
+      const bool first = t->attempts++ == 0;
+      lock.unlock();
+      absl::Status s = ConnectOnce(t, first);
+      lock.lock();
+      if (s.ok() || closing) continue;
+      t->stats.last_error = std::string(s.message());
+      if (s.code() == absl::StatusCode::kFailedPrecondition ||
+          s.code() == absl::StatusCode::kInvalidArgument) {
+        t->state = State::kRefused;  // another model or a layer it lacks: never use it
+        t->refusal = s;
+      } else {
+        t->state = State::kDown;
+        t->next_attempt = Clock::now() + std::chrono::milliseconds(
+                                             static_cast<int64_t>(t->backoff_s * 1000));
+        t->backoff_s = std::min(t->backoff_s * 2, options.reconnect_backoff_max_s);
+      }
+      cv.notify_all();
+    }
+  }
+
+  absl::Status ConnectOnce(Target* t, bool first) {
+    // The first attempt waits for a target that is still starting; later ones
+    // fail fast and back off.
+    auto info = QueryInfo(t->stub.get(), t->address,
+                          first ? options.connect_timeout_s
+                                : std::min(options.connect_timeout_s, 5.0),
+                          /*wait_for_ready=*/first);
+    if (!info.ok()) return info.status();
     {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::milliseconds(
-                           static_cast<int64_t>(options.connect_timeout_s * 1000)));
-      ctx.set_wait_for_ready(true);
-      v1::TargetInfo info;
-      grpc::Status s = t->stub->GetTargetInfo(&ctx, v1::GetTargetInfoRequest(), &info);
-      if (!s.ok()) return FromGrpc(s, absl::StrCat("target ", address, ": GetTargetInfo"));
-      t->info = Describe(address, info);
+      std::lock_guard<std::mutex> lock(mu);
+      if (fingerprint.empty()) {
+        fingerprint = info->fingerprint;
+        fingerprint_source = absl::StrCat(t->address, " (", info->model_id, ")");
+        hidden_size = info->hidden_size;
+      }
+      if (info->fingerprint != fingerprint) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "target ", t->address, " serves ", info->model_id, " (fingerprint ",
+            info->fingerprint, ") but the feed expects fingerprint ", fingerprint,
+            fingerprint_source.empty() ? "" : absl::StrCat(", served by ", fingerprint_source),
+            "; refusing it"));
+      }
     }
-    if (!fingerprint.empty() && t->info.fingerprint != fingerprint) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "target ", address, " serves ", t->info.model_id, " (fingerprint ",
-          t->info.fingerprint, ") but the feed expects fingerprint ", fingerprint,
-          targets.empty() ? "" : absl::StrCat(" (from ", targets.front()->address, ", ",
-                                              targets.front()->info.model_id, ")")));
-    }
-    t->stream = t->stub->StreamHiddenStates(&t->ctx);
+    auto conn = std::make_shared<Conn>();
+    conn->stream = t->stub->StreamHiddenStates(&conn->ctx);
     v1::StreamRequest req;
     v1::Open* open = req.mutable_open();
     for (int32_t l : options.layers) open->add_layers(l);
     open->set_encoding(v1::ENCODING_BF16);
     open->set_transport(v1::TRANSPORT_GRPC);
-    open->set_expected_fingerprint(t->info.fingerprint);
+    open->set_expected_fingerprint(info->fingerprint);
     open->set_max_inflight_batches(options.credits_per_target);
     open->set_client_name(options.client_name);
     v1::StreamResponse resp;
-    if (!t->stream->Write(req) || !t->stream->Read(&resp)) {
-      return FromGrpc(t->stream->Finish(), absl::StrCat("target ", address, ": open stream"));
+    if (!conn->stream->Write(req) || !conn->stream->Read(&resp)) {
+      return FromGrpc(conn->stream->Finish(), absl::StrCat("target ", t->address, ": open stream"));
     }
     if (resp.msg_case() != v1::StreamResponse::kOpened) {
-      return absl::InternalError(
-          absl::StrCat("target ", address, ": expected Opened, got message ", resp.msg_case()));
+      conn->ctx.TryCancel();
+      conn->stream->Finish();
+      return absl::InternalError(absl::StrCat("target ", t->address, ": expected Opened"));
     }
+    std::lock_guard<std::mutex> lock(mu);
+    if (closing) {
+      conn->ctx.TryCancel();
+      conn->stream->Finish();
+      return absl::CancelledError("feed closing");
+    }
+    t->info = *std::move(info);
     t->credits = std::max(1, resp.opened().max_inflight_batches());
-    Target* raw = t.get();
-    targets.push_back(std::move(t));
-    raw->reader = std::thread([this, raw] { ReadLoop(raw); });
+    t->conn = conn;
+    t->state = State::kLive;
+    t->backoff_s = options.reconnect_backoff_min_s;
+    t->stats.last_error.clear();
+    Conn* c = conn.get();
+    c->writer = std::thread([c] { WriteLoop(c); });
+    c->reader = std::thread([this, t, conn] { ReadLoop(t, conn); });
+    cv.notify_all();
     return absl::OkStatus();
   }
 
-  void FailBatch(Pending& p, uint64_t id, absl::Status status) {
-    p.complete = true;
-    p.error = std::move(status);
-    p.hidden.clear();
-    ++stats.failed;
+  static void WriteLoop(Conn* c) {
+    std::unique_lock<std::mutex> lock(c->wmu);
+    for (;;) {
+      c->wcv.wait(lock, [&] { return c->wclosed || !c->wq.empty(); });
+      if (c->wq.empty()) break;  // closed and drained
+      v1::StreamRequest req = std::move(c->wq.front());
+      c->wq.pop_front();
+      lock.unlock();
+      const bool ok = c->stream->Write(req);
+      lock.lock();
+      if (!ok) {
+        c->wq.clear();
+        return;  // the reader sees the stream end and re-sends the batches
+      }
+    }
+    lock.unlock();
+    c->stream->WritesDone();
   }
 
-  // Marks a batch's work on its target as over (credit returned).
-  void ReleaseOnTarget(Target* t, const Pending& p) {
-    --t->outstanding_batches;
-    t->outstanding_tokens -= static_cast<int64_t>(p.token_ids.size());
+  static void StopWriter(Conn* c, bool drop_queued) {
+    {
+      std::lock_guard<std::mutex> lock(c->wmu);
+      c->wclosed = true;
+      if (drop_queued) c->wq.clear();
+    }
+    c->wcv.notify_all();
   }
 
-  void HandleResponse(Target* t, v1::StreamResponse& resp) {
+  // ---- receiving -----------------------------------------------------------
+
+  void ReadLoop(Target* t, std::shared_ptr<Conn> conn) {
+    v1::StreamResponse resp;
+    while (conn->stream->Read(&resp)) HandleResponse(t, conn.get(), resp);
+    // Finish must not race a Write: stop the writer first.
+    StopWriter(conn.get(), /*drop_queued=*/true);
+    if (conn->writer.joinable()) conn->writer.join();
+    const grpc::Status status = conn->stream->Finish();
     std::lock_guard<std::mutex> lock(mu);
-    switch (resp.msg_case()) {
-      case v1::StreamResponse::kChunk: {
-        const v1::HiddenChunk& c = resp.chunk();
-        auto it = pending.find(c.batch_id());
-        if (it == pending.end() || it->second.complete) return;
-        Pending& p = it->second;
-        const int64_t T = static_cast<int64_t>(p.token_ids.size());
-        const int64_t stride = K() * H();
-        if (c.token_offset() < 0 || c.token_count() < 0 || c.token_offset() + c.token_count() > T ||
-            static_cast<int64_t>(c.data().size()) != c.token_count() * stride * 2) {
-          FailBatch(p, c.batch_id(),
-                    absl::DataLossError(absl::StrCat(
-                        "target ", t->address, " sent a malformed chunk for batch ", c.batch_id(),
-                        ": tokens [", c.token_offset(), ", +", c.token_count(), ") of ", T, ", ",
-                        c.data().size(), " bytes")));
-          ReleaseOnTarget(t, p);
-          cv.notify_all();
-          return;
+    OnConnEnd(t, conn, status);
+    conn->finished = true;
+    dead_conns.push_back(conn);
+    cv.notify_all();
+  }
+
+  void OnConnEnd(Target* t, const std::shared_ptr<Conn>& conn, const grpc::Status& status) {
+    if (t->conn == conn) {
+      t->conn = nullptr;
+      if (t->state == State::kLive) t->state = State::kDown;
+      t->next_attempt = Clock::now() + std::chrono::milliseconds(
+                                           static_cast<int64_t>(t->backoff_s * 1000));
+      if (!closing) {
+        ++t->stats.failures;
+        if (t->stats.last_error.empty()) {
+          t->stats.last_error =
+              status.ok() ? "stream ended"
+                          : absl::StrCat(status.error_code(), ": ", status.error_message());
         }
-        std::memcpy(p.hidden.data() + c.token_offset() * stride, c.data().data(), c.data().size());
-        p.tokens_received += c.token_count();
-        stats.bytes_received += static_cast<int64_t>(c.data().size());
-        return;
       }
-      case v1::StreamResponse::kDone: {
-        const v1::BatchDone& d = resp.done();
-        auto it = pending.find(d.batch_id());
-        if (it == pending.end() || it->second.complete) return;
-        Pending& p = it->second;
-        ReleaseOnTarget(t, p);
-        const int64_t T = static_cast<int64_t>(p.token_ids.size());
-        if (p.tokens_received != T || d.tokens() != T) {
-          FailBatch(p, d.batch_id(),
-                    absl::DataLossError(absl::StrCat("batch ", d.batch_id(), " from ", t->address,
-                                                     ": received ", p.tokens_received, " of ", T,
-                                                     " tokens")));
-        } else if (options.verify_checksum &&
-                   v1::PayloadChecksum(p.hidden.data(), p.hidden.size() * 2) != d.checksum()) {
-          FailBatch(p, d.batch_id(),
-                    absl::DataLossError(absl::StrCat("batch ", d.batch_id(), " from ", t->address,
-                                                     ": checksum mismatch")));
-        } else {
-          p.complete = true;
-          HiddenBatch& r = p.result;
-          r.batch_id = d.batch_id();
-          r.num_tokens = T;
-          r.num_layers = K();
-          r.hidden_size = H();
-          r.hidden = std::move(p.hidden);
-          r.token_ids = std::move(p.token_ids);
-          r.seq_lens = std::move(p.seq_lens);
-          r.checksum = d.checksum();
-          r.target = t->address;
-          r.queue_ms = d.timings().queue_ms();
-          r.forward_ms = d.timings().forward_ms();
-          r.send_ms = d.timings().send_ms();
-        }
-        cv.notify_all();
-        return;
+    }
+    // Whatever this stream still owed goes back to the queue for another target.
+    for (auto& [id, p] : pending) {
+      if (p.conn == conn.get() && !p.complete) {
+        Unassign(p);
+        unassigned.insert(id);
+        ++stats.resent;
       }
-      case v1::StreamResponse::kError: {
-        const v1::BatchError& e = resp.error();
-        auto it = pending.find(e.batch_id());
-        if (it == pending.end() || it->second.complete) return;
-        ReleaseOnTarget(t, it->second);
-        FailBatch(it->second, e.batch_id(),
-                  absl::Status(static_cast<absl::StatusCode>(e.code()),
-                               absl::StrCat("target ", t->address, ": ", e.message())));
-        cv.notify_all();
-        return;
-      }
-      default:
-        return;
     }
   }
 
-  void ReadLoop(Target* t) {
-    v1::StreamResponse resp;
-    while (t->stream->Read(&resp)) HandleResponse(t, resp);
-    grpc::Status s = t->stream->Finish();
+  void Unassign(Pending& p) {
+    if (p.target != nullptr) {
+      --p.target->stats.outstanding_batches;
+      p.target->stats.outstanding_tokens -= static_cast<int64_t>(p.token_ids.size());
+    }
+    p.target = nullptr;
+    p.conn = nullptr;
+    p.tokens_received = 0;
+  }
+
+  void Fail(uint64_t id, Pending& p, absl::Status status) {
+    Unassign(p);
+    unassigned.erase(id);
+    p.complete = true;
+    p.error = std::move(status);
+    p.hidden = {};
+    ++stats.failed;
+  }
+
+  void HandleResponse(Target* t, Conn* conn, v1::StreamResponse& resp) {
     std::lock_guard<std::mutex> lock(mu);
-    t->alive = false;
-    t->end_status = FromGrpc(s, absl::StrCat("target ", t->address));
-    // Batches still on this target cannot complete there.
-    for (auto& [id, p] : pending) {
-      if (!p.complete && p.target == TargetIndex(t)) {
-        ReleaseOnTarget(t, p);
-        FailBatch(p, id,
-                  t->end_status.ok()
-                      ? absl::UnavailableError(absl::StrCat("target ", t->address,
-                                                            " closed the stream before batch ",
-                                                            id, " was done"))
-                      : t->end_status);
+    uint64_t id = 0;
+    switch (resp.msg_case()) {
+      case v1::StreamResponse::kChunk: id = resp.chunk().batch_id(); break;
+      case v1::StreamResponse::kDone: id = resp.done().batch_id(); break;
+      case v1::StreamResponse::kError: id = resp.error().batch_id(); break;
+      default: return;
+    }
+    auto it = pending.find(id);
+    if (it == pending.end() || it->second.complete || it->second.conn != conn) {
+      // A batch that was re-sent elsewhere (or already returned): drop it.
+      if (resp.msg_case() == v1::StreamResponse::kDone) ++stats.duplicates_dropped;
+      return;
+    }
+    Pending& p = it->second;
+    const int64_t T = static_cast<int64_t>(p.token_ids.size());
+    const int64_t stride = K() * hidden_size;
+    p.last_progress = Clock::now();
+    if (resp.msg_case() == v1::StreamResponse::kChunk) {
+      const v1::HiddenChunk& c = resp.chunk();
+      if (c.token_offset() < 0 || c.token_count() < 0 || c.token_offset() + c.token_count() > T ||
+          static_cast<int64_t>(c.data().size()) != c.token_count() * stride * 2) {
+        Fail(id, p,
+             absl::DataLossError(absl::StrCat("target ", t->address,
+                                              " sent a malformed chunk for batch ", id,
+                                              ": tokens [", c.token_offset(), ", +",
+                                              c.token_count(), ") of ", T, ", ",
+                                              c.data().size(), " bytes")));
+        cv.notify_all();
+        return;
       }
+      std::memcpy(p.hidden.data() + c.token_offset() * stride, c.data().data(), c.data().size());
+      p.tokens_received += c.token_count();
+      stats.bytes_received += static_cast<int64_t>(c.data().size());
+      return;
+    }
+    if (resp.msg_case() == v1::StreamResponse::kError) {
+      const v1::BatchError& e = resp.error();
+      const auto code = static_cast<absl::StatusCode>(e.code());
+      if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kResourceExhausted) {
+        // The target is draining or full: the batch is fine, send it elsewhere.
+        Unassign(p);
+        unassigned.insert(id);
+        ++stats.resent;
+      } else {
+        Fail(id, p, absl::Status(code, absl::StrCat("target ", t->address, ": ", e.message())));
+      }
+      cv.notify_all();
+      return;
+    }
+    const v1::BatchDone& d = resp.done();
+    if (p.tokens_received != T || d.tokens() != T) {
+      Fail(id, p,
+           absl::DataLossError(absl::StrCat("batch ", id, " from ", t->address, ": received ",
+                                            p.tokens_received, " of ", T, " tokens")));
+    } else if (options.verify_checksum &&
+               v1::PayloadChecksum(p.hidden.data(), p.hidden.size() * 2) != d.checksum()) {
+      Fail(id, p,
+           absl::DataLossError(
+               absl::StrCat("batch ", id, " from ", t->address, ": checksum mismatch")));
+    } else {
+      ++t->stats.delivered_batches;
+      t->stats.delivered_tokens += T;
+      Unassign(p);
+      p.complete = true;
+      HiddenBatch& r = p.result;
+      r.batch_id = id;
+      r.num_tokens = T;
+      r.num_layers = K();
+      r.hidden_size = hidden_size;
+      r.hidden = std::move(p.hidden);
+      r.token_ids = std::move(p.token_ids);
+      r.seq_lens = std::move(p.seq_lens);
+      r.checksum = d.checksum();
+      r.target = t->address;
+      r.queue_ms = d.timings().queue_ms();
+      r.forward_ms = d.timings().forward_ms();
+      r.send_ms = d.timings().send_ms();
     }
     cv.notify_all();
   }
 
-  int TargetIndex(const Target* t) const {
-    for (size_t i = 0; i < targets.size(); ++i) {
-      if (targets[i].get() == t) return static_cast<int>(i);
-    }
-    return -1;
-  }
+  // ---- dispatch and supervision -------------------------------------------
 
-  // Least outstanding tokens among live targets with a free credit.
-  int PickTarget() const {
-    int best = -1;
-    for (size_t i = 0; i < targets.size(); ++i) {
-      const Target& t = *targets[i];
-      if (!t.alive || t.outstanding_batches >= t.credits) continue;
-      if (best < 0 || t.outstanding_tokens < targets[best]->outstanding_tokens) {
-        best = static_cast<int>(i);
+  // Sends unassigned batches, oldest first, each to the live target with the
+  // fewest outstanding tokens that has a free credit.
+  void Dispatch() {
+    while (!unassigned.empty()) {
+      Target* best = nullptr;
+      for (auto& t : targets) {
+        if (t->state != State::kLive || t->stats.outstanding_batches >= t->credits) continue;
+        if (best == nullptr || t->stats.outstanding_tokens < best->stats.outstanding_tokens) {
+          best = t.get();
+        }
       }
+      if (best == nullptr) return;
+      const uint64_t id = *unassigned.begin();
+      unassigned.erase(unassigned.begin());
+      Pending& p = pending.at(id);
+      p.target = best;
+      p.conn = best->conn.get();
+      p.tokens_received = 0;
+      p.last_progress = Clock::now();
+      ++best->stats.outstanding_batches;
+      best->stats.outstanding_tokens += static_cast<int64_t>(p.token_ids.size());
+      v1::StreamRequest req;
+      v1::Batch* b = req.mutable_batch();
+      b->set_batch_id(id);
+      b->mutable_token_ids()->Add(p.token_ids.begin(), p.token_ids.end());
+      b->mutable_seq_lens()->Add(p.seq_lens.begin(), p.seq_lens.end());
+      {
+        std::lock_guard<std::mutex> wlock(p.conn->wmu);
+        p.conn->wq.push_back(std::move(req));
+      }
+      p.conn->wcv.notify_one();
     }
-    return best;
   }
 
-  bool AnyAlive() const {
+  bool AnyLive() const {
     for (const auto& t : targets) {
-      if (t->alive) return true;
+      if (t->state == State::kLive) return true;
     }
     return false;
   }
 
-  absl::Status DeadError() const {
+  std::string TargetErrors() const {
     std::vector<std::string> why;
-    for (const auto& t : targets) why.push_back(std::string(t->end_status.message()));
-    return absl::UnavailableError(
-        absl::StrCat("no live target left: ", absl::StrJoin(why, "; ")));
+    for (const auto& t : targets) {
+      why.push_back(absl::StrCat(t->address, ": ",
+                                 t->stats.last_error.empty() ? "no answer" : t->stats.last_error));
+    }
+    return absl::StrJoin(why, "; ");
+  }
+
+  void SuperviseLoop() {
+    std::unique_lock<std::mutex> lock(mu);
+    while (!closing) {
+      const Clock::time_point now = Clock::now();
+      Dispatch();
+      // Hung targets: a batch without progress for batch_timeout_s.
+      for (auto& [id, p] : pending) {
+        if (p.complete || p.conn == nullptr) continue;
+        if (now - p.last_progress > std::chrono::duration<double>(options.batch_timeout_s)) {
+          Target* t = p.target;
+          t->stats.last_error = absl::StrCat("no progress on batch ", id, " for ",
+                                             options.batch_timeout_s, "s; treating it as hung");
+          if (t->state == State::kLive) t->state = State::kDown;
+          p.conn->ctx.TryCancel();  // the reader re-sends its batches
+          p.last_progress = now;
+        }
+      }
+      // No live target while work waits: fail after unavailable_timeout_s.
+      const bool work_waiting = !pending.empty();
+      if (AnyLive() || !work_waiting) {
+        no_target_since.reset();
+      } else if (!no_target_since) {
+        no_target_since = now;
+      } else if (fatal.ok() && now - *no_target_since >
+                                   std::chrono::duration<double>(options.unavailable_timeout_s)) {
+        fatal = absl::UnavailableError(absl::StrCat("no target reachable for ",
+                                                    options.unavailable_timeout_s,
+                                                    "s: ", TargetErrors()));
+        for (auto& [id, p] : pending) {
+          if (!p.complete) Fail(id, p, fatal);
+        }
+        cv.notify_all();
+      }
+      // DNS discovery.
+      if (!dns_targets.empty() && now >= next_dns_refresh) {
+        next_dns_refresh = now + std::chrono::milliseconds(
+                                     static_cast<int64_t>(options.dns_refresh_s * 1000));
+        std::vector<std::string> names = dns_targets;
+        lock.unlock();
+        std::vector<std::string> found;
+        for (const std::string& n : names) {
+          if (auto r = ExpandTarget(n); r.ok()) found.insert(found.end(), r->begin(), r->end());
+        }
+        lock.lock();
+        for (const std::string& a : found) AddTargetLocked(a);
+      }
+      // Join the threads of ended streams.
+      for (auto it = dead_conns.begin(); it != dead_conns.end();) {
+        std::shared_ptr<Conn> c = *it;
+        it = dead_conns.erase(it);
+        lock.unlock();
+        if (c->reader.joinable()) c->reader.join();
+        lock.lock();
+      }
+      cv.wait_for(lock, std::chrono::milliseconds(20));
+    }
+  }
+
+  absl::Status AddTargets(const std::string& target) {
+    auto addresses = ExpandTarget(target);
+    if (!addresses.ok()) return addresses.status();
+    std::lock_guard<std::mutex> lock(mu);
+    if (target.rfind("dns:///", 0) == 0) dns_targets.push_back(target);
+    for (const std::string& a : *addresses) AddTargetLocked(a);
+    cv.notify_all();
+    return absl::OkStatus();
   }
 };
 
@@ -313,52 +605,98 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  std::string fingerprint = options.expected_fingerprint;
-  for (const std::string& address : options.targets) {
-    absl::Status s = impl->OpenTarget(address, fingerprint);
-    if (!s.ok()) {
-      std::unique_ptr<Feed> cleanup(new Feed(std::move(impl)));
-      return s;
-    }
-    if (fingerprint.empty()) fingerprint = impl->targets.back()->info.fingerprint;
+  impl->fingerprint = options.expected_fingerprint;
+  if (!impl->fingerprint.empty()) impl->fingerprint_source = "FeedOptions.expected_fingerprint";
+  Impl& m = *impl;
+  std::unique_ptr<Feed> feed(new Feed(std::move(impl)));
+
+  // The first target that answers fixes the model every other must match, so
+  // which target is "the other model" does not depend on connection races.
+  std::vector<std::string> addresses;
+  for (const std::string& t : options.targets) {
+    auto expanded = ExpandTarget(t);
+    if (!expanded.ok()) return expanded.status();
+    addresses.insert(addresses.end(), expanded->begin(), expanded->end());
   }
-  return std::unique_ptr<Feed>(new Feed(std::move(impl)));
+  if (m.fingerprint.empty()) {
+    absl::Status last;
+    for (const std::string& a : addresses) {
+      auto stub = v1::TargetService::NewStub(MakeChannel(a));
+      auto info = QueryInfo(stub.get(), a, options.connect_timeout_s, true);
+      if (info.ok()) {
+        m.fingerprint = info->fingerprint;
+        m.fingerprint_source = absl::StrCat(a, " (", info->model_id, ")");
+        m.hidden_size = info->hidden_size;
+        break;
+      }
+      last = info.status();
+    }
+    if (m.fingerprint.empty()) return last;
+  }
+  for (const std::string& t : options.targets) {
+    if (absl::Status s = m.AddTargets(t); !s.ok()) return s;
+  }
+  // Wait until every initial target has connected, been refused, or failed once.
+  std::unique_lock<std::mutex> lock(m.mu);
+  m.cv.wait(lock, [&] {
+    for (const auto& t : m.targets) {
+      if (t->state == Impl::State::kConnecting) return false;
+    }
+    return true;
+  });
+  for (const auto& t : m.targets) {
+    if (t->state == Impl::State::kRefused) {
+      const absl::Status refused = t->refusal;
+      lock.unlock();
+      return refused;
+    }
+  }
+  if (!m.AnyLive()) {
+    const absl::Status none =
+        absl::UnavailableError(absl::StrCat("no target could be reached: ", m.TargetErrors()));
+    lock.unlock();
+    return none;
+  }
+  if (m.hidden_size == 0) {
+    for (const auto& t : m.targets) {
+      if (t->state == Impl::State::kLive) m.hidden_size = t->info.hidden_size;
+    }
+  }
+  m.supervisor = std::thread([&m] { m.SuperviseLoop(); });
+  return feed;
+}
+
+absl::Status Feed::AddTarget(const std::string& address) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (impl_->closing) return absl::FailedPreconditionError("feed is closed");
+  }
+  return impl_->AddTargets(address);
 }
 
 absl::StatusOr<uint64_t> Feed::Submit(std::vector<int32_t> token_ids,
                                       std::vector<int32_t> seq_lens) {
   Impl& m = *impl_;
+  const int64_t bytes =
+      static_cast<int64_t>(token_ids.size()) * m.K() * m.hidden_size * 2;
   std::unique_lock<std::mutex> lock(m.mu);
-  int target = -1;
   m.cv.wait(lock, [&] {
-    if (m.closing || !m.AnyAlive()) return true;
+    if (m.closing || !m.fatal.ok()) return true;
     if (m.stats.outstanding >= m.options.prefetch) return false;
-    target = m.PickTarget();
-    return target >= 0;
+    return m.stats.outstanding == 0 || m.outstanding_bytes + bytes <= m.options.prefetch_bytes;
   });
   if (m.closing) return absl::FailedPreconditionError("feed is closed");
-  if (!m.AnyAlive()) return m.DeadError();
+  if (!m.fatal.ok()) return m.fatal;
   const uint64_t id = m.next_id++;
-  Impl::Target* t = m.targets[target].get();
-  v1::StreamRequest req;
-  v1::Batch* b = req.mutable_batch();
-  b->set_batch_id(id);
-  b->mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
-  b->mutable_seq_lens()->Add(seq_lens.begin(), seq_lens.end());
   Impl::Pending& p = m.pending[id];
-  p.target = target;
-  p.hidden.assign(static_cast<size_t>(static_cast<int64_t>(token_ids.size()) * m.K() * m.H()), 0);
+  p.hidden.assign(static_cast<size_t>(bytes / 2), 0);
   p.token_ids = std::move(token_ids);
   p.seq_lens = std::move(seq_lens);
-  ++t->outstanding_batches;
-  t->outstanding_tokens += static_cast<int64_t>(p.token_ids.size());
+  m.unassigned.insert(id);
+  m.outstanding_bytes += bytes;
   ++m.stats.submitted;
   ++m.stats.outstanding;
-  lock.unlock();
-  std::lock_guard<std::mutex> wlock(t->write_mu);
-  if (!t->stream->Write(req)) {
-    // The reader thread sees the stream end and fails this batch with the reason.
-  }
+  m.Dispatch();
   return id;
 }
 
@@ -368,11 +706,23 @@ absl::StatusOr<HiddenBatch> Feed::Next() {
   if (m.pending.empty()) {
     return absl::FailedPreconditionError("Next() with no batch outstanding: Submit first");
   }
-  auto it = m.pending.begin();
-  m.cv.wait(lock, [&] { return it->second.complete; });
+  std::map<uint64_t, Impl::Pending>::iterator it;
+  m.cv.wait(lock, [&] {
+    if (m.options.ordered) {
+      it = m.pending.begin();
+      return it->second.complete;
+    }
+    for (it = m.pending.begin(); it != m.pending.end(); ++it) {
+      if (it->second.complete) return true;
+    }
+    return false;
+  });
   Impl::Pending p = std::move(it->second);
   m.pending.erase(it);
   --m.stats.outstanding;
+  m.outstanding_bytes -=
+      static_cast<int64_t>(p.error.ok() ? p.result.token_ids.size() : p.token_ids.size()) *
+      m.K() * m.hidden_size * 2;
   m.cv.notify_all();
   if (!p.error.ok()) return p.error;
   ++m.stats.delivered;
@@ -382,34 +732,73 @@ absl::StatusOr<HiddenBatch> Feed::Next() {
 
 absl::Status Feed::Close() {
   Impl& m = *impl_;
+  std::vector<std::shared_ptr<Impl::Conn>> conns;
   {
     std::lock_guard<std::mutex> lock(m.mu);
     if (m.closing) return absl::OkStatus();
     m.closing = true;
+    for (auto& t : m.targets) {
+      if (t->conn) conns.push_back(t->conn);
+    }
   }
   m.cv.notify_all();
-  for (auto& t : m.targets) {
-    {
-      std::lock_guard<std::mutex> wlock(t->write_mu);
-      t->stream->WritesDone();
+  if (m.supervisor.joinable()) m.supervisor.join();
+  // Half-close every stream: targets finish what they hold, then end it.
+  for (auto& c : conns) Impl::StopWriter(c.get(), /*drop_queued=*/false);
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(m.options.batch_timeout_s));
+  {
+    std::unique_lock<std::mutex> lock(m.mu);
+    m.cv.wait_until(lock, deadline, [&] {
+      for (auto& c : conns) {
+        if (!c->finished) return false;
+      }
+      return true;
+    });
+    for (auto& c : conns) {
+      if (!c->finished) c->ctx.TryCancel();
     }
-    if (t->reader.joinable()) t->reader.join();
   }
-  std::lock_guard<std::mutex> lock(m.mu);
   for (auto& t : m.targets) {
-    if (!t->end_status.ok() && t->end_status.code() != absl::StatusCode::kCancelled) {
-      return t->end_status;
-    }
+    if (t->connector.joinable()) t->connector.join();
+  }
+  std::vector<std::shared_ptr<Impl::Conn>> dead;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    dead.swap(m.dead_conns);
+  }
+  for (auto& c : conns) {
+    if (c->reader.joinable()) c->reader.join();
+  }
+  for (auto& c : dead) {
+    if (c->reader.joinable()) c->reader.join();
   }
   return absl::OkStatus();
 }
 
-const TargetDescription& Feed::target() const { return impl_->targets.front()->info; }
+const TargetDescription& Feed::target() const {
+  for (const auto& t : impl_->targets) {
+    if (!t->info.fingerprint.empty()) return t->info;
+  }
+  return impl_->targets.front()->info;
+}
 
 FeedStats Feed::Stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   FeedStats s = impl_->stats;
   s.elapsed_s = std::chrono::duration<double>(Clock::now() - impl_->opened_at).count();
+  s.outstanding_bytes = impl_->outstanding_bytes;
+  s.waiting_dispatch = static_cast<int64_t>(impl_->unassigned.size());
+  for (const auto& t : impl_->targets) {
+    TargetStats ts = t->stats;
+    switch (t->state) {
+      case Impl::State::kConnecting: ts.state = "connecting"; break;
+      case Impl::State::kLive: ts.state = "live"; ++s.live_targets; break;
+      case Impl::State::kDown: ts.state = "down"; break;
+      case Impl::State::kRefused: ts.state = "refused"; break;
+    }
+    s.targets.push_back(std::move(ts));
+  }
   return s;
 }
 

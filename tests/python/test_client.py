@@ -103,7 +103,8 @@ def test_unreachable_target_errors_quickly():
 
 
 def test_sigterm_finishes_accepted_batches_and_exits_zero(target):
-    feed = draftfeed.Feed(targets=[target.address], layers=[0, 1, 2, 3, -1], prefetch=4)
+    feed = draftfeed.Feed(targets=[target.address], layers=[0, 1, 2, 3, -1], prefetch=4,
+                          unavailable_timeout_s=2.0)
     for i in range(4):
         feed.submit(tokens(512, i), [512])
     import time

@@ -8,6 +8,10 @@
 //   uint64_t id = feed->Submit(tokens, seq_lens).value();
 //   draftfeed::HiddenBatch b = feed->Next().value();   // submission order
 //
+// Failures: a batch whose target dies, hangs or shuts down is re-sent to
+// another target; a late duplicate is dropped by batch id, so every batch is
+// returned exactly once. Lost targets are retried with backoff and rejoin.
+//
 // Thread safety: Submit and Next may be called from different threads.
 #pragma once
 
@@ -29,6 +33,11 @@ struct FeedOptions {
   std::vector<int32_t> layers;
   // Batches submitted but not yet returned by Next(); Submit blocks beyond it.
   int32_t prefetch = 8;
+  // The same bound in hidden-state bytes (T*K*H*2 per batch); a single batch
+  // larger than this is still accepted when nothing else is outstanding.
+  int64_t prefetch_bytes = int64_t{1} << 30;
+  // true: Next() returns batches in submission order; false: as they complete.
+  bool ordered = true;
   // Credits asked of each target (its in-flight batches for this stream).
   int32_t credits_per_target = 4;
   // Refuse targets whose fingerprint differs. Empty: the first target's is
@@ -38,6 +47,17 @@ struct FeedOptions {
   bool verify_checksum = true;
   // Seconds to wait for a target to answer GetTargetInfo / Open.
   double connect_timeout_s = 30.0;
+  // A batch with no progress (no chunk) for this long marks its target hung:
+  // the stream is cancelled and its batches go to other targets.
+  double batch_timeout_s = 120.0;
+  // With work outstanding and no live target for this long, every waiting
+  // call fails with UNAVAILABLE instead of hanging.
+  double unavailable_timeout_s = 60.0;
+  // Reconnect attempts to a lost target back off between these bounds.
+  double reconnect_backoff_min_s = 0.2;
+  double reconnect_backoff_max_s = 5.0;
+  // "dns:///name:port" targets are re-resolved this often; new addresses join.
+  double dns_refresh_s = 10.0;
   std::string client_name;
 };
 
@@ -68,14 +88,31 @@ struct HiddenBatch {
   double queue_ms = 0, forward_ms = 0, send_ms = 0;
 };
 
+struct TargetStats {
+  std::string address;
+  std::string state;  // "connecting", "live", "down" (retrying), "refused" (other model)
+  int64_t outstanding_batches = 0;
+  int64_t outstanding_tokens = 0;
+  int64_t delivered_batches = 0;
+  int64_t delivered_tokens = 0;
+  int64_t failures = 0;  // streams lost (crash, hang, shutdown)
+  std::string last_error;
+};
+
 struct FeedStats {
   int64_t submitted = 0;
   int64_t delivered = 0;
-  int64_t failed = 0;
+  int64_t failed = 0;              // batches returned as errors
+  int64_t resent = 0;              // batches re-sent after a target was lost
+  int64_t duplicates_dropped = 0;  // late results of re-sent batches
   int64_t tokens_delivered = 0;
   int64_t bytes_received = 0;
   int64_t outstanding = 0;  // submitted, not yet returned by Next()
-  double elapsed_s = 0;     // since Open
+  int64_t outstanding_bytes = 0;
+  int64_t waiting_dispatch = 0;  // outstanding batches not on any target now
+  int64_t live_targets = 0;
+  double elapsed_s = 0;  // since Open
+  std::vector<TargetStats> targets;
 };
 
 // Queries one target without opening a stream.
@@ -96,6 +133,9 @@ class Feed {
   // target refused comes back as that error (the feed stays usable).
   // FAILED_PRECONDITION when nothing is outstanding.
   absl::StatusOr<HiddenBatch> Next();
+  // Adds a target to the running feed (same model required); it gets work
+  // as soon as it is connected. "dns:///name:port" adds every address.
+  absl::Status AddTarget(const std::string& address);
   // Half-closes the streams and waits for them to end.
   absl::Status Close();
 

@@ -12,7 +12,7 @@ Layer ids: i is the raw output of decoder layer i (transformers' hidden_states[i
 
 from __future__ import annotations
 
-import collections
+import time
 from typing import Iterable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
@@ -114,32 +114,58 @@ class Feed:
     """Sends packed token batches to target servers and yields their hidden states.
 
     Args:
-      targets: addresses ("host:port") of draftfeed-target servers.
+      targets: addresses ("host:port") of draftfeed-target servers, or
+        "dns:///name:port" (every address the name resolves to; re-resolved, so a
+        Kubernetes headless service's new pods join).
       layers: layer ids to capture, in output order (-1 = final normed state).
       prefetch: batches in flight before `submit` blocks.
+      prefetch_bytes: the same bound in hidden-state bytes.
+      ordered: results in submission order (default) or as they complete.
       credits_per_target: batches each target may hold for this feed.
       expected_fingerprint: refuse targets serving another model; default: the
         first target's fingerprint, which every other target must match.
       verify_checksum: check every batch against the target's checksum.
+      batch_timeout_s: a batch without progress this long marks its target hung;
+        its batches go to other targets.
+      unavailable_timeout_s: with no live target this long, calls raise
+        UNAVAILABLE instead of waiting forever.
+      progress_every_s: when > 0, `map` prints a progress line this often.
+
+    A batch whose target dies, hangs or shuts down is re-sent to another target;
+    duplicates are dropped by batch id, so each batch comes back exactly once.
     """
 
     def __init__(self, targets: Sequence[str], layers: Sequence[int], prefetch: int = 8,
+                 prefetch_bytes: int = 1 << 30, ordered: bool = True,
                  credits_per_target: int = 4, expected_fingerprint: str = "",
                  verify_checksum: bool = True, connect_timeout_s: float = 30.0,
-                 client_name: str = ""):
+                 batch_timeout_s: float = 120.0, unavailable_timeout_s: float = 60.0,
+                 client_name: str = "", progress_every_s: float = 0.0, **advanced):
         if isinstance(targets, str):
             targets = [targets]
-        self._feed = _check(_draftfeed.Feed.open(
-            list(targets), [int(l) for l in layers], int(prefetch), int(credits_per_target),
-            expected_fingerprint, bool(verify_checksum), float(connect_timeout_s), client_name))
+        opts = dict(prefetch=int(prefetch), prefetch_bytes=int(prefetch_bytes),
+                    ordered=bool(ordered), credits_per_target=int(credits_per_target),
+                    expected_fingerprint=expected_fingerprint,
+                    verify_checksum=bool(verify_checksum),
+                    connect_timeout_s=float(connect_timeout_s),
+                    batch_timeout_s=float(batch_timeout_s),
+                    unavailable_timeout_s=float(unavailable_timeout_s), client_name=client_name)
+        opts.update(advanced)  # reconnect_backoff_min_s, reconnect_backoff_max_s, dns_refresh_s
+        self._feed = _check(_draftfeed.Feed.open(list(targets), [int(l) for l in layers], opts))
         self.prefetch = int(prefetch)
         self.layers = [int(l) for l in layers]
+        self.progress_every_s = float(progress_every_s)
         self._outstanding = 0
+        self._last_progress = 0.0
 
     @property
     def target(self) -> dict:
         """Description of the first target (model id, fingerprint, sizes)."""
         return self._feed.target()
+
+    def add_target(self, address: str) -> None:
+        """Adds a target to the running feed; it receives work once connected."""
+        _check(self._feed.add_target(address))
 
     def submit(self, token_ids, seq_lens) -> int:
         """Queues one packed batch; returns its batch id. Blocks beyond `prefetch`."""
@@ -150,12 +176,16 @@ class Feed:
         return batch_id
 
     def next(self) -> Result:
-        """The next result, in submission order. Raises DraftfeedError for a refused batch."""
+        """The next result (submission order unless ordered=False).
+
+        Raises DraftfeedError for a batch the target refused (the feed stays
+        usable) or when no target has been reachable for unavailable_timeout_s.
+        """
         self._outstanding -= 1
         return Result(_check(self._feed.next()))
 
     def map(self, batches: Iterable[Batch]) -> Iterator[Result]:
-        """Keeps `prefetch` batches in flight; yields results in the batches' order."""
+        """Keeps `prefetch` batches in flight; yields their results."""
         it = iter(batches)
         exhausted = False
         while True:
@@ -169,10 +199,30 @@ class Feed:
             if self._outstanding == 0:
                 return
             yield self.next()
+            if self.progress_every_s > 0:
+                now = time.monotonic()
+                if now - self._last_progress >= self.progress_every_s:
+                    self._last_progress = now
+                    print(self.progress_line(), flush=True)
 
     def stats(self) -> dict:
-        """Counters for dashboards: submitted, delivered, failed, tokens, bytes, outstanding."""
-        return self._feed.stats()
+        """Counters for dashboards (wandb, tensorboard): see README "Feed statistics"."""
+        s = self._feed.stats()
+        s["tokens_per_s"] = s["tokens_delivered"] / s["elapsed_s"] if s["elapsed_s"] > 0 else 0.0
+        s["queue_depth"] = s["outstanding"]
+        return s
+
+    def progress_line(self) -> str:
+        """One line: delivered batches and tokens, tokens/s, queue, per-target state."""
+        s = self.stats()
+        per = ", ".join(
+            f"{t['address']} {t['state']} {t['outstanding_batches']} out/{t['delivered_batches']} done"
+            + (f"/{t['failures']} lost" if t["failures"] else "")
+            for t in s["targets"])
+        return (f"draftfeed: {s['delivered']} batches, {s['tokens_delivered']} tokens, "
+                f"{s['tokens_per_s']:,.0f} tok/s, queue {s['queue_depth']}"
+                + (f", resent {s['resent']}" if s["resent"] else "")
+                + f" | {per}")
 
     def close(self) -> None:
         if self._feed is not None:

@@ -367,6 +367,7 @@ TEST(ServiceTest, DrainFinishesAcceptedBatchesThenEndsStreams) {
   opt.targets = {server.address()};
   opt.layers = {-1};
   opt.prefetch = 4;
+  opt.unavailable_timeout_s = 1.0;  // the only target is gone: fail fast
   auto feed = *Feed::Open(opt);
   std::vector<std::vector<int32_t>> toks;
   for (int i = 0; i < 4; ++i) {

@@ -1,0 +1,238 @@
+"""PyTorch adapter: the target's hidden states for every batch an existing DataLoader yields.
+
+    import draftfeed
+    from draftfeed.torch import HiddenStateDataset
+
+    feed = draftfeed.Feed(targets=["10.0.0.5:50051"], layers=[1, 2, 3, -1], prefetch=8)
+    for batch in HiddenStateDataset(loader, feed, device="cuda:0"):
+        hidden = batch["hidden"]            # bf16 [T, K, H] on cuda:0
+        ...                                 # the loader's own fields are all still there
+
+The loader yields packed token batches, one of:
+  - a `draftfeed.packing.PackedBatch` (from `PackingCollator` / `pack_sequences`);
+  - a dict with `input_ids` or `token_ids` ([T], or [1, T] as transformers'
+    DataCollatorWithFlattening makes) and `seq_lens`, `cu_seqlens` or `position_ids`
+    (restarting at 0 per sequence) for the boundaries;
+  - a `(token_ids, seq_lens)` pair.
+Values may be torch tensors (on any device), numpy arrays or lists. Padded [B, L] batches are not
+packed batches: pack them first (draftfeed.packing).
+
+Each item comes out as a dict: a loader dict keeps its own keys and values untouched (shallow
+copy); a PackedBatch becomes {token_ids, seq_lens, position_ids, cu_seqlens, index, **extras} and
+a pair {token_ids, seq_lens}, as CPU torch tensors (numpy memory shared, not copied). Added to
+every dict: `hidden` (bf16 torch tensor [T, K, H], or [T, K*H] with layers_view="t(kh)", on
+`device`) and `batch_id` (the feed's id). Items with no tokens are skipped (a target refuses them).
+
+torch.distributed: every rank makes its own Feed in its own process (a Feed is not shared across
+processes), after init_process_group. Either give every rank all targets (each feed sends to
+the target with the fewest outstanding tokens, so ranks spread themselves) or a share of them,
+e.g. `targets[rank::world_size]` when there are at least as many targets as ranks. The rank's
+DataLoader and sampler decide its data, exactly as without draftfeed (DistributedSampler, or
+`token_budget_batches(...)[rank::world_size]`); the feed only computes what it is given.
+
+DataLoader workers (num_workers > 0) are fine for the loader underneath: the Feed stays in the
+training process. Do not put a HiddenStateDataset itself into a DataLoader with workers.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+
+import numpy as np
+
+try:
+    import torch
+except ImportError as _e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "draftfeed.torch needs PyTorch, which this Python cannot import "
+        f"({_e}). Install torch, or use draftfeed.Feed directly: Result.hidden and "
+        "Result.hidden_bits are numpy arrays.") from _e
+
+from . import DraftfeedError
+from .packing import PackedBatch
+
+__all__ = ["HiddenStateDataset"]
+
+_LAYER_VIEWS = ("tkh", "t(kh)")
+
+
+def _np_int32(value: Any, name: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise ValueError(f"HiddenStateDataset: {name} must be 1-D (packed), got shape {arr.shape}; "
+                         f"pack padded batches first (draftfeed.packing)")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"HiddenStateDataset: {name} must hold integers, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def _lens_from_mapping(item: Mapping, num_tokens: int) -> np.ndarray:
+    if "seq_lens" in item:
+        return _np_int32(item["seq_lens"], "seq_lens")
+    if "cu_seqlens" in item:
+        cu = _np_int32(item["cu_seqlens"], "cu_seqlens")
+        if cu.size < 1 or cu[0] != 0 or cu[-1] != num_tokens:
+            raise ValueError(f"HiddenStateDataset: cu_seqlens must run from 0 to the token count "
+                             f"{num_tokens}, got {cu.tolist()[:4]}...{cu.tolist()[-2:]}")
+        return np.diff(cu).astype(np.int32)
+    if "position_ids" in item:
+        pos = _np_int32(item["position_ids"], "position_ids")
+        if pos.shape[0] != num_tokens:
+            raise ValueError(f"HiddenStateDataset: position_ids has {pos.shape[0]} entries for "
+                             f"{num_tokens} tokens")
+        starts = np.flatnonzero(pos == 0)
+        if num_tokens and (starts.size == 0 or starts[0] != 0):
+            raise ValueError("HiddenStateDataset: position_ids must start every sequence at 0")
+        return np.diff(np.append(starts, num_tokens)).astype(np.int32)
+    raise KeyError(f"HiddenStateDataset: a batch dict needs 'seq_lens', 'cu_seqlens' or "
+                   f"'position_ids' for the sequence boundaries, got keys {sorted(item)}")
+
+
+def _normalize(item: Any) -> Tuple[np.ndarray, np.ndarray, Dict[str, Any]]:
+    """A loader item -> (token_ids int32 [T], seq_lens int32 [n], output fields)."""
+    if isinstance(item, PackedBatch):
+        fields = {
+            "token_ids": torch.from_numpy(item.token_ids),
+            "seq_lens": torch.from_numpy(item.seq_lens),
+            "position_ids": torch.from_numpy(item.position_ids),
+            "cu_seqlens": torch.from_numpy(item.cu_seqlens),
+            "index": list(item.index),
+        }
+        for key, value in item.extras.items():
+            fields.setdefault(key, torch.as_tensor(value))
+        return (_np_int32(item.token_ids, "token_ids"), _np_int32(item.seq_lens, "seq_lens"),
+                fields)
+    if isinstance(item, Mapping):
+        key = next((k for k in ("input_ids", "token_ids") if k in item), None)
+        if key is None:
+            raise KeyError(f"HiddenStateDataset: a batch dict needs 'input_ids' or 'token_ids', "
+                           f"got keys {sorted(item)}")
+        tokens = _np_int32(item[key], key)
+        return tokens, _lens_from_mapping(item, tokens.shape[0]), dict(item)
+    if isinstance(item, (tuple, list)) and len(item) == 2:
+        token_ids, seq_lens = item
+        tokens, lens = _np_int32(token_ids, "token_ids"), _np_int32(seq_lens, "seq_lens")
+        return tokens, lens, {"token_ids": torch.as_tensor(token_ids),
+                              "seq_lens": torch.as_tensor(seq_lens)}
+    raise TypeError(f"HiddenStateDataset: cannot read a packed batch from a "
+                    f"{type(item).__name__}; the loader should yield a PackedBatch, a dict with "
+                    f"input_ids/token_ids and seq_lens/cu_seqlens/position_ids, or a "
+                    f"(token_ids, seq_lens) pair")
+
+
+class HiddenStateDataset(torch.utils.data.IterableDataset):
+    """Wraps a DataLoader (or any re-iterable of packed batches) and a `draftfeed.Feed`; yields
+    the loader's batches with the target's hidden states added. See the module docstring.
+
+    Args:
+      loader: yields packed batches (PackedBatch, dict, or (token_ids, seq_lens)).
+      feed: an open draftfeed.Feed; the dataset keeps its prefetch window full (Feed.map) and
+        must be the feed's only user while iterating.
+      device: where `hidden` goes (None: stays on the CPU, no copy). For a CUDA device the
+        CPU tensor is first copied into pinned memory, then copied with `non_blocking`, so the
+        host-to-device copy does not stall the Python thread.
+      layers_view: "tkh" gives [T, K, H]; "t(kh)" gives [T, K*H] (the concatenation DFlash's fc
+        layer takes; a view, no copy).
+      pin_memory: None (default) pins when `device` is CUDA; True also pins the CPU tensor when
+        `device` is None and CUDA is available (for the caller's own async copy); False never.
+      non_blocking: passed to the host-to-device copy.
+
+    Iterating again (next epoch) iterates the loader again. Leaving a loop early (break, an
+    exception) collects the feed's outstanding results first, so the feed is ready for reuse.
+    Results come in the loader's order (a feed's default); each `hidden` is paired with the
+    batch whose tokens it was computed from, and a mismatch raises instead of training on the
+    wrong states.
+    """
+
+    def __init__(self, loader: Iterable, feed, device=None, layers_view: str = "tkh",
+                 pin_memory: Optional[bool] = None, non_blocking: bool = True):
+        super().__init__()
+        if layers_view not in _LAYER_VIEWS:
+            raise ValueError(f"layers_view must be one of {_LAYER_VIEWS}, got {layers_view!r}")
+        self.loader = loader
+        self.feed = feed
+        self.device = None if device is None else torch.device(device)
+        self.layers_view = layers_view
+        self.non_blocking = bool(non_blocking)
+        on_cuda = self.device is not None and self.device.type == "cuda"
+        if on_cuda and not torch.cuda.is_available():
+            raise RuntimeError(f"HiddenStateDataset: device {self.device} asked for, but this "
+                               f"torch ({torch.__version__}) sees no CUDA device")
+        if pin_memory is None:
+            self._pin = on_cuda
+        else:
+            self._pin = bool(pin_memory) and torch.cuda.is_available()
+
+    def __len__(self) -> int:
+        return len(self.loader)  # TypeError when the loader has no length, as len() should
+
+    def _hidden(self, result) -> torch.Tensor:
+        t = result.torch()  # bf16 [T, K, H] on the CPU, sharing the result's memory
+        if self._pin and not t.is_pinned():
+            t = t.pin_memory()
+        if self.device is not None and self.device.type != "cpu":
+            t = t.to(self.device, non_blocking=self.non_blocking)
+        if self.layers_view == "t(kh)":
+            t = t.reshape(t.shape[0], -1)
+        return t
+
+    def _drain(self) -> None:
+        """Collects results still in flight so the next iteration starts clean."""
+        try:
+            left = int(self.feed.stats().get("outstanding", 0))
+        except Exception:  # a closed feed has nothing to collect
+            return
+        for _ in range(left):
+            try:
+                self.feed.next()
+            except DraftfeedError:
+                continue  # a failed batch is answered too
+            except Exception:
+                return
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError(
+                "HiddenStateDataset runs in the training process: iterate it directly, or use "
+                "DataLoader(..., batch_size=None, num_workers=0); put the workers on the "
+                "loader it wraps instead")
+        pending: collections.deque = collections.deque()
+
+        def submissions():
+            for item in self.loader:
+                tokens, lens, fields = _normalize(item)
+                if tokens.shape[0] == 0:
+                    continue
+                pending.append((tokens, lens, fields))
+                yield tokens, lens
+
+        results = self.feed.map(submissions())
+        try:
+            for result in results:
+                fields = self._take(pending, result)
+                fields["hidden"] = self._hidden(result)
+                fields["batch_id"] = result.batch_id
+                yield fields
+        finally:
+            results.close()
+            self._drain()
+
+    @staticmethod
+    def _take(pending: collections.deque, result) -> Dict[str, Any]:
+        """The pending batch this result was computed from: the oldest one for an ordered feed;
+        any batch with the same tokens and lengths (hence the same states) otherwise."""
+        got_tokens, got_lens = np.asarray(result.token_ids), np.asarray(result.seq_lens)
+        for i, (tokens, lens, fields) in enumerate(pending):
+            if np.array_equal(tokens, got_tokens) and np.array_equal(lens, got_lens):
+                del pending[i]
+                return fields
+        raise RuntimeError(
+            f"HiddenStateDataset: result batch {result.batch_id} ({result.num_tokens} tokens) "
+            f"matches none of the {len(pending)} batches this dataset has in flight; is another "
+            f"loop using the same Feed at the same time?")
