@@ -148,6 +148,7 @@ struct Feed::Impl {
     Clock::time_point next_attempt{};
     std::thread connector;
     absl::Status refusal;  // why it is kRefused
+    double rate_tps = 0;   // EWMA of tokens / forward time; 0 = not measured yet
     TargetStats stats;
   };
 
@@ -450,6 +451,10 @@ struct Feed::Impl {
     } else {
       ++t->stats.delivered_batches;
       t->stats.delivered_tokens += T;
+      if (d.timings().forward_ms() > 0) {
+        const double inst = static_cast<double>(T) / (d.timings().forward_ms() / 1000.0);
+        t->rate_tps = t->rate_tps > 0 ? 0.7 * t->rate_tps + 0.3 * inst : inst;
+      }
       Unassign(p);
       p.complete = true;
       HiddenBatch& r = p.result;
@@ -471,21 +476,38 @@ struct Feed::Impl {
 
   // ---- dispatch and supervision -------------------------------------------
 
-  // Sends unassigned batches, oldest first, each to the live target with the
-  // fewest outstanding tokens that has a free credit.
+  // Sends unassigned batches, oldest first, each to the live target that would
+  // finish it soonest: (its outstanding tokens + this batch) / its measured
+  // rate. When that target has no free credit the batch waits for it rather
+  // than going to a slower target, so one slow target cannot hold the
+  // head of an ordered feed.
   void Dispatch() {
     while (!unassigned.empty()) {
-      Target* best = nullptr;
+      const uint64_t id = *unassigned.begin();
+      Pending& p = pending.at(id);
+      const double tokens = static_cast<double>(p.token_ids.size());
+      double known = 0;
+      int n_known = 0;
       for (auto& t : targets) {
-        if (t->state != State::kLive || t->stats.outstanding_batches >= t->credits) continue;
-        if (best == nullptr || t->stats.outstanding_tokens < best->stats.outstanding_tokens) {
-          best = t.get();
+        if (t->state == State::kLive && t->rate_tps > 0) {
+          known += t->rate_tps;
+          ++n_known;
         }
       }
-      if (best == nullptr) return;
-      const uint64_t id = *unassigned.begin();
+      const double default_rate = n_known > 0 ? known / n_known : 1.0;
+      Target* best = nullptr;
+      double best_eta = 0;
+      for (auto& t : targets) {
+        if (t->state != State::kLive) continue;
+        const double rate = t->rate_tps > 0 ? t->rate_tps : default_rate;
+        const double eta = (static_cast<double>(t->stats.outstanding_tokens) + tokens) / rate;
+        if (best == nullptr || eta < best_eta) {
+          best = t.get();
+          best_eta = eta;
+        }
+      }
+      if (best == nullptr || best->stats.outstanding_batches >= best->credits) return;
       unassigned.erase(unassigned.begin());
-      Pending& p = pending.at(id);
       p.target = best;
       p.conn = best->conn.get();
       p.tokens_received = 0;

@@ -39,6 +39,9 @@ ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "Payload bytes per HiddenChunk (rounded
 ABSL_FLAG(int64_t, max_queued_batches, 256, "Scheduler queue bound across all streams.");
 ABSL_FLAG(int32_t, drain_timeout_s, 60,
           "On SIGTERM/SIGINT: seconds to let accepted batches finish before cancelling.");
+ABSL_FLAG(double, throttle_tokens_per_s, 0,
+          "Cap the engine at this many tokens/s (0 = off): emulates a slower device in "
+          "balancing and split benchmarks.");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written there once serving.");
 
 namespace draftfeed {
@@ -86,6 +89,8 @@ int Run() {
   options.max_credits = absl::GetFlag(FLAGS_max_credits);
   options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   options.max_queued_batches = absl::GetFlag(FLAGS_max_queued_batches);
+  options.throttle_tokens_per_s = absl::GetFlag(FLAGS_throttle_tokens_per_s);
+  if (options.throttle_tokens_per_s < 0) return Fail("--throttle_tokens_per_s must be >= 0");
   TargetService service({engine->get()}, options);
 
   grpc::EnableDefaultHealthCheckService(true);

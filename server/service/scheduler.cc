@@ -12,7 +12,9 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
 }
 }  // namespace
 
-Scheduler::Scheduler(std::vector<Engine*> engines, int64_t max_queued) : max_queued_(max_queued) {
+Scheduler::Scheduler(std::vector<Engine*> engines, int64_t max_queued,
+                     double throttle_tokens_per_s)
+    : max_queued_(max_queued), throttle_tokens_per_s_(throttle_tokens_per_s) {
   workers_.reserve(engines.size());
   for (Engine* engine : engines) workers_.emplace_back([this, engine] { WorkerLoop(engine); });
 }
@@ -70,6 +72,12 @@ void Scheduler::WorkerLoop(Engine* engine) {
       const auto t0 = std::chrono::steady_clock::now();
       absl::Status status = engine->Forward(
           ForwardInput{item.token_ids, item.seq_lens, item.layers}, result.hidden);
+      if (throttle_tokens_per_s_ > 0) {
+        std::this_thread::sleep_until(
+            t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double>(static_cast<double>(tokens) /
+                                                   throttle_tokens_per_s_)));
+      }
       result.forward_ms = MsSince(t0);
       if (status.ok()) {
         item.done(std::move(result));

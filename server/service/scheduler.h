@@ -40,7 +40,9 @@ struct WorkItem {
 
 class Scheduler {
  public:
-  Scheduler(std::vector<Engine*> engines, int64_t max_queued);
+  // `throttle_tokens_per_s` > 0 caps each worker's rate (emulates a slower
+  // device, e.g. for balancing and split benchmarks); 0 runs at full speed.
+  Scheduler(std::vector<Engine*> engines, int64_t max_queued, double throttle_tokens_per_s = 0);
   ~Scheduler();  // Stop()s
 
   // RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE once stopping.
@@ -61,6 +63,7 @@ class Scheduler {
   void WorkerLoop(Engine* engine);
 
   const int64_t max_queued_;
+  const double throttle_tokens_per_s_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Entry> queue_;

@@ -370,7 +370,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<StreamRequest, Stream
 TargetService::TargetService(std::vector<Engine*> engines, ServiceOptions options)
     : engines_(std::move(engines)),
       options_(options),
-      scheduler_(engines_, options.max_queued_batches) {}
+      scheduler_(engines_, options.max_queued_batches, options.throttle_tokens_per_s) {}
 
 TargetService::~TargetService() { scheduler_.Stop(); }
 

@@ -22,6 +22,7 @@ struct ServiceOptions {
   int32_t max_credits = 32;          // larger requests are clamped
   int64_t chunk_bytes = 4 << 20;     // payload per HiddenChunk (whole tokens)
   int64_t max_queued_batches = 256;  // scheduler backstop
+  double throttle_tokens_per_s = 0;  // > 0: cap the engine's rate (benchmarks)
 };
 
 class StreamReactor;
