@@ -24,9 +24,9 @@ every dict: `hidden` (bf16 torch tensor [T, K, H], or [T, K*H] with layers_view=
 `device`) and `batch_id` (the feed's id). Items with no tokens are skipped (a target refuses them).
 
 torch.distributed: every rank makes its own Feed in its own process (a Feed is not shared across
-processes), after init_process_group. Either give every rank all targets (each feed sends to
-the target with the fewest outstanding tokens, so ranks spread themselves) or a share of them,
-e.g. `targets[rank::world_size]` when there are at least as many targets as ranks. The rank's
+processes), after init_process_group. Either give every rank all targets (each feed balances
+its batches over them, so ranks spread themselves) or a share of them, e.g.
+`targets[rank::world_size]` when there are at least as many targets as ranks. The rank's
 DataLoader and sampler decide its data, exactly as without draftfeed (DistributedSampler, or
 `token_budget_batches(...)[rank::world_size]`); the feed only computes what it is given.
 
@@ -105,7 +105,10 @@ def _normalize(item: Any) -> Tuple[np.ndarray, np.ndarray, Dict[str, Any]]:
             "index": list(item.index),
         }
         for key, value in item.extras.items():
-            fields.setdefault(key, torch.as_tensor(value))
+            try:
+                fields.setdefault(key, torch.as_tensor(value))
+            except TypeError:  # a dtype torch lacks (e.g. uint16 in older torch): keep numpy
+                fields.setdefault(key, value)
         return (_np_int32(item.token_ids, "token_ids"), _np_int32(item.seq_lens, "seq_lens"),
                 fields)
     if isinstance(item, Mapping):
