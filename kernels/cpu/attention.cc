@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/cpu/dot.h"
 #include "kernels/cpu/parallel.h"
 
 namespace draftfeed::cpu {
@@ -13,17 +14,6 @@ namespace {
 // the triangular cost across threads.
 constexpr int64_t kRowsPerItem = 16;
 
-// Eight interleaved partial sums let the compiler vectorise without
-// reassociating on its own, and fix the summation order for every row.
-float Dot(const float* a, const float* b, int64_t n) {
-  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int l = 0; l < 8; ++l) part[l] += a[i + l] * b[i + l];
-  }
-  for (; i < n; ++i) part[i % 8] += a[i] * b[i];
-  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-}
 
 struct RowBlock {
   int64_t begin, end;  // query tokens [begin, end)

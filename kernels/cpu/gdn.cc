@@ -4,21 +4,12 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/cpu/dot.h"
 #include "kernels/cpu/parallel.h"
 
 namespace draftfeed::cpu {
 namespace {
 
-// Eight interleaved partial sums: vectorisable, and one fixed summation order.
-float Dot(const float* a, const float* b, int64_t n) {
-  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int l = 0; l < 8; ++l) part[l] += a[i + l] * b[i + l];
-  }
-  for (; i < n; ++i) part[i % 8] += a[i] * b[i];
-  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-}
 
 // y += a·x over n elements.
 void Axpy(float a, const float* x, float* y, int64_t n) {
