@@ -1,0 +1,34 @@
+// Varlen causal GQA attention over packed sequences, flash-style (no T×T
+// matrix in memory), head dim 128 or 256.
+#pragma once
+
+#include "kernels/common.cuh"
+
+namespace draftfeed::cuda {
+
+struct AttentionArgs {
+  // q: [T, Hq, hd] with token stride q_stride and head stride q_head_stride
+  // (so it can be read in place from the interleaved query|gate projection);
+  // k, v: [T, Hkv, hd] with token strides k_stride / v_stride, heads dense.
+  const bf16* q = nullptr;
+  int64_t q_stride = 0;
+  int64_t q_head_stride = 0;
+  const bf16* k = nullptr;
+  int64_t k_stride = 0;
+  const bf16* v = nullptr;
+  int64_t v_stride = 0;
+  int64_t num_tokens = 0;
+  int64_t num_q_heads = 0;
+  int64_t num_kv_heads = 0;  // query head h reads KV head h / (Hq / Hkv)
+  int64_t head_dim = 0;      // 128 or 256
+  const int32_t* cu_seqlens = nullptr;  // device, [num_seqs + 1]
+  int32_t num_seqs = 0;
+  int32_t max_seqlen = 0;
+  float scale = 0;
+  bf16* out = nullptr;  // [T, Hq, hd] dense
+};
+
+// Block-diagonal causal softmax(q·kᵀ·scale)·v, fp32 softmax and accumulation.
+cudaError_t VarlenCausalAttention(const AttentionArgs& args, cudaStream_t stream);
+
+}  // namespace draftfeed::cuda

@@ -1,0 +1,44 @@
+// Gated DeltaNet prefill over packed sequences: causal depthwise conv + SiLU,
+// and the chunked gated delta rule (L2-normalised q/k, fp32 state).
+#pragma once
+
+#include "kernels/common.cuh"
+
+namespace draftfeed::cuda {
+
+// y[t, c] = SiLU(Σ_{i<K} w[c, i]·x[t − (K−1) + i, c]) with taps before the
+// start of t's sequence reading 0. x rows are x_stride apart; y: [T, C]
+// dense; w: [C, K] bf16. fp32 maths, one rounding.
+cudaError_t CausalConv1dSilu(const bf16* x, int64_t x_stride, const bf16* w, int64_t num_tokens,
+                             int64_t channels, int64_t kernel, const int32_t* cu_seqlens,
+                             int32_t num_seqs, bf16* y, cudaStream_t stream);
+
+struct GdnArgs {
+  // After the conv: per token, q [Nk, dk] | k [Nk, dk] | v [Nv, dv], rows
+  // qkv_stride elements apart (the conv output, so 2·Nk·dk + Nv·dv).
+  const bf16* qkv = nullptr;
+  int64_t qkv_stride = 0;
+  // Raw projections a, b: [T, Nv] with rows ab_stride apart.
+  const bf16* a = nullptr;
+  const bf16* b = nullptr;
+  int64_t ab_stride = 0;
+  const float* a_log = nullptr;    // [Nv] fp32
+  const float* dt_bias = nullptr;  // [Nv] fp32
+  int64_t num_tokens = 0;
+  int64_t num_k_heads = 0;  // Nk
+  int64_t num_v_heads = 0;  // Nv; value head j reads q/k head j / (Nv / Nk)
+  int64_t key_dim = 0;      // dk
+  int64_t value_dim = 0;    // dv
+  const int32_t* cu_seqlens = nullptr;  // device, [num_seqs + 1]
+  int32_t num_seqs = 0;
+  bf16* out = nullptr;  // [T, Nv, dv] dense
+};
+
+// The full GDN core of qwen35-forward.md §3.7 steps 4–6: gates (β = sigmoid(b),
+// g = −exp(A_log)·softplus(a + dt_bias)), q̂ = L2(q)·dk^−½, k̂ = L2(k), then the
+// gated delta rule in chunks of 64 tokens per sequence, fp32 state zero at each
+// sequence start. `workspace` must hold GdnWorkspaceBytes(args) bytes.
+size_t GdnWorkspaceBytes(const GdnArgs& args);
+cudaError_t GatedDeltaRule(const GdnArgs& args, void* workspace, cudaStream_t stream);
+
+}  // namespace draftfeed::cuda
