@@ -1,0 +1,55 @@
+#include "kernels/random_init.cuh"
+
+namespace draftfeed::cuda {
+namespace {
+
+// splitmix64 finaliser: a good 64-bit mix of the counter.
+__device__ __forceinline__ uint64_t Mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+__device__ __forceinline__ float Uniform(uint64_t seed, int64_t i) {
+  const uint64_t h = Mix(seed ^ Mix(static_cast<uint64_t>(i)));
+  // 24 random bits -> [0, 1), then to [−√3, √3).
+  const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
+  return (u * 2.0f - 1.0f) * 1.7320508f;
+}
+
+template <typename T>
+__global__ void FillKernel(T* p, int64_t n, uint64_t seed, float scale, float offset) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = offset + scale * Uniform(seed, i);
+    if constexpr (sizeof(T) == 2) {
+      p[i] = __float2bfloat16(v);
+    } else {
+      p[i] = v;
+    }
+  }
+}
+
+template <typename T>
+cudaError_t Fill(T* p, int64_t n, uint64_t seed, float scale, float offset, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 132 * 32);
+  FillKernel<T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, n, seed, scale, offset);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t FillRandomBf16(bf16* p, int64_t n, uint64_t seed, float scale, float offset,
+                           cudaStream_t stream) {
+  return Fill(p, n, seed, scale, offset, stream);
+}
+
+cudaError_t FillRandomF32(float* p, int64_t n, uint64_t seed, float scale, float offset,
+                          cudaStream_t stream) {
+  return Fill(p, n, seed, scale, offset, stream);
+}
+
+}  // namespace draftfeed::cuda

@@ -1,0 +1,17 @@
+// Deterministic pseudo-random fill on the device, for random-weight models at
+// real sizes (no 54 GB host buffer, no upload).
+#pragma once
+
+#include "kernels/common.cuh"
+
+namespace draftfeed::cuda {
+
+// p[i] = bf16(offset + scale·u_i), u_i uniform in [−√3, √3) (unit variance)
+// from a counter-based hash of (seed, i): the same on every run and device.
+cudaError_t FillRandomBf16(bf16* p, int64_t n, uint64_t seed, float scale, float offset,
+                           cudaStream_t stream);
+// The same in fp32 (A_log, dt_bias).
+cudaError_t FillRandomF32(float* p, int64_t n, uint64_t seed, float scale, float offset,
+                          cudaStream_t stream);
+
+}  // namespace draftfeed::cuda
