@@ -1,0 +1,701 @@
+// Varlen causal GQA attention, flash-attention schedule on tensor cores.
+//
+// One block = one (query tile, query head, sequence). Compute warps own 16
+// query rows each; a loader warp brings Q once, then K and V tiles of BN keys
+// into two stages each, by TMA, in the 128-byte-swizzled layout that wgmma
+// descriptors and ldmatrix both read without bank conflicts. mbarriers tell
+// the compute warps that a stage is full and the loader that every compute
+// thread is done with it. Per KV tile up to the diagonal: S = Q·Kᵀ, an online
+// softmax in fp32 (log2 domain), P rounded to bf16, O += P·V in fp32
+// registers. No T×T matrix.
+//
+// Two tensor-core paths share the tiles, the softmax and the accumulator
+// layout (thread (g = lane/4, t = lane%4) of a warp holds rows g and g+8,
+// columns 8j+2t and 8j+2t+1 of every 8-column block j):
+// - sm_90a: wgmma, 128-row tiles (two warpgroups). S from Q and K in shared
+//   memory, O from P in registers and V in shared memory. Each iteration
+//   issues S(j) with P(j−1)·V(j−1) and runs the softmax of S(j) while that
+//   product is still on the tensor cores. (Making the two warpgroups take
+//   turns, FA3's ping-pong, measured no faster on an H200 and is not done.)
+// - otherwise (the portable compute_90 PTX): mma.sync.m16n8k16 fed by
+//   ldmatrix, 64-row tiles, the same loop done synchronously.
+#include "kernels/attention.cuh"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <cmath>
+#include <type_traits>
+
+namespace draftfeed::cuda {
+namespace {
+
+// Whether this compilation pass has wgmma and setmaxnreg (sm_90a).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr bool kArchWgmma = true;
+#else
+constexpr bool kArchWgmma = false;
+#endif
+
+// Block shape of each path: compute warps of 16 query rows, then loader warps.
+// wgmma: two warpgroups (128 rows) and a whole loader warpgroup, because
+// registers move between warpgroups (setmaxnreg): the loader keeps 24, the
+// compute warps get 240 (128·24 + 256·240 ≤ 64K). Without setmaxnreg a block
+// over 256 threads caps every thread at 168 registers, so the portable path
+// runs four compute warps (64 rows) and one loader warp.
+template <bool kWgmma>
+struct Layout {
+  static constexpr int kComputeWarps = kWgmma ? 8 : 4;
+  static constexpr int kLoaderWarps = kWgmma ? 4 : 1;
+  static constexpr int kBlockM = 16 * kComputeWarps;
+  static constexpr int kThreads = (kComputeWarps + kLoaderWarps) * 32;
+};
+static_assert(4 * 32 * 24 + 8 * 32 * 240 <= 64 * 1024, "setmaxnreg budget");
+
+struct Params {
+  bf16* out;
+  int64_t out_stride;
+  const int32_t* cu_seqlens;
+  int group;         // query heads per KV head
+  float scale_log2;  // scale·log2(e): the softmax runs on exp2
+};
+
+// ---------------------------------------------------------------------------
+// Shared-memory tiles. A [rows × HD] bf16 tile is cut into HD/64 column
+// chunks, each a [rows][128 B] slab on a 1024-byte boundary; the 16-byte unit
+// u of row r sits at unit u ^ (r % 8). This is what TMA writes with
+// CU_TENSOR_MAP_SWIZZLE_128B and a 64-column box, and what wgmma reads with
+// the 128B-swizzle descriptor mode.
+template <int kRows>
+__device__ __forceinline__ uint32_t SwizzledOffset(int row, int col) {
+  return (col >> 6) * (kRows * 128) + row * 128 + ((((col >> 3) & 7) ^ (row & 7)) << 4);
+}
+
+template <int HD, int BN, int BM>
+constexpr int SmemBytes() {
+  // Q, two K stages, two V stages, 9 mbarriers, slack to align to 1024.
+  return BM * HD * 2 + 4 * BN * HD * 2 + 9 * 8 + 1024;
+}
+
+__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void MbarExpectTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void MbarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// The spin loop stays inside the asm: as C++ control flow it splits the
+// compute loop into blocks across which ptxas serializes the wgmma pipeline.
+__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// One 64-column × 1-head × rows box of a [tokens, heads, HD] tensor.
+__device__ __forceinline__ void TmaLoad(uint32_t dst, const CUtensorMap& map, int col, int head,
+                                        int token, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(head), "r"(token), "r"(bar)
+      : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void FenceRegs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void FenceRegs(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(r[i][k])::"memory");
+}
+
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// ---------------------------------------------------------------------------
+// Portable path: mma.sync.m16n8k16 (bf16 in, fp32 accumulate) from ldmatrix.
+template <int HD, int BN, int BM>
+struct MmaCore {
+  static __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+  }
+  static __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+  }
+  static __device__ __forceinline__ void Mma(float* d, const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+
+  // S(16 rows of this warp × BN) = Q·Kᵀ.
+  static __device__ __forceinline__ void IssueQK(float (&s)[BN / 2], uint32_t q_smem,
+                                                 uint32_t k_smem, int warp, int lane) {
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+    // ldmatrix.x4 quadrants: A = (rows 0-7 | 8-15) × (k 0-7 | 8-15);
+    // B = (keys 0-7, k 0-7 | 8-15), (keys 8-15, k 0-7 | 8-15).
+    const int a_row = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int a_col = (lane >> 4) * 8;
+    const int b_row = (lane & 7) + (lane >> 4) * 8;
+    const int b_col = ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      uint32_t a[4];
+      LdMatrixX4(a, q_smem + SwizzledOffset<BM>(a_row, kk * 16 + a_col));
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        uint32_t b[4];
+        LdMatrixX4(b, k_smem + SwizzledOffset<BN>(np * 16 + b_row, kk * 16 + b_col));
+        Mma(&s[(2 * np) * 4], a, b[0], b[1]);
+        Mma(&s[(2 * np + 1) * 4], a, b[2], b[3]);
+      }
+    }
+  }
+  // O += P·V; V read transposed: quadrants (keys 0-7 | 8-15) × (dims 0-7 | 8-15).
+  template <bool kIssue, bool kFence>
+  static __device__ __forceinline__ void IssuePV(float (&o)[HD / 2],
+                                                 const uint32_t (&p)[BN / 16][4], uint32_t v_smem,
+                                                 int, int lane) {
+    if constexpr (!kIssue) return;
+    const int row = (lane & 7) + ((lane >> 3) & 1) * 8;
+    const int col = (lane >> 4) * 8;
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+      for (int dp = 0; dp < HD / 16; ++dp) {
+        uint32_t b[4];
+        LdMatrixX4Trans(b, v_smem + SwizzledOffset<BN>(kk * 16 + row, dp * 16 + col));
+        Mma(&o[(2 * dp) * 4], p[kk], b[0], b[1]);
+        Mma(&o[(2 * dp + 1) * 4], p[kk], b[2], b[3]);
+      }
+    }
+  }
+  static __device__ __forceinline__ void WaitQK(float (&)[BN / 2]) {}
+  static __device__ __forceinline__ void WaitPV(float (&)[HD / 2], uint32_t (&)[BN / 16][4]) {}
+};
+
+// ---------------------------------------------------------------------------
+// sm_90a path: wgmma.mma_async, one warpgroup = 64 rows.
+template <int N>
+struct Wgmma;
+
+template <>
+struct Wgmma<80> {
+  template <int kScaleD>
+  static __device__ __forceinline__ void SS(float (&d)[40], uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %42, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+        "%36, %37, %38, %39"
+        "}, %40, %41, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "l"(a), "l"(b), "n"(kScaleD));
+  }
+};
+
+template <>
+struct Wgmma<128> {
+  template <int kScaleD>
+  static __device__ __forceinline__ void SS(float (&d)[64], uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
+        "%60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+          "+f"(d[63])
+        : "l"(a), "l"(b), "n"(kScaleD));
+  }
+  template <int kScaleD>
+  static __device__ __forceinline__ void RS(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
+        "%60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+          "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kScaleD));
+  }
+};
+
+template <>
+struct Wgmma<256> {
+  template <int kScaleD>
+  static __device__ __forceinline__ void RS(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
+        "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, "
+        "%72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, "
+        "%84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "
+        "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, "
+        "%120, %121, %122, %123, %124, %125, %126, %127"
+        "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+          "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+          "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+          "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+          "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+          "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+          "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+          "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+          "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+          "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kScaleD));
+  }
+};
+
+template <int HD, int BN, int BM>
+struct WgmmaCore {
+  static __device__ __forceinline__ void Fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  }
+  static __device__ __forceinline__ void Commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  }
+  template <int kPending>
+  static __device__ __forceinline__ void Wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+  }
+  // Shared-memory matrix descriptor, 128B swizzle. K-major operands (Q, K)
+  // step 8-row groups by sbo = 1024 and ignore lbo; the N-major V steps 8-key
+  // groups by sbo = 1024 and 64-column chunks by lbo.
+  static __device__ __forceinline__ uint64_t Desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
+           static_cast<uint64_t>(sbo >> 4) << 32 | 1ull << 62;
+  }
+  // Hides a value from loop-invariant code motion, so it is rebuilt each
+  // tile instead of held in registers across the main loop.
+  static __device__ __forceinline__ uint64_t Opaque(uint64_t x) {
+    asm volatile("" : "+l"(x));
+    return x;
+  }
+
+  static __device__ __forceinline__ void IssueQK(float (&s)[BN / 2], uint32_t q_smem,
+                                                 uint32_t k_smem, int warp, int) {
+    FenceRegs(s);  // nothing may write s between the fence and the products
+    // Built here each tile, not hoisted: 32 loop-invariant descriptors
+    // would cost 64 registers.
+    const uint64_t a0 = Opaque(Desc(q_smem + (warp / 4) * 64 * 128, 16, 1024));
+    const uint64_t b0 = Desc(k_smem, 16, 1024);
+    Fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+      // Columns 16kk..16kk+15: chunk kk/4, 32 bytes into each 128-byte row
+      // (descriptor addresses count 16-byte units).
+      const uint64_t a = a0 + (((kk / 4) * (BM * 128) + (kk % 4) * 32) >> 4);
+      const uint64_t b = b0 + (((kk / 4) * (BN * 128) + (kk % 4) * 32) >> 4);
+      if (kk == 0) {
+        Wgmma<BN>::template SS<0>(s, a, b);  // S = Q·Kᵀ, not +=
+      } else {
+        Wgmma<BN>::template SS<1>(s, a, b);
+      }
+    }
+    Commit();
+  }
+  // Always commits a group (empty without kIssue), so WaitQK's count holds.
+  template <bool kIssue, bool kFence>
+  static __device__ __forceinline__ void IssuePV(float (&o)[HD / 2],
+                                                 const uint32_t (&p)[BN / 16][4], uint32_t v_smem,
+                                                 int, int) {
+    if constexpr (kFence) Fence();
+    if constexpr (kIssue) {
+      // One instruction per 16 keys covers all HD columns (HD/64 chunks).
+      const uint64_t b0 = Desc(v_smem, BN * 128, 1024);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        Wgmma<HD>::template RS<1>(o, p[kk], b0 + ((kk * 16 * 128) >> 4));
+    }
+    Commit();
+  }
+  static __device__ __forceinline__ void WaitQK(float (&s)[BN / 2]) {
+    Wait<1>();
+    FenceRegs(s);
+  }
+  // Also keeps P(j−1) alive until its product is done, so the compiler cannot
+  // place P(j) in the registers the tensor cores are still reading.
+  static __device__ __forceinline__ void WaitPV(float (&o)[HD / 2], uint32_t (&p)[BN / 16][4]) {
+    Wait<0>();
+    FenceRegs(o);
+    FenceRegs(p);
+  }
+};
+
+// ---------------------------------------------------------------------------
+// The block size is the path's (read back by the launcher from the loaded
+// binary as cudaFuncAttributes::maxThreadsPerBlock).
+template <int HD, int BN, bool kTryWgmma>
+__global__ void __launch_bounds__(Layout<kTryWgmma && kArchWgmma>::kThreads, 1)
+    AttentionKernel(const __grid_constant__ CUtensorMap tm_q,
+                    const __grid_constant__ CUtensorMap tm_k,
+                    const __grid_constant__ CUtensorMap tm_v, const Params prm) {
+  constexpr bool kWgmma = kTryWgmma && kArchWgmma;
+  using L = Layout<kWgmma>;
+  constexpr int kBlockM = L::kBlockM;
+  constexpr int kComputeWarps = L::kComputeWarps;
+  using Core = std::conditional_t<kWgmma, WgmmaCore<HD, BN, kBlockM>, MmaCore<HD, BN, kBlockM>>;
+  constexpr uint32_t kQBytes = kBlockM * HD * 2;
+  constexpr uint32_t kTileBytes = BN * HD * 2;
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t q_smem =
+      (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~uint32_t{1023};
+  const uint32_t k_smem = q_smem + kQBytes;
+  const uint32_t v_smem = k_smem + 2 * kTileBytes;
+  const uint32_t q_full = v_smem + 2 * kTileBytes;
+  const auto k_full = [&](int st) { return q_full + 8 + 8 * st; };
+  const auto k_empty = [&](int st) { return q_full + 24 + 8 * st; };
+  const auto v_full = [&](int st) { return q_full + 40 + 8 * st; };
+  const auto v_empty = [&](int st) { return q_full + 56 + 8 * st; };
+
+  // Heads vary fastest and query tiles run last-first, so the longest
+  // (farthest from the start) tiles are scheduled first and the query heads
+  // sharing a KV head run side by side.
+  const int head = blockIdx.x;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kBlockM;
+  const int seq_begin = prm.cu_seqlens[blockIdx.z];
+  const int seq_len = prm.cu_seqlens[blockIdx.z + 1] - seq_begin;
+  if (q0 >= seq_len) return;
+  const int num_kv_tiles = (min(q0 + kBlockM, seq_len) + BN - 1) / BN;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  if (tid == 0) {
+    MbarInit(q_full, 1);
+    for (int st = 0; st < 2; ++st) {
+      MbarInit(k_full(st), 1);
+      MbarInit(v_full(st), 1);
+      // Every compute thread releases (a lane-0-only arrive would be a
+      // branch between wgmma instructions, which ptxas serializes).
+      MbarInit(k_empty(st), kComputeWarps * 32);
+      MbarInit(v_empty(st), kComputeWarps * 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp >= kComputeWarps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kWgmma) asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+#endif
+    // Loader: Q, then K(j) and V(j) once the tile two back has been released.
+    // TMA zero-fills rows past the last packed token; rows past this
+    // sequence's end are real tokens and the causal mask hides them.
+    if (warp == kComputeWarps && lane == 0) {
+      const int kv_head = head / prm.group;
+      MbarExpectTx(q_full, kQBytes);
+      for (int c = 0; c < HD / 64; ++c)
+        TmaLoad(q_smem + c * kBlockM * 128, tm_q, c * 64, head, seq_begin + q0, q_full);
+      for (int j = 0; j < num_kv_tiles; ++j) {
+        const int st = j & 1;
+        const uint32_t free_parity = ((j >> 1) & 1) ^ 1;
+        MbarWait(k_empty(st), free_parity);
+        MbarExpectTx(k_full(st), kTileBytes);
+        for (int c = 0; c < HD / 64; ++c)
+          TmaLoad(k_smem + st * kTileBytes + c * BN * 128, tm_k, c * 64, kv_head,
+                  seq_begin + j * BN, k_full(st));
+        MbarWait(v_empty(st), free_parity);
+        MbarExpectTx(v_full(st), kTileBytes);
+        for (int c = 0; c < HD / 64; ++c)
+          TmaLoad(v_smem + st * kTileBytes + c * BN * 128, tm_v, c * 64, kv_head,
+                  seq_begin + j * BN, v_full(st));
+      }
+    }
+    return;
+  }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (kWgmma) asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+#endif
+
+  // Compute warps. This thread's rows: block-relative q0 + row and + 8.
+  const int row = 16 * warp + lane / 4;
+  const float sl2 = prm.scale_log2;
+  float o[HD / 2], s[BN / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  uint32_t p[BN / 16][4] = {};
+
+  MbarWait(q_full, 0);
+
+  // One KV tile; the first has no P(j−1)·V(j−1) to issue.
+  const auto step = [&](int j, auto first) {
+    constexpr bool kFirst = decltype(first)::value;
+    // Both waits come before the issue: a spin loop between wgmma
+    // instructions would make ptxas serialize them.
+    if (!kFirst) MbarWait(v_full((j - 1) & 1), ((j - 1) >> 1) & 1);
+    MbarWait(k_full(j & 1), (j >> 1) & 1);
+    Core::IssueQK(s, q_smem, k_smem + (j & 1) * kTileBytes, warp, lane);
+    Core::template IssuePV<!kFirst, false>(o, p, v_smem + ((j - 1) & 1) * kTileBytes, warp, lane);
+    Core::WaitQK(s);
+    MbarArrive(k_empty(j & 1));
+
+    // Causal mask, only on tiles that reach past this warp's first row.
+    if ((j + 1) * BN - 1 > q0 + 16 * warp) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) {
+        const int key = j * BN + (i / 4) * 8 + 2 * (lane % 4) + (i & 1);
+        if (key > q0 + row + 8 * ((i >> 1) & 1)) s[i] = -INFINITY;
+      }
+    }
+    // Online softmax; a row's 4 threads (one quad) share its max.
+    float new_max[2] = {row_max[0], row_max[1]};
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) new_max[(i >> 1) & 1] = fmaxf(new_max[(i >> 1) & 1], s[i]);
+    float corr[2], offset[2], tile_sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 1));
+      new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 2));
+      // Every row sees its sequence's first key on tile 0, so new_max is
+      // finite and exp2(−inf) = 0 handles the first tile.
+      corr[r] = Exp2((row_max[r] - new_max[r]) * sl2);
+      row_max[r] = new_max[r];
+      offset[r] = -new_max[r] * sl2;
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      s[i] = Exp2(fmaf(s[i], sl2, offset[(i >> 1) & 1]));
+      tile_sum[(i >> 1) & 1] += s[i];
+    }
+    row_sum[0] = row_sum[0] * corr[0] + tile_sum[0];
+    row_sum[1] = row_sum[1] * corr[1] + tile_sum[1];
+    // P as the A operand of m16n8k16 / wgmma: per 16 keys, rows g | g+8 ×
+    // keys 2t | 2t+8.
+    uint32_t p_next[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      p_next[kk][0] = PackBf16(s[8 * kk + 0], s[8 * kk + 1]);
+      p_next[kk][1] = PackBf16(s[8 * kk + 2], s[8 * kk + 3]);
+      p_next[kk][2] = PackBf16(s[8 * kk + 4], s[8 * kk + 5]);
+      p_next[kk][3] = PackBf16(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+
+    Core::WaitPV(o, p);
+    if (!kFirst) MbarArrive(v_empty((j - 1) & 1));
+#pragma unroll
+    for (int i = 0; i < HD / 2; ++i) o[i] *= corr[(i >> 1) & 1];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p[kk][e] = p_next[kk][e];
+    // Settle O and P before the next iteration's wgmma fence.
+    FenceRegs(o);
+    FenceRegs(p);
+  };
+  step(0, std::true_type{});
+  for (int j = 1; j < num_kv_tiles; ++j) step(j, std::false_type{});
+  const int last = num_kv_tiles - 1;
+  MbarWait(v_full(last & 1), (last >> 1) & 1);
+  Core::template IssuePV<true, true>(o, p, v_smem + (last & 1) * kTileBytes, warp, lane);
+  Core::WaitPV(o, p);
+
+  bf16* out = prm.out + (seq_begin + q0) * prm.out_stride + head * HD + 2 * (lane % 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = 1.f / sum;
+    const int qr = row + 8 * r;
+    if (q0 + qr >= seq_len) continue;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out + qr * prm.out_stride);
+#pragma unroll
+    for (int nb = 0; nb < HD / 8; ++nb)
+      dst[nb * 4] = PackBf16(o[nb * 4 + 2 * r] * inv, o[nb * 4 + 2 * r + 1] * inv);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host side.
+using EncodeTiledFn = PFN_cuTensorMapEncodeTiled_v12000;
+
+EncodeTiledFn EncodeTiled() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      return EncodeTiledFn{nullptr};
+    }
+    return reinterpret_cast<EncodeTiledFn>(f);
+  }();
+  return fn;
+}
+
+// [tokens, heads, hd] bf16, read in boxes of 64 columns × 1 head × `rows`
+// tokens with the 128-byte swizzle; rows past `tokens` read as zeros.
+cudaError_t MakeTensorMap(CUtensorMap* map, const bf16* base, int64_t tokens, int64_t heads,
+                          int64_t hd, int64_t head_stride, int64_t token_stride, int rows) {
+  const EncodeTiledFn encode = EncodeTiled();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(hd), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(tokens)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_stride) * sizeof(bf16),
+                                 static_cast<cuuint64_t>(token_stride) * sizeof(bf16)};
+  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(rows)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(base), dims, strides, box,
+             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <int HD, int BN, bool kTryWgmma>
+cudaError_t LaunchKernel(const AttentionArgs& a, cudaStream_t stream) {
+  using L = Layout<kTryWgmma>;
+  const auto kernel = AttentionKernel<HD, BN, kTryWgmma>;
+  constexpr int kSmem = SmemBytes<HD, BN, L::kBlockM>();
+  const int q_tiles = (a.max_seqlen + L::kBlockM - 1) / L::kBlockM;
+  if (q_tiles > 65535) return cudaErrorInvalidValue;
+  CUtensorMap tm_q, tm_k, tm_v;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (err == cudaSuccess) {
+    err = MakeTensorMap(&tm_q, a.q, a.num_tokens, a.num_q_heads, HD, a.q_head_stride, a.q_stride,
+                        L::kBlockM);
+  }
+  if (err == cudaSuccess)
+    err = MakeTensorMap(&tm_k, a.k, a.num_tokens, a.num_kv_heads, HD, HD, a.k_stride, BN);
+  if (err == cudaSuccess)
+    err = MakeTensorMap(&tm_v, a.v, a.num_tokens, a.num_kv_heads, HD, HD, a.v_stride, BN);
+  if (err != cudaSuccess) return err;
+  Params prm;
+  prm.out = a.out;
+  prm.out_stride = a.num_q_heads * HD;
+  prm.cu_seqlens = a.cu_seqlens;
+  prm.group = static_cast<int>(a.num_q_heads / a.num_kv_heads);
+  prm.scale_log2 = a.scale * 1.4426950408889634f;
+  const dim3 grid(static_cast<unsigned>(a.num_q_heads), q_tiles, a.num_seqs);
+  kernel<<<grid, L::kThreads, kSmem, stream>>>(tm_q, tm_k, tm_v, prm);
+  return cudaGetLastError();
+}
+
+// The wgmma kernel where the loaded binary has it (sm_90a code on a Hopper
+// GPU: its block size says so), else the portable one. Each with its own KV
+// tile: BN keys for wgmma, kPortableBN for mma.sync (fewer registers).
+template <int HD, int BN, int kPortableBN>
+cudaError_t Launch(const AttentionArgs& a, cudaStream_t stream) {
+  cudaFuncAttributes attr;
+  const cudaError_t err = cudaFuncGetAttributes(&attr, AttentionKernel<HD, BN, true>);
+  if (err != cudaSuccess) return err;
+  if (attr.maxThreadsPerBlock == Layout<true>::kThreads)
+    return LaunchKernel<HD, BN, true>(a, stream);
+  return LaunchKernel<HD, kPortableBN, false>(a, stream);
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+cudaError_t VarlenCausalAttention(const AttentionArgs& a, cudaStream_t stream) {
+  if (a.num_q_heads <= 0 || a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 ||
+      a.num_seqs < 0 || a.num_seqs > 65535 || a.max_seqlen < 0 || a.num_tokens < 0 ||
+      a.num_tokens >= (int64_t{1} << 31)) {
+    return cudaErrorInvalidValue;
+  }
+  if (a.num_tokens == 0 || a.num_seqs == 0 || a.max_seqlen == 0) return cudaSuccess;
+  // TMA needs 16-byte aligned bases and strides.
+  if (!Aligned16(a.q) || !Aligned16(a.k) || !Aligned16(a.v) || !Aligned16(a.out) ||
+      a.q_stride % 8 != 0 || a.q_head_stride % 8 != 0 || a.k_stride % 8 != 0 ||
+      a.v_stride % 8 != 0 || a.cu_seqlens == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  switch (a.head_dim) {
+    case 128:
+      return Launch<128, 128, 64>(a, stream);
+    case 256:
+      return Launch<256, 80, 64>(a, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace draftfeed::cuda

@@ -29,6 +29,9 @@ struct AttentionArgs {
 };
 
 // Block-diagonal causal softmax(q·kᵀ·scale)·v, fp32 softmax and accumulation.
+// max_seqlen must bound every sequence's length. q, k, v and out must be
+// 16-byte aligned and their strides multiples of 8 elements (cudaErrorInvalidValue
+// otherwise).
 cudaError_t VarlenCausalAttention(const AttentionArgs& args, cudaStream_t stream);
 
 }  // namespace draftfeed::cuda
