@@ -371,6 +371,12 @@ CpuEngine::~CpuEngine() = default;
 
 absl::StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Create(const Model* model, int num_threads) {
   if (model == nullptr) return absl::InvalidArgumentError("CpuEngine::Create: model is null");
+  if (model->weights_on_device_random) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("model ", model->id,
+                     " is a real-size random model whose weights are made on the GPU; it needs "
+                     "the CUDA engine (--device cuda:N)"));
+  }
   if (num_threads < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_threads is ", num_threads, "; use 0 for one per core, or a count"));

@@ -308,7 +308,8 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir) {
 }
 
 absl::StatusOr<std::unique_ptr<Model>> OpenModel(const std::string& spec) {
-  if (absl::StartsWith(spec, "tiny-random") || absl::StartsWith(spec, "random:")) {
+  if (absl::StartsWith(spec, "tiny-random") || absl::StartsWith(spec, "small-random") ||
+      absl::StartsWith(spec, "random:")) {
     return MakeRandomModel(spec);
   }
   std::error_code ec;

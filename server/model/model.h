@@ -54,13 +54,20 @@ struct Model {
   std::string fingerprint;
   // Keeps the mmaps / in-memory buffers behind every Tensor alive.
   std::shared_ptr<const void> storage;
+  // Real-size random models ("random:qwen3.6-27b"): the Tensors carry shapes
+  // and dtypes but no host data; a GPU engine fills them on the device from
+  // this seed (a 54 GB host buffer and its upload would dominate start-up).
+  bool weights_on_device_random = false;
+  uint64_t device_random_seed = 0;
 };
 
 // Loads an HF directory (config.json + model.safetensors or a sharded index).
 absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir);
 
 // Built-in random models. Specs: "tiny-random" or "tiny-random:SEED" (a small
-// Qwen3.5 hybrid with both layer kinds), "tiny-random-qwen3[:SEED]" (dense).
+// Qwen3.5 hybrid with both layer kinds), "tiny-random-qwen3[:SEED]" (dense),
+// and real shapes whose weights are made on the GPU: "random:qwen3.6-27b[:SEED]",
+// "random:qwen3-8b[:SEED]".
 absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec);
 
 // Resolves --model: a built-in spec, else a checkpoint directory.

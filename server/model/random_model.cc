@@ -32,6 +32,8 @@ struct RandomShape {
   int64_t full_attention_interval = 1;
   int64_t conv_kernel = 0, key_head_dim = 0, value_head_dim = 0;
   int64_t num_key_heads = 0, num_value_heads = 0;
+  // Real sizes: weights are made on the GPU (Model::weights_on_device_random).
+  bool device_weights = false;
 };
 
 constexpr RandomShape kShapes[] = {
@@ -65,6 +67,73 @@ constexpr RandomShape kShapes[] = {
      .rope_theta = 1e6,
      .partial_rotary_factor = 1.0,
      .tie_word_embeddings = true},
+    // Small shapes with the real head sizes (attention head_dim 256 / 128,
+    // GDN heads 128 wide, GVA ratio 3): what the CUDA kernels are specialised
+    // for, small enough for the CPU reference to check them.
+    {.name = "small-random",
+     .arch = Arch::kQwen35Hybrid,
+     .vocab = 4096,
+     .hidden = 512,
+     .intermediate = 1024,
+     .layers = 4,
+     .heads = 4,
+     .kv_heads = 2,
+     .head_dim = 256,
+     .rope_theta = 1e4,
+     .partial_rotary_factor = 0.25,
+     .tie_word_embeddings = false,
+     .full_attention_interval = 2,
+     .conv_kernel = 4,
+     .key_head_dim = 128,
+     .value_head_dim = 128,
+     .num_key_heads = 1,
+     .num_value_heads = 3},
+    {.name = "small-random-qwen3",
+     .arch = Arch::kQwen3Dense,
+     .vocab = 4096,
+     .hidden = 512,
+     .intermediate = 1024,
+     .layers = 3,
+     .heads = 8,
+     .kv_heads = 2,
+     .head_dim = 128,
+     .rope_theta = 1e4,
+     .partial_rotary_factor = 1.0,
+     .tie_word_embeddings = true},
+    // Qwen3.6-27B (qwen35-forward.md §0): 16 × (3 GDN + 1 gated attention).
+    {.name = "random:qwen3.6-27b",
+     .arch = Arch::kQwen35Hybrid,
+     .vocab = 248320,
+     .hidden = 5120,
+     .intermediate = 17408,
+     .layers = 64,
+     .heads = 24,
+     .kv_heads = 4,
+     .head_dim = 256,
+     .rope_theta = 1e7,
+     .partial_rotary_factor = 0.25,
+     .tie_word_embeddings = false,
+     .full_attention_interval = 4,
+     .conv_kernel = 4,
+     .key_head_dim = 128,
+     .value_head_dim = 128,
+     .num_key_heads = 16,
+     .num_value_heads = 48,
+     .device_weights = true},
+    // Qwen3-8B shape.
+    {.name = "random:qwen3-8b",
+     .arch = Arch::kQwen3Dense,
+     .vocab = 151936,
+     .hidden = 4096,
+     .intermediate = 12288,
+     .layers = 36,
+     .heads = 32,
+     .kv_heads = 8,
+     .head_dim = 128,
+     .rope_theta = 1e6,
+     .partial_rotary_factor = 1.0,
+     .tie_word_embeddings = false,
+     .device_weights = true},
 };
 
 std::string ValidSpecs() {
@@ -169,7 +238,9 @@ absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) 
   // Debian's Abseil has its own string_view, so strings cross into absl here.
   std::string name = spec;
   uint64_t seed = 0;
-  if (const size_t colon = name.rfind(':'); colon != std::string::npos) {
+  // "random:SHAPE[:SEED]": the colon after "random" belongs to the name.
+  const size_t search_from = name.rfind("random:", 0) == 0 ? 7 : 0;
+  if (const size_t colon = name.find(':', search_from); colon != std::string::npos) {
     const std::string seed_text = name.substr(colon + 1);
     name = name.substr(0, colon);
     if (seed_text.empty() || seed_text[0] == '-' || seed_text[0] == '+' ||
@@ -199,14 +270,27 @@ absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) 
 
   std::vector<WeightSpec> specs = DecoderWeightSpecs(config);
   if (!config.tie_word_embeddings) specs.push_back(LmHeadSpec(config));
-  int64_t total = 0;
-  for (const WeightSpec& s : specs) total += Numel(s.shape);
-  auto buffer = std::make_shared<std::vector<uint16_t>>(static_cast<size_t>(total));
-
   model->weights.layers.resize(static_cast<size_t>(config.num_layers));
   for (size_t i = 0; i < model->weights.layers.size(); ++i) {
     model->weights.layers[i].kind = config.layer_types[i];
   }
+  if (shape->device_weights) {
+    for (const WeightSpec& s : specs) {
+      Tensor& t = WeightSlot(model->weights, s);
+      t.dtype = DType::kBF16;
+      t.shape = s.shape;
+    }
+    model->weights_on_device_random = true;
+    model->device_random_seed = seed;
+    // No bytes to hash: the shape name and seed determine every weight.
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (char c : model->id + "|" + config.ToJson()) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ULL;
+    model->fingerprint = absl::StrCat(absl::Hex(h, absl::kZeroPad16), "d0000000000000000").substr(0, 32);
+    return model;
+  }
+  int64_t total = 0;
+  for (const WeightSpec& s : specs) total += Numel(s.shape);
+  auto buffer = std::make_shared<std::vector<uint16_t>>(static_cast<size_t>(total));
   Sampler sampler(seed);
   int64_t offset = 0;
   for (const WeightSpec& s : specs) {

@@ -19,7 +19,13 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 #include "server/model/cpu_engine.h"
+#if DRAFTFEED_HAVE_CUDA
+#include "server/model/cuda_engine.h"
+#endif
 #include "server/model/model.h"
 #include "server/service/target_service.h"
 #include "server/service/version.h"
@@ -30,7 +36,10 @@ ABSL_FLAG(std::string, model, "tiny-random",
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "Address to serve on. Port 0 picks a free port (see --port_file).");
 ABSL_FLAG(std::string, device, "auto",
-          "cpu, cuda:N, or auto (CUDA when a GPU and the CUDA engine are present, else cpu).");
+          "cpu, cuda:N, or auto (cuda:0 when a GPU and the CUDA engine are present, else cpu).");
+ABSL_FLAG(std::string, devices, "",
+          "Comma-separated GPU indices, e.g. 0,1,2: one engine replica per GPU behind this "
+          "endpoint (overrides --device).");
 ABSL_FLAG(int32_t, threads, 0, "CPU engine threads (0 = all cores).");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384, "Token budget of one batch; larger batches fail.");
 ABSL_FLAG(int32_t, default_credits, 4, "In-flight batches per stream when the client asks for 0.");
@@ -53,14 +62,37 @@ int Fail(const std::string& msg) {
 }
 
 int Run() {
-  const std::string device = absl::GetFlag(FLAGS_device);
-  if (device != "cpu" && device != "auto") {
-    if (device.rfind("cuda", 0) == 0) {
-      return Fail(absl::StrCat("--device=", device,
-                               ": this build has no CUDA engine yet; use --device=cpu"));
+  // Which backend: explicit --devices / cuda:N, else a GPU when there is one.
+  std::string device = absl::GetFlag(FLAGS_device);
+  std::vector<int> gpus;
+  if (const std::string list = absl::GetFlag(FLAGS_devices); !list.empty()) {
+    for (absl::string_view part : absl::StrSplit(list, ',')) {
+      int g = -1;
+      if (!absl::SimpleAtoi(part, &g) || g < 0) {
+        return Fail(absl::StrCat("--devices=", list, ": '", std::string(part),
+                                 "' is not a GPU index"));
+      }
+      gpus.push_back(g);
     }
+  } else if (device.rfind("cuda", 0) == 0) {
+    int g = 0;
+    if (device != "cuda" && (device.size() < 6 || device[4] != ':' ||
+                             !absl::SimpleAtoi(device.substr(5), &g) || g < 0)) {
+      return Fail(absl::StrCat("--device=", device, " is not cpu, cuda:N or auto"));
+    }
+    gpus.push_back(g);
+  } else if (device != "cpu" && device != "auto") {
     return Fail(absl::StrCat("--device=", device, " is not cpu, cuda:N or auto"));
   }
+#if DRAFTFEED_HAVE_CUDA
+  if (device == "auto" && gpus.empty() && CudaDeviceCount() > 0) gpus.push_back(0);
+#else
+  if (!gpus.empty()) {
+    return Fail(absl::StrCat("--device=", device,
+                             ": this build has no CUDA engine (built without nvcc); use "
+                             "--device=cpu"));
+  }
+#endif
   if (absl::GetFlag(FLAGS_max_batch_tokens) < 1) return Fail("--max_batch_tokens must be >= 1");
   if (absl::GetFlag(FLAGS_chunk_bytes) < 1) return Fail("--chunk_bytes must be >= 1");
   if (absl::GetFlag(FLAGS_default_credits) < 1 || absl::GetFlag(FLAGS_max_credits) < 1) {
@@ -78,8 +110,27 @@ int Run() {
   const auto t0 = std::chrono::steady_clock::now();
   auto model = OpenModel(absl::GetFlag(FLAGS_model));
   if (!model.ok()) return Fail(std::string(model.status().message()));
-  auto engine = CpuEngine::Create(model->get(), absl::GetFlag(FLAGS_threads));
-  if (!engine.ok()) return Fail(std::string(engine.status().message()));
+  std::vector<std::unique_ptr<Engine>> engines;
+  if (gpus.empty()) {
+    auto engine = CpuEngine::Create(model->get(), absl::GetFlag(FLAGS_threads));
+    if (!engine.ok()) return Fail(std::string(engine.status().message()));
+    engines.push_back(*std::move(engine));
+  }
+#if DRAFTFEED_HAVE_CUDA
+  for (int g : gpus) {
+    CudaEngineOptions copt;
+    copt.device = g;
+    copt.max_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+    copt.max_seqs = std::min<int64_t>(copt.max_tokens, 4096);
+    auto engine = CudaEngine::Create(model->get(), copt);
+    if (!engine.ok()) {
+      return Fail(absl::StrCat("cuda:", g, ": ", std::string(engine.status().message())));
+    }
+    engines.push_back(*std::move(engine));
+  }
+#endif
+  std::vector<Engine*> engine_ptrs;
+  for (auto& e : engines) engine_ptrs.push_back(e.get());
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
@@ -91,7 +142,7 @@ int Run() {
   options.max_queued_batches = absl::GetFlag(FLAGS_max_queued_batches);
   options.throttle_tokens_per_s = absl::GetFlag(FLAGS_throttle_tokens_per_s);
   if (options.throttle_tokens_per_s < 0) return Fail("--throttle_tokens_per_s must be >= 0");
-  TargetService service({engine->get()}, options);
+  TargetService service(engine_ptrs, options);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -114,7 +165,9 @@ int Run() {
                std::string(ArchName(m.config.arch)).c_str(),
                static_cast<long long>(m.config.num_layers),
                static_cast<long long>(m.config.hidden_size), m.fingerprint.c_str(), port,
-               (*engine)->device_name().c_str(),
+               absl::StrJoin(engine_ptrs, ",", [](std::string* out, Engine* e) {
+                 out->append(e->device_name());
+               }).c_str(),
                static_cast<long long>(options.max_batch_tokens), load_s);
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
     const std::string tmp = pf + ".tmp";

@@ -1,0 +1,229 @@
+// draftfeed-bench: engine and GEMM benchmarks on one GPU.
+//
+//   draftfeed-bench engine --model random:qwen3.6-27b --tokens 16384 --iters 5
+//   draftfeed-bench gemm --model random:qwen3.6-27b --tokens 16384
+//
+// `engine` prints tokens/s, achieved TFLOP/s (matmul + attention FLOPs),
+// a per-op-family time table from a profiled run, and GPU memory. `gemm`
+// times cuBLASLt alone at the model's projection shapes: the ceiling.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_split.h"
+#include "server/model/cuda_engine.h"
+#include "server/model/cuda_gemm.h"
+#include "server/model/model.h"
+
+ABSL_FLAG(std::string, model, "random:qwen3.6-27b", "Model spec or checkpoint directory.");
+ABSL_FLAG(int64_t, tokens, 16384, "Packed tokens per batch.");
+ABSL_FLAG(int32_t, min_len, 512, "Shortest sequence in the batch.");
+ABSL_FLAG(int32_t, max_len, 8192, "Longest sequence in the batch.");
+ABSL_FLAG(int32_t, capture, 5, "Captured layers: evenly spaced, the last one the final norm.");
+ABSL_FLAG(int32_t, iters, 5, "Timed iterations (median reported).");
+ABSL_FLAG(int32_t, device, 0, "CUDA device.");
+ABSL_FLAG(uint64_t, seed, 0, "Sequence-length and token seed.");
+
+namespace draftfeed {
+namespace {
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Sequence lengths uniform in [min_len, max_len] until the budget is full.
+std::vector<int32_t> MixedLengths(int64_t tokens, int32_t lo, int32_t hi, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> d(lo, hi);
+  std::vector<int32_t> lens;
+  int64_t left = tokens;
+  while (left > 0) {
+    int32_t n = static_cast<int32_t>(std::min<int64_t>(d(rng), left));
+    if (left - n > 0 && left - n < lo) n = static_cast<int32_t>(left);  // no tiny tail
+    lens.push_back(n);
+    left -= n;
+  }
+  return lens;
+}
+
+// FLOPs of one forward: 2·T·(matmul params) + causal attention 2·Σ L²·hd·Hq.
+double ForwardFlops(const ModelConfig& c, const std::vector<int32_t>& lens) {
+  double T = 0, attn = 0;
+  for (int32_t l : lens) T += l;
+  const double D = c.hidden_size, F = c.intermediate_size;
+  double params = 0;
+  for (LayerKind k : c.layer_types) {
+    params += 3 * D * F;
+    if (k == LayerKind::kFullAttention) {
+      const double q = c.num_heads * c.head_dim * (c.arch == Arch::kQwen35Hybrid ? 2 : 1);
+      params += D * (q + 2.0 * c.num_kv_heads * c.head_dim) + D * c.num_heads * c.head_dim;
+      for (int32_t l : lens) attn += 2.0 * l * double(l) * c.head_dim * c.num_heads;
+    } else {
+      const double C = 2.0 * c.linear_num_key_heads * c.linear_key_head_dim +
+                       c.linear_num_value_heads * c.linear_value_head_dim;
+      const double Z = c.linear_num_value_heads * c.linear_value_head_dim;
+      params += D * (C + Z + 2.0 * c.linear_num_value_heads) + D * Z;
+    }
+  }
+  return 2 * T * params + attn;
+}
+
+int RunEngineBench() {
+  auto model = OpenModel(absl::GetFlag(FLAGS_model));
+  if (!model.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(model.status().message()).c_str());
+    return 1;
+  }
+  const ModelConfig& c = (*model)->config;
+  const int64_t tokens = absl::GetFlag(FLAGS_tokens);
+  const std::vector<int32_t> lens = MixedLengths(tokens, absl::GetFlag(FLAGS_min_len),
+                                                 absl::GetFlag(FLAGS_max_len),
+                                                 absl::GetFlag(FLAGS_seed));
+  std::vector<int32_t> ids(static_cast<size_t>(tokens));
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed) + 1);
+  for (auto& t : ids) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(c.vocab_size));
+  std::vector<int32_t> layers;
+  const int32_t k = std::max(1, absl::GetFlag(FLAGS_capture));
+  for (int32_t i = 0; i + 1 < k; ++i) {
+    layers.push_back(static_cast<int32_t>(1 + i * (c.num_layers - 3) / std::max(1, k - 1)));
+  }
+  layers.push_back(kFinalLayerId);
+
+  size_t free0 = 0, total = 0;
+  cudaSetDevice(absl::GetFlag(FLAGS_device));
+  cudaMemGetInfo(&free0, &total);
+  CudaEngineOptions opt;
+  opt.device = absl::GetFlag(FLAGS_device);
+  opt.max_tokens = tokens;
+  opt.max_seqs = static_cast<int64_t>(lens.size());
+  opt.max_layers = k;
+  const auto t_load = std::chrono::steady_clock::now();
+  auto engine = CudaEngine::Create(model->get(), opt);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "error: %s\n", std::string(engine.status().message()).c_str());
+    return 1;
+  }
+  std::printf("model %s: %lld layers, hidden %lld; weights %.2f GiB, workspace %.2f GiB, "
+              "set up in %.1fs\n",
+              (*model)->id.c_str(), static_cast<long long>(c.num_layers),
+              static_cast<long long>(c.hidden_size), (*engine)->weight_bytes() / 1073741824.0,
+              (*engine)->workspace_bytes() / 1073741824.0,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
+  std::printf("batch: %lld tokens in %zu sequences (%d..%d), %d captured layers\n",
+              static_cast<long long>(tokens), lens.size(), absl::GetFlag(FLAGS_min_len),
+              absl::GetFlag(FLAGS_max_len), k);
+  ForwardInput in{ids, lens, layers};
+  if (absl::Status s = (*engine)->ForwardOnDevice(in); !s.ok()) {  // warm-up (plans, clocks)
+    std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  std::vector<double> secs;
+  for (int i = 0; i < absl::GetFlag(FLAGS_iters); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (absl::Status s = (*engine)->ForwardOnDevice(in); !s.ok()) {
+      std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+    secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  size_t free1 = 0;
+  cudaMemGetInfo(&free1, &total);
+  const double med = Median(secs);
+  const double flops = ForwardFlops(c, lens);
+  std::printf("engine: median %.1f ms per batch = %.0f tokens/s, %.0f TFLOP/s (of %zu runs)\n",
+              med * 1e3, tokens / med, flops / med / 1e12, secs.size());
+  std::printf("memory: %.2f GiB used on the GPU by this process (weights %.2f GiB + %.2f GiB)\n",
+              (free0 - free1) / 1073741824.0, (*engine)->weight_bytes() / 1073741824.0,
+              (free0 - free1 - (*engine)->weight_bytes()) / 1073741824.0);
+
+  // Profiled run: per op family (a sync after every op, so the total exceeds the median).
+  (*engine)->set_profile(true);
+  if (absl::Status s = (*engine)->ForwardOnDevice(in); !s.ok()) return 1;
+  (*engine)->set_profile(false);
+  double sum = 0;
+  for (const auto& [name, ms] : (*engine)->last_op_times().ms) sum += ms;
+  std::printf("per op family (profiled run, %.1f ms in all):\n", sum);
+  for (const auto& [name, ms] : (*engine)->last_op_times().ms) {
+    std::printf("  %-12s %9.2f ms  %5.1f%%\n", name.c_str(), ms, 100.0 * ms / sum);
+  }
+  return 0;
+}
+
+int GemmProbe() {
+  auto model = OpenModel(absl::GetFlag(FLAGS_model));
+  if (!model.ok()) return 1;
+  const ModelConfig& c = (*model)->config;
+  const int64_t M = absl::GetFlag(FLAGS_tokens), D = c.hidden_size, F = c.intermediate_size;
+  struct Shape {
+    const char* name;
+    int64_t n, k;
+  };
+  std::vector<Shape> shapes = {{"gate_up", 2 * F, D}, {"down", D, F}};
+  if (c.arch == Arch::kQwen35Hybrid) {
+    const int64_t C = 2 * c.linear_num_key_heads * c.linear_key_head_dim +
+                      c.linear_num_value_heads * c.linear_value_head_dim;
+    const int64_t Z = c.linear_num_value_heads * c.linear_value_head_dim;
+    shapes.push_back({"gdn_in", C + 2 * c.linear_num_value_heads, D});
+    shapes.push_back({"gdn_z", Z, D});
+    shapes.push_back({"gdn_out", D, Z});
+  }
+  shapes.push_back({"attn_qkv", c.num_heads * c.head_dim * 2 + 2 * c.num_kv_heads * c.head_dim, D});
+  shapes.push_back({"attn_o", D, c.num_heads * c.head_dim});
+  cudaSetDevice(absl::GetFlag(FLAGS_device));
+  void* ws = nullptr;
+  cudaMalloc(&ws, 64 << 20);
+  CublasLtGemm gemm;
+  if (!gemm.Init(ws, 64 << 20).ok()) return 1;
+  int64_t max_elems = 0;
+  for (const Shape& s : shapes) max_elems = std::max({max_elems, s.n * s.k, M * s.n, M * s.k});
+  __nv_bfloat16 *x, *w, *y;
+  cudaMalloc(&x, max_elems * 2);
+  cudaMalloc(&w, max_elems * 2);
+  cudaMalloc(&y, max_elems * 2);
+  cudaMemset(x, 0x3c, max_elems * 2);
+  cudaMemset(w, 0x3c, max_elems * 2);
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (const Shape& s : shapes) {
+    std::vector<double> ms;
+    for (int i = 0; i < 12; ++i) {
+      cudaEventRecord(a);
+      if (!gemm.Run(x, w, y, M, s.n, s.k, nullptr).ok()) return 1;
+      cudaEventRecord(b);
+      cudaEventSynchronize(b);
+      float t = 0;
+      cudaEventElapsedTime(&t, a, b);
+      if (i >= 2) ms.push_back(t);
+    }
+    const double m = Median(ms);
+    std::printf("gemm %-9s %6lld x %6lld x %6lld: %.3f ms, %.0f TFLOP/s\n", s.name,
+                static_cast<long long>(M), static_cast<long long>(s.n), static_cast<long long>(s.k),
+                m, 2.0 * M * s.n * s.k / (m * 1e-3) / 1e12);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace draftfeed
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "draftfeed-bench engine|gemm [flags]: prefill throughput of the CUDA engine, or the "
+      "cuBLASLt GEMM ceiling at the model's shapes.");
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  const std::string cmd = args.size() > 1 ? args[1] : "";
+  if (cmd == "engine") return draftfeed::RunEngineBench();
+  if (cmd == "gemm") return draftfeed::GemmProbe();
+  std::fprintf(stderr, "usage: draftfeed-bench engine|gemm [--model ...] (see --help)\n");
+  return 2;
+}

@@ -1,0 +1,668 @@
+#include "server/model/cuda_engine.h"
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <tuple>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/attention.cuh"
+#include "server/model/cuda_gemm.h"
+#include "kernels/elementwise.cuh"
+#include "kernels/embedding.cuh"
+#include "kernels/gdn.cuh"
+#include "kernels/random_init.cuh"
+#include "kernels/rmsnorm.cuh"
+#include "kernels/rope.cuh"
+
+namespace draftfeed {
+
+namespace {
+
+using cuda::bf16;
+
+absl::Status CudaError(cudaError_t e, const char* what) {
+  return absl::InternalError(absl::StrCat("CUDA error in ", what, ": ", cudaGetErrorString(e)));
+}
+
+#define DF_CUDA(expr)                                         \
+  do {                                                        \
+    cudaError_t df_e_ = (expr);                               \
+    if (df_e_ != cudaSuccess) return CudaError(df_e_, #expr); \
+  } while (0)
+
+// A bump allocator over one cudaMalloc: everything is carved at start-up.
+class Arena {
+ public:
+  ~Arena() {
+    if (base_) cudaFree(base_);
+  }
+  absl::Status Reserve(size_t bytes) {
+    DF_CUDA(cudaMalloc(&base_, bytes));
+    size_ = bytes;
+    return absl::OkStatus();
+  }
+  template <typename T>
+  T* Take(int64_t n) {
+    const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 255) & ~size_t{255};
+    T* p = reinterpret_cast<T*>(static_cast<char*>(base_) + used_);
+    used_ += bytes;
+    return used_ <= size_ ? p : nullptr;
+  }
+  static size_t Round(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
+  size_t used() const { return used_; }
+
+ private:
+  void* base_ = nullptr;
+  size_t size_ = 0;
+  size_t used_ = 0;
+};
+
+}  // namespace
+
+struct CudaEngine::Impl {
+  struct Layer {
+    LayerKind kind;
+    bf16* input_norm = nullptr;
+    bf16* post_norm = nullptr;
+    bf16* w_gate_up = nullptr;  // [2F, D]: gate rows then up rows
+    bf16* w_down = nullptr;     // [D, F]
+    // attention
+    bf16* w_qkv = nullptr;  // [q_proj; k_proj; v_proj]
+    bf16* w_o = nullptr;
+    bf16* q_norm = nullptr;
+    bf16* k_norm = nullptr;
+    // GDN
+    bf16* w_in = nullptr;  // [in_proj_qkv; in_proj_b; in_proj_a]
+    bf16* w_z = nullptr;
+    bf16* conv = nullptr;  // [C, K]
+    float* a_log = nullptr;
+    float* dt_bias = nullptr;
+    bf16* gnorm = nullptr;
+    bf16* w_out = nullptr;
+  };
+
+  const Model* model = nullptr;
+  CudaEngineOptions options;
+  cudaStream_t stream = nullptr;
+  Arena weights;
+  Arena work;
+  CublasLtGemm gemm;
+  std::vector<Layer> layers;
+  bf16* embed = nullptr;
+  bf16* final_norm = nullptr;
+  cuda::NormKind norm_kind = cuda::NormKind::kZeroCentred;
+
+  // Dimensions.
+  int64_t D = 0, F = 0, L = 0, Hq = 0, Hkv = 0, hd = 0, R = 0;
+  int64_t C = 0, Nk = 0, Nv = 0, dk = 0, dv = 0, KC = 0;
+  int64_t q_rows = 0;  // rows of q_proj: Hq·hd·(2 with the output gate)
+  int64_t p_attn = 0, p_gdn = 0;
+  bool gated = true;
+
+  // Workspace.
+  int32_t* d_ids = nullptr;
+  int32_t* d_cu = nullptr;
+  int32_t* d_pos = nullptr;
+  int32_t* h_ids = nullptr;  // pinned staging
+  int32_t* h_cu = nullptr;
+  float* residual = nullptr;
+  bf16* u = nullptr;
+  bf16* proj = nullptr;  // [T, max(p_attn, p_gdn, 2F)]
+  bf16* zbuf = nullptr;
+  bf16* conv_out = nullptr;
+  bf16* core = nullptr;
+  bf16* normed = nullptr;
+  bf16* mix = nullptr;
+  bf16* act = nullptr;
+  bf16* capture = nullptr;
+  void* gdn_ws = nullptr;
+  size_t workspace_total = 0;
+  int64_t capture_tokens = 0, capture_slots = 0;
+  OpTimes times;
+
+  template <typename Fn>
+  absl::Status Timed(const char* family, Fn&& fn) {
+    if (!options.profile) return fn();
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    cudaEventRecord(a, stream);
+    absl::Status s = fn();
+    cudaEventRecord(b, stream);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    for (auto& [name, total] : times.ms) {
+      if (name == family) {
+        total += ms;
+        return s;
+      }
+    }
+    times.ms.emplace_back(family, ms);
+    return s;
+  }
+
+  absl::Status Check(cudaError_t e, const char* what) {
+    return e == cudaSuccess ? absl::OkStatus() : CudaError(e, what);
+  }
+
+  absl::Status Init(const Model* m, const CudaEngineOptions& opt);
+  absl::Status UploadWeights();
+  absl::Status Run(const ForwardInput& in);
+  absl::Status Mixer(const Layer& w, int64_t T, int32_t nseq, int32_t max_len);
+};
+
+absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt) {
+  model = m;
+  options = opt;
+  const ModelConfig& c = m->config;
+  D = c.hidden_size;
+  F = c.intermediate_size;
+  L = c.num_layers;
+  Hq = c.num_heads;
+  Hkv = c.num_kv_heads;
+  hd = c.head_dim;
+  R = c.rotary_dim();
+  gated = c.arch == Arch::kQwen35Hybrid;
+  norm_kind = gated ? cuda::NormKind::kZeroCentred : cuda::NormKind::kMultiplicative;
+  q_rows = Hq * hd * (gated ? 2 : 1);
+  p_attn = q_rows + 2 * Hkv * hd;
+  if (gated) {
+    Nk = c.linear_num_key_heads;
+    Nv = c.linear_num_value_heads;
+    dk = c.linear_key_head_dim;
+    dv = c.linear_value_head_dim;
+    KC = c.linear_conv_kernel;
+    C = 2 * Nk * dk + Nv * dv;
+    p_gdn = C + 2 * Nv;
+  }
+  if (options.max_layers <= 0) options.max_layers = L + 1;
+
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    return absl::FailedPreconditionError("no CUDA device: use --device cpu");
+  }
+  if (opt.device < 0 || opt.device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda:", opt.device, " does not exist (", count, " devices)"));
+  }
+  DF_CUDA(cudaSetDevice(opt.device));
+  DF_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  // Workspace, sized once from the token budget.
+  const int64_t T = options.max_tokens;
+  const int64_t proj_cols = std::max({p_attn, p_gdn, 2 * F});
+  cuda::GdnArgs probe;
+  probe.num_tokens = T;
+  probe.num_k_heads = Nk;
+  probe.num_v_heads = Nv;
+  probe.key_dim = dk;
+  probe.value_dim = dv;
+  probe.num_seqs = static_cast<int32_t>(options.max_seqs);
+  const size_t gdn_bytes = gated ? cuda::GdnWorkspaceBytes(probe) : 0;
+  const size_t gemm_ws = 64 << 20;
+  size_t total = 0;
+  auto add = [&](size_t bytes) { total += Arena::Round(std::max<size_t>(bytes, 1)); };
+  add(T * 4);                               // ids
+  add((options.max_seqs + 1) * 4);          // cu_seqlens
+  add(T * 4);                               // positions
+  add(T * D * 4);                           // residual
+  add(T * D * 2);                           // u
+  add(T * proj_cols * 2);                   // proj
+  add(T * std::max<int64_t>(Nv * dv, 1) * 2);  // z
+  add(T * std::max<int64_t>(C, 1) * 2);     // conv_out
+  add(T * std::max(Nv * dv, Hq * hd) * 2);  // core
+  add(T * std::max(Nv * dv, Hq * hd) * 2);  // normed
+  add(T * D * 2);                           // mix
+  add(T * F * 2);                           // act
+  add(T * options.max_layers * D * 2);      // capture
+  add(gdn_bytes);
+  add(gemm_ws);
+  if (absl::Status s = work.Reserve(total); !s.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate the ", total >> 20, " MiB workspace for a token budget of ", T, ": ",
+        s.message()));
+  }
+  workspace_total = total;
+  d_ids = work.Take<int32_t>(T);
+  d_cu = work.Take<int32_t>(options.max_seqs + 1);
+  d_pos = work.Take<int32_t>(T);
+  residual = work.Take<float>(T * D);
+  u = work.Take<bf16>(T * D);
+  proj = work.Take<bf16>(T * proj_cols);
+  zbuf = work.Take<bf16>(T * std::max<int64_t>(Nv * dv, 1));
+  conv_out = work.Take<bf16>(T * std::max<int64_t>(C, 1));
+  core = work.Take<bf16>(T * std::max(Nv * dv, Hq * hd));
+  normed = work.Take<bf16>(T * std::max(Nv * dv, Hq * hd));
+  mix = work.Take<bf16>(T * D);
+  act = work.Take<bf16>(T * F);
+  capture = work.Take<bf16>(T * options.max_layers * D);
+  gdn_ws = work.Take<char>(static_cast<int64_t>(gdn_bytes));
+  void* gemm_workspace = work.Take<char>(gemm_ws);
+  if (gemm_workspace == nullptr) return absl::InternalError("workspace carve overflow");
+  DF_CUDA(cudaMallocHost(&h_ids, T * 4));
+  DF_CUDA(cudaMallocHost(&h_cu, (options.max_seqs + 1) * 4));
+  if (absl::Status s = gemm.Init(gemm_workspace, gemm_ws); !s.ok()) return s;
+  return UploadWeights();
+}
+
+absl::Status CudaEngine::Impl::UploadWeights() {
+  const ModelWeights& mw = model->weights;
+  // Sizes first, then one allocation.
+  auto n_of = [](const Tensor& t) { return t.numel(); };
+  size_t total = Arena::Round(n_of(mw.embed_tokens) * 2) + Arena::Round(D * 2);
+  for (const LayerWeights& lw : mw.layers) {
+    total += 2 * Arena::Round(D * 2) + Arena::Round(2 * F * D * 2) + Arena::Round(D * F * 2);
+    if (lw.kind == LayerKind::kFullAttention) {
+      total += Arena::Round(p_attn * D * 2) + Arena::Round(D * Hq * hd * 2) + 2 * Arena::Round(hd * 2);
+    } else {
+      total += Arena::Round(p_gdn * D * 2) + Arena::Round(Nv * dv * D * 2) +
+               Arena::Round(C * KC * 2) + 2 * Arena::Round(Nv * 4) + Arena::Round(dv * 2) +
+               Arena::Round(D * Nv * dv * 2);
+    }
+  }
+  if (absl::Status s = weights.Reserve(total); !s.ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cannot allocate ", total >> 20, " MiB for the weights: ", s.message()));
+  }
+
+  const bool random = model->weights_on_device_random;
+  uint64_t tensor_index = 0;
+  // Copies rows [row0, row0 + rows) of `dst` from a host tensor, or fills
+  // them with the random-model initialisation.
+  auto put = [&](bf16* dst, const Tensor& t, float scale, float offset) -> absl::Status {
+    const int64_t n = t.numel();
+    ++tensor_index;
+    if (random) {
+      return Check(cuda::FillRandomBf16(dst, n, model->device_random_seed * 1000003 + tensor_index,
+                                        scale, offset, stream),
+                   "FillRandomBf16");
+    }
+    std::vector<uint16_t> host(static_cast<size_t>(n));
+    if (t.dtype == DType::kBF16) {
+      std::memcpy(host.data(), t.data, static_cast<size_t>(n) * 2);
+    } else {
+      std::vector<float> f = ToFloat(t);
+      for (int64_t i = 0; i < n; ++i) host[i] = FloatToBf16(f[i]);
+    }
+    DF_CUDA(cudaMemcpy(dst, host.data(), static_cast<size_t>(n) * 2, cudaMemcpyHostToDevice));
+    return absl::OkStatus();
+  };
+  auto put_f32 = [&](float* dst, const Tensor& t, float scale, float offset) -> absl::Status {
+    ++tensor_index;
+    if (random) {
+      return Check(cuda::FillRandomF32(dst, t.numel(), model->device_random_seed * 1000003 + tensor_index,
+                                       scale, offset, stream),
+                   "FillRandomF32");
+    }
+    std::vector<float> f = ToFloat(t);
+    DF_CUDA(cudaMemcpy(dst, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
+    return absl::OkStatus();
+  };
+  const float norm_offset = gated ? 0.0f : 1.0f;
+  auto proj_scale = [](const Tensor& t) {
+    return static_cast<float>(1.0 / std::sqrt(static_cast<double>(t.shape.back())));
+  };
+#define DF_PUT(...)                                         \
+  do {                                                      \
+    if (absl::Status s_ = put(__VA_ARGS__); !s_.ok()) return s_; \
+  } while (0)
+#define DF_PUT_F32(...)                                         \
+  do {                                                          \
+    if (absl::Status s_ = put_f32(__VA_ARGS__); !s_.ok()) return s_; \
+  } while (0)
+
+  embed = weights.Take<bf16>(n_of(mw.embed_tokens));
+  DF_PUT(embed, mw.embed_tokens, 1.0f, 0.0f);
+  final_norm = weights.Take<bf16>(D);
+  DF_PUT(final_norm, mw.norm, 0.1f, norm_offset);
+  layers.resize(static_cast<size_t>(L));
+  for (int64_t i = 0; i < L; ++i) {
+    const LayerWeights& lw = mw.layers[static_cast<size_t>(i)];
+    Layer& w = layers[static_cast<size_t>(i)];
+    w.kind = lw.kind;
+    w.input_norm = weights.Take<bf16>(D);
+    DF_PUT(w.input_norm, lw.input_layernorm, 0.1f, norm_offset);
+    w.post_norm = weights.Take<bf16>(D);
+    DF_PUT(w.post_norm, lw.post_attention_layernorm, 0.1f, norm_offset);
+    w.w_gate_up = weights.Take<bf16>(2 * F * D);
+    DF_PUT(w.w_gate_up, lw.gate_proj, proj_scale(lw.gate_proj), 0.0f);
+    DF_PUT(w.w_gate_up + F * D, lw.up_proj, proj_scale(lw.up_proj), 0.0f);
+    w.w_down = weights.Take<bf16>(D * F);
+    DF_PUT(w.w_down, lw.down_proj, proj_scale(lw.down_proj), 0.0f);
+    if (lw.kind == LayerKind::kFullAttention) {
+      w.w_qkv = weights.Take<bf16>(p_attn * D);
+      DF_PUT(w.w_qkv, lw.q_proj, proj_scale(lw.q_proj), 0.0f);
+      DF_PUT(w.w_qkv + q_rows * D, lw.k_proj, proj_scale(lw.k_proj), 0.0f);
+      DF_PUT(w.w_qkv + (q_rows + Hkv * hd) * D, lw.v_proj, proj_scale(lw.v_proj), 0.0f);
+      w.w_o = weights.Take<bf16>(D * Hq * hd);
+      DF_PUT(w.w_o, lw.o_proj, proj_scale(lw.o_proj), 0.0f);
+      w.q_norm = weights.Take<bf16>(hd);
+      DF_PUT(w.q_norm, lw.q_norm, 0.1f, norm_offset);
+      w.k_norm = weights.Take<bf16>(hd);
+      DF_PUT(w.k_norm, lw.k_norm, 0.1f, norm_offset);
+    } else {
+      w.w_in = weights.Take<bf16>(p_gdn * D);
+      DF_PUT(w.w_in, lw.in_proj_qkv, proj_scale(lw.in_proj_qkv), 0.0f);
+      DF_PUT(w.w_in + C * D, lw.in_proj_b, proj_scale(lw.in_proj_b), 0.0f);
+      DF_PUT(w.w_in + (C + Nv) * D, lw.in_proj_a, proj_scale(lw.in_proj_a), 0.0f);
+      w.w_z = weights.Take<bf16>(Nv * dv * D);
+      DF_PUT(w.w_z, lw.in_proj_z, proj_scale(lw.in_proj_z), 0.0f);
+      w.conv = weights.Take<bf16>(C * KC);
+      DF_PUT(w.conv, lw.conv1d, 0.3f, 0.0f);
+      w.a_log = weights.Take<float>(Nv);
+      // log(U(1, 16)) spans [0, 2.77]: a uniform of that range.
+      DF_PUT_F32(w.a_log, lw.A_log, 1.386f / 1.7320508f, 1.386f);
+      w.dt_bias = weights.Take<float>(Nv);
+      DF_PUT_F32(w.dt_bias, lw.dt_bias, 0.1f, 0.0f);
+      w.gnorm = weights.Take<bf16>(dv);
+      DF_PUT(w.gnorm, lw.norm, 0.1f, 1.0f);
+      w.w_out = weights.Take<bf16>(D * Nv * dv);
+      DF_PUT(w.w_out, lw.out_proj, proj_scale(lw.out_proj), 0.0f);
+    }
+  }
+#undef DF_PUT
+#undef DF_PUT_F32
+  DF_CUDA(cudaStreamSynchronize(stream));
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::Impl::Mixer(const Layer& w, int64_t T, int32_t nseq, int32_t max_len) {
+  const float eps = static_cast<float>(model->config.rms_norm_eps);
+  if (w.kind == LayerKind::kLinearAttention) {
+    if (absl::Status s = Timed("gemm", [&] { return gemm.Run(u, w.w_in, proj, T, p_gdn, D, stream); });
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = Timed("gemm", [&] { return gemm.Run(u, w.w_z, zbuf, T, Nv * dv, D, stream); });
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = Timed("gdn_conv", [&] {
+          return Check(cuda::CausalConv1dSilu(proj, p_gdn, w.conv, T, C, KC, d_cu, nseq, conv_out,
+                                              stream),
+                       "CausalConv1dSilu");
+        });
+        !s.ok()) {
+      return s;
+    }
+    cuda::GdnArgs g;
+    g.qkv = conv_out;
+    g.qkv_stride = C;
+    g.b = proj + C;
+    g.a = proj + C + Nv;
+    g.ab_stride = p_gdn;
+    g.a_log = w.a_log;
+    g.dt_bias = w.dt_bias;
+    g.num_tokens = T;
+    g.num_k_heads = Nk;
+    g.num_v_heads = Nv;
+    g.key_dim = dk;
+    g.value_dim = dv;
+    g.cu_seqlens = d_cu;
+    g.num_seqs = nseq;
+    g.out = core;
+    if (absl::Status s = Timed("gdn_rule", [&] {
+          return Check(cuda::GatedDeltaRule(g, gdn_ws, stream), "GatedDeltaRule");
+        });
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = Timed("norm", [&] {
+          return Check(cuda::GatedRmsNorm(core, zbuf, dv, w.gnorm, T * Nv, dv, eps, normed, stream),
+                       "GatedRmsNorm");
+        });
+        !s.ok()) {
+      return s;
+    }
+    return Timed("gemm", [&] { return gemm.Run(normed, w.w_out, mix, T, D, Nv * dv, stream); });
+  }
+  // Full attention.
+  if (absl::Status s = Timed("gemm", [&] { return gemm.Run(u, w.w_qkv, proj, T, p_attn, D, stream); });
+      !s.ok()) {
+    return s;
+  }
+  const int64_t q_head_stride = gated ? 2 * hd : hd;
+  bf16* q = proj;
+  bf16* k = proj + q_rows;
+  bf16* v = k + Hkv * hd;
+  if (absl::Status s = Timed("norm", [&]() -> absl::Status {
+        for (int64_t h = 0; h < Hq; ++h) {
+          cudaError_t e = cuda::RmsNormBf16InPlace(q + h * q_head_stride, p_attn, w.q_norm, T, hd,
+                                                   eps, norm_kind, stream);
+          if (e != cudaSuccess) return CudaError(e, "q_norm");
+        }
+        for (int64_t h = 0; h < Hkv; ++h) {
+          cudaError_t e = cuda::RmsNormBf16InPlace(k + h * hd, p_attn, w.k_norm, T, hd, eps,
+                                                   norm_kind, stream);
+          if (e != cudaSuccess) return CudaError(e, "k_norm");
+        }
+        return absl::OkStatus();
+      });
+      !s.ok()) {
+    return s;
+  }
+  const float theta = static_cast<float>(model->config.rope_theta);
+  if (absl::Status s = Timed("rope", [&]() -> absl::Status {
+        cudaError_t e = cuda::ApplyRope(q, T, Hq, hd, p_attn, q_head_stride, R, d_pos, theta, stream);
+        if (e == cudaSuccess) e = cuda::ApplyRope(k, T, Hkv, hd, p_attn, hd, R, d_pos, theta, stream);
+        return Check(e, "ApplyRope");
+      });
+      !s.ok()) {
+    return s;
+  }
+  cuda::AttentionArgs a;
+  a.q = q;
+  a.q_stride = p_attn;
+  a.q_head_stride = q_head_stride;
+  a.k = k;
+  a.k_stride = p_attn;
+  a.v = v;
+  a.v_stride = p_attn;
+  a.num_tokens = T;
+  a.num_q_heads = Hq;
+  a.num_kv_heads = Hkv;
+  a.head_dim = hd;
+  a.cu_seqlens = d_cu;
+  a.num_seqs = nseq;
+  a.max_seqlen = max_len;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  a.out = core;
+  if (absl::Status s = Timed("attention", [&] {
+        return Check(cuda::VarlenCausalAttention(a, stream), "VarlenCausalAttention");
+      });
+      !s.ok()) {
+    return s;
+  }
+  if (gated) {
+    if (absl::Status s = Timed("elementwise", [&] {
+          return Check(cuda::SigmoidGateMul(core, q + hd, T, Hq, hd, p_attn, q_head_stride, stream),
+                       "SigmoidGateMul");
+        });
+        !s.ok()) {
+      return s;
+    }
+  }
+  return Timed("gemm", [&] { return gemm.Run(core, w.w_o, mix, T, D, Hq * hd, stream); });
+}
+
+absl::Status CudaEngine::Impl::Run(const ForwardInput& in) {
+  DF_CUDA(cudaSetDevice(options.device));
+  if (absl::Status s = ValidateForwardInput(model->config, in, options.max_tokens); !s.ok()) {
+    return s;
+  }
+  const int64_t T = static_cast<int64_t>(in.token_ids.size());
+  const int64_t K = static_cast<int64_t>(in.layers.size());
+  if (static_cast<int64_t>(in.seq_lens.size()) > options.max_seqs) {
+    return absl::InvalidArgumentError(absl::StrCat("batch has ", in.seq_lens.size(),
+                                                   " sequences; this engine takes at most ",
+                                                   options.max_seqs));
+  }
+  if (K > options.max_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(K, " capture layers; this engine has ", options.max_layers, " slots"));
+  }
+  times.ms.clear();
+  const int32_t nseq = static_cast<int32_t>(in.seq_lens.size());
+  int32_t max_len = 0;
+  h_cu[0] = 0;
+  for (int32_t i = 0; i < nseq; ++i) {
+    h_cu[i + 1] = h_cu[i] + in.seq_lens[i];
+    max_len = std::max(max_len, in.seq_lens[i]);
+  }
+  std::memcpy(h_ids, in.token_ids.data(), static_cast<size_t>(T) * 4);
+  DF_CUDA(cudaMemcpyAsync(d_ids, h_ids, T * 4, cudaMemcpyHostToDevice, stream));
+  DF_CUDA(cudaMemcpyAsync(d_cu, h_cu, (nseq + 1) * 4, cudaMemcpyHostToDevice, stream));
+
+  // Which layers to run and where each capture goes.
+  std::vector<int64_t> slot_of(static_cast<size_t>(L), -1);
+  int64_t final_slot = -1;
+  int64_t last = -1;
+  for (int64_t s = 0; s < K; ++s) {
+    const int32_t id = in.layers[s];
+    if (id == kFinalLayerId) {
+      final_slot = s;
+      last = L - 1;
+    } else {
+      slot_of[id] = s;
+      last = std::max<int64_t>(last, id);
+    }
+  }
+  const float eps = static_cast<float>(model->config.rms_norm_eps);
+  if (absl::Status s = Timed("embed", [&]() -> absl::Status {
+        cudaError_t e = cuda::PositionsFromCuSeqlens(d_cu, nseq, T, d_pos, stream);
+        if (e == cudaSuccess) e = cuda::EmbeddingLookup(d_ids, T, embed, D, residual, stream);
+        return Check(e, "embedding");
+      });
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = Timed("norm", [&] {
+        return Check(cuda::RmsNormF32(residual, D, layers[0].input_norm, T, D, eps, norm_kind, u, D,
+                                      stream),
+                     "RmsNormF32");
+      });
+      !s.ok()) {
+    return s;
+  }
+  for (int64_t l = 0; l <= last; ++l) {
+    const Layer& w = layers[static_cast<size_t>(l)];
+    if (absl::Status s = Mixer(w, T, nseq, max_len); !s.ok()) return s;
+    if (absl::Status s = Timed("norm", [&] {
+          return Check(cuda::AddRmsNormF32(residual, mix, w.post_norm, T, D, eps, norm_kind, u,
+                                           stream),
+                       "AddRmsNormF32");
+        });
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = Timed("gemm", [&] { return gemm.Run(u, w.w_gate_up, proj, T, 2 * F, D, stream); });
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = Timed("elementwise", [&] {
+          return Check(cuda::SwiGlu(proj, T, F, act, stream), "SwiGlu");
+        });
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = Timed("gemm", [&] { return gemm.Run(act, w.w_down, mix, T, D, F, stream); });
+        !s.ok()) {
+      return s;
+    }
+    const bf16* next_norm = l + 1 < L ? layers[static_cast<size_t>(l + 1)].input_norm : final_norm;
+    if (absl::Status s = Timed("norm", [&] {
+          return Check(l == last && final_slot < 0
+                           ? cuda::AddResidual(residual, mix, T, D, stream)
+                           : cuda::AddRmsNormF32(residual, mix, next_norm, T, D, eps, norm_kind, u,
+                                                 stream),
+                       "AddRmsNormF32");
+        });
+        !s.ok()) {
+      return s;
+    }
+    if (slot_of[l] >= 0) {
+      if (absl::Status s = Timed("capture", [&] {
+            return Check(cuda::CaptureResidual(residual, T, D, capture, K, slot_of[l], stream),
+                         "CaptureResidual");
+          });
+          !s.ok()) {
+        return s;
+      }
+    }
+  }
+  if (final_slot >= 0) {
+    if (absl::Status s = Timed("capture", [&] {
+          return Check(cuda::RmsNormF32(residual, D, final_norm, T, D, eps, norm_kind,
+                                        capture + final_slot * D, K * D, stream),
+                       "final norm");
+        });
+        !s.ok()) {
+      return s;
+    }
+  }
+  capture_tokens = T;
+  capture_slots = K;
+  DF_CUDA(cudaStreamSynchronize(stream));
+  return absl::OkStatus();
+}
+
+CudaEngine::CudaEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+CudaEngine::~CudaEngine() {
+  if (impl_) {
+    if (impl_->h_ids) cudaFreeHost(impl_->h_ids);
+    if (impl_->h_cu) cudaFreeHost(impl_->h_cu);
+    if (impl_->stream) cudaStreamDestroy(impl_->stream);
+  }
+}
+
+absl::StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Create(const Model* model,
+                                                               const CudaEngineOptions& options) {
+  if (model == nullptr) return absl::InvalidArgumentError("CudaEngine::Create: model is null");
+  if (options.max_tokens < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
+  auto impl = std::make_unique<Impl>();
+  if (absl::Status s = impl->Init(model, options); !s.ok()) return s;
+  return std::unique_ptr<CudaEngine>(new CudaEngine(std::move(impl)));
+}
+
+const Model& CudaEngine::model() const { return *impl_->model; }
+
+std::string CudaEngine::device_name() const { return absl::StrCat("cuda:", impl_->options.device); }
+
+absl::Status CudaEngine::ForwardOnDevice(const ForwardInput& in) { return impl_->Run(in); }
+
+absl::Status CudaEngine::Forward(const ForwardInput& in, std::span<uint16_t> out) {
+  const int64_t need = static_cast<int64_t>(in.token_ids.size()) *
+                       static_cast<int64_t>(in.layers.size()) * impl_->D;
+  if (static_cast<int64_t>(out.size()) < need) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("output span holds ", out.size(), " values; ", need, " needed"));
+  }
+  if (absl::Status s = impl_->Run(in); !s.ok()) return s;
+  DF_CUDA(cudaMemcpy(out.data(), impl_->capture, static_cast<size_t>(need) * 2,
+                     cudaMemcpyDeviceToHost));
+  return absl::OkStatus();
+}
+
+const void* CudaEngine::DeviceCapture() const { return impl_->capture; }
+
+int64_t CudaEngine::weight_bytes() const { return static_cast<int64_t>(impl_->weights.used()); }
+int64_t CudaEngine::workspace_bytes() const { return static_cast<int64_t>(impl_->workspace_total); }
+const OpTimes& CudaEngine::last_op_times() const { return impl_->times; }
+void CudaEngine::set_profile(bool on) { impl_->options.profile = on; }
+
+int CudaDeviceCount() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+}  // namespace draftfeed

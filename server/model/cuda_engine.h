@@ -1,0 +1,59 @@
+// CUDA engine: bf16 weights on one GPU, cuBLASLt GEMMs (bf16 in, fp32
+// accumulate), kernels/ ops, an fp32 residual stream, and one workspace sized
+// at start-up from the token budget (no allocation on the hot path).
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/model/engine.h"
+
+namespace draftfeed {
+
+struct CudaEngineOptions {
+  int device = 0;
+  int64_t max_tokens = 16384;  // token budget: sizes the workspace
+  int64_t max_seqs = 4096;     // sequences per batch
+  int64_t max_layers = 0;      // capture slots; 0 = num_layers + 1
+  bool profile = false;        // time every op family (adds syncs; benchmarks only)
+};
+
+struct OpTimes {
+  // Milliseconds per op family over the last Forward when profiling.
+  std::vector<std::pair<std::string, double>> ms;
+};
+
+class CudaEngine final : public Engine {
+ public:
+  // Uploads (or, for real-size random models, generates) the weights once.
+  static absl::StatusOr<std::unique_ptr<CudaEngine>> Create(const Model* model,
+                                                            const CudaEngineOptions& options);
+  ~CudaEngine() override;
+
+  const Model& model() const override;
+  std::string device_name() const override;
+  // Runs the forward and copies the [T, K, H] capture to host memory.
+  absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) override;
+  // Runs the forward only; the capture stays in device memory (DeviceCapture).
+  absl::Status ForwardOnDevice(const ForwardInput& in);
+  const void* DeviceCapture() const;
+
+  int64_t weight_bytes() const;
+  int64_t workspace_bytes() const;
+  const OpTimes& last_op_times() const;
+  // Times every op family (syncs after each op: for benchmarks only).
+  void set_profile(bool on);
+
+ private:
+  struct Impl;
+  explicit CudaEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Number of CUDA devices (0 when there is no driver or GPU).
+int CudaDeviceCount();
+
+}  // namespace draftfeed

@@ -1,0 +1,153 @@
+// bf16 GEMMs through cuBLASLt: Y[M, N] = X[M, K]·W[N, K]ᵀ, row-major, fp32
+// accumulation; one plan (descriptors + heuristic algorithm) cached per shape.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace draftfeed {
+
+#define DF_CUBLAS_OK(expr)                                                                  \
+  do {                                                                                      \
+    cublasStatus_t df_s_ = (expr);                                                          \
+    if (df_s_ != CUBLAS_STATUS_SUCCESS) {                                                   \
+      return absl::InternalError(absl::StrCat("cuBLASLt error ", static_cast<int>(df_s_), \
+                                              " in ", #expr));                              \
+    }                                                                                       \
+  } while (0)
+
+// Y[M, N] = X[M, K]·W[N, K]ᵀ, row-major bf16, fp32 accumulation. In cuBLAS's
+// column-major terms that is Yᵀ[N, M] = (W as K×N)ᵀ · (X as K×M): a "TN" GEMM.
+class CublasLtGemm {
+ public:
+  ~CublasLtGemm() {
+    for (auto& [key, plan] : plans_) {
+      cublasLtMatmulDescDestroy(plan.desc);
+      cublasLtMatrixLayoutDestroy(plan.a);
+      cublasLtMatrixLayoutDestroy(plan.b);
+      cublasLtMatrixLayoutDestroy(plan.c);
+    }
+    if (pref_) cublasLtMatmulPreferenceDestroy(pref_);
+    if (handle_) cublasLtDestroy(handle_);
+  }
+
+  absl::Status Init(void* workspace, size_t workspace_bytes) {
+    workspace_ = workspace;
+    workspace_bytes_ = workspace_bytes;
+    DF_CUBLAS_OK(cublasLtCreate(&handle_));
+    DF_CUBLAS_OK(cublasLtMatmulPreferenceCreate(&pref_));
+    DF_CUBLAS_OK(cublasLtMatmulPreferenceSetAttribute(pref_, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                   &workspace_bytes_, sizeof(workspace_bytes_)));
+    return absl::OkStatus();
+  }
+
+  // Time the candidate algorithms of each new shape once and keep the fastest
+  // (cuBLASLt's first heuristic pick is often a few % off the best).
+  void set_autotune(bool on) { autotune_ = on; }
+
+  absl::Status Run(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int64_t m,
+                   int64_t n, int64_t k, cudaStream_t stream) {
+    auto key = std::make_tuple(m, n, k);
+    auto it = plans_.find(key);
+    if (it == plans_.end()) {
+      Plan p;
+      DF_CUBLAS_OK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+      const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+      DF_CUBLAS_OK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+      DF_CUBLAS_OK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+      DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, k));
+      DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, k));
+      DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, n, m, n));
+      if (absl::Status s = ChooseAlgo(p, x, w, y, m, n, k, stream); !s.ok()) return s;
+      it = plans_.emplace(key, p).first;
+    }
+    const Plan& plan = it->second;
+    const float alpha = 1.0f, beta = 0.0f;
+    DF_CUBLAS_OK(cublasLtMatmul(handle_, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, y,
+                                plan.c, y, plan.c, &plan.algo, workspace_, workspace_bytes_,
+                                stream));
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Plan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+  };
+
+  // Shapes whose M differs only a little share the tuned algorithm (checked
+  // for the exact layout), so a trainer's varying batch sizes tune rarely.
+  static int64_t Bucket(int64_t m) { return (m + 2047) / 2048; }
+
+  absl::Status ChooseAlgo(Plan& p, const __nv_bfloat16* x, const __nv_bfloat16* w,
+                          __nv_bfloat16* y, int64_t m, int64_t n, int64_t k, cudaStream_t stream) {
+    auto tuned = tuned_.find(std::make_tuple(Bucket(m), n, k));
+    if (tuned != tuned_.end()) {
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoCheck(handle_, p.desc, p.a, p.b, p.c, p.c, &tuned->second, &check) ==
+          CUBLAS_STATUS_SUCCESS) {
+        p.algo = tuned->second;
+        return absl::OkStatus();
+      }
+    }
+    constexpr int kCandidates = 8;
+    cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
+    int found = 0;
+    DF_CUBLAS_OK(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref_,
+                                                autotune_ ? kCandidates : 1, results, &found));
+    if (found == 0) {
+      return absl::InternalError(absl::StrCat("cuBLASLt has no algorithm for ", m, "x", n, "x", k));
+    }
+    p.algo = results[0].algo;
+    if (autotune_ && found > 1) {
+      cudaEvent_t start, stop;
+      cudaEventCreate(&start);
+      cudaEventCreate(&stop);
+      const float alpha = 1.0f, beta = 0.0f;
+      float best = 1e30f;
+      for (int i = 0; i < found; ++i) {
+        float total = 0;
+        bool ok = true;
+        for (int rep = 0; rep < 4 && ok; ++rep) {  // first run warms up
+          cudaEventRecord(start, stream);
+          ok = cublasLtMatmul(handle_, p.desc, &alpha, w, p.a, x, p.b, &beta, y, p.c, y, p.c,
+                              &results[i].algo, workspace_, workspace_bytes_,
+                              stream) == CUBLAS_STATUS_SUCCESS;
+          cudaEventRecord(stop, stream);
+          cudaEventSynchronize(stop);
+          float ms = 0;
+          cudaEventElapsedTime(&ms, start, stop);
+          if (rep > 0) total += ms;
+        }
+        if (ok && total < best) {
+          best = total;
+          p.algo = results[i].algo;
+        }
+      }
+      cudaEventDestroy(start);
+      cudaEventDestroy(stop);
+    }
+    tuned_[std::make_tuple(Bucket(m), n, k)] = p.algo;
+    return absl::OkStatus();
+  }
+
+  bool autotune_ = true;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, cublasLtMatmulAlgo_t> tuned_;
+  cublasLtHandle_t handle_ = nullptr;
+  cublasLtMatmulPreference_t pref_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, Plan> plans_;
+};
+
+
+}  // namespace draftfeed
