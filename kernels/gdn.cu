@@ -583,6 +583,10 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   // Everything a warp reads besides the diagonal blocks it wrote itself, so
   // only warp barriers are needed. R_ij is staged in 𝒯_ij's own place. Lane
   // owns row ρ = lane / 2 and 8 columns from c0 = 8·(lane % 2).
+  // compute-sanitizer racecheck reports hazards here: with the odd fp32
+  // pitch the compiler widens the 8-float row reads to aligned pairs that
+  // touch the float just left of the lane's run, in another warp's block;
+  // that value is discarded.
   {
     const int rho = lane >> 1, c0 = 8 * (lane & 1), j = warp;
 #pragma unroll 1

@@ -75,7 +75,7 @@ class PyResult {
   py::array seq_lens() const { return View(batch_->seq_lens.data(), {batch_->seq_lens.size()}); }
   // bf16 bit patterns [T, K, H] as uint16, no copy.
   py::array hidden_bits() const {
-    return View(batch_->hidden.data(),
+    return View(static_cast<const uint16_t*>(batch_->buffer.get()),
                 {static_cast<size_t>(batch_->num_tokens), static_cast<size_t>(batch_->num_layers),
                  static_cast<size_t>(batch_->hidden_size)});
   }
@@ -87,7 +87,7 @@ class PyResult {
     h->shape[1] = batch_->num_layers;
     h->shape[2] = batch_->hidden_size;
     DLTensor& t = h->managed.dl_tensor;
-    t.data = batch_->hidden.data();
+    t.data = batch_->buffer.get();
     t.device = DLDevice{1, 0};
     t.ndim = 3;
     t.dtype = DLDataType{4, 16, 1};

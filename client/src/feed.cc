@@ -1,9 +1,12 @@
+#include <google/protobuf/io/coded_stream.h>
 #include <grpcpp/grpcpp.h>
+#include <grpcpp/support/proto_buffer_reader.h>
 #include <netdb.h>
 #include <sys/socket.h>
 #include <arpa/inet.h>
 
 #include <algorithm>
+#include <climits>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -19,13 +22,28 @@
 #include "draftfeed/client.h"
 #include "draftfeed/v1/checksum.h"
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
+#include "server/common/host_buffer_pool.h"
 
 namespace draftfeed {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using Stream = grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>;
+// The data stream is read raw so that payload bytes go from gRPC's slices
+// straight into the batch buffer (one copy), not through a protobuf string.
+using Stream = grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>;
+constexpr char kStreamMethod[] = "/draftfeed.v1.TargetService/StreamHiddenStates";
+
+grpc::ByteBuffer ToBuffer(const google::protobuf::Message& msg) {
+  const std::string bytes = msg.SerializeAsString();
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+bool ParseBuffer(grpc::ByteBuffer& bb, google::protobuf::Message* msg) {
+  grpc::ProtoBufferReader reader(&bb);
+  return msg->ParseFromZeroCopyStream(&reader);
+}
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& context) {
   if (s.ok()) return absl::OkStatus();
@@ -129,7 +147,7 @@ struct Feed::Impl {
     std::thread writer;
     std::mutex wmu;
     std::condition_variable wcv;
-    std::deque<v1::StreamRequest> wq;
+    std::deque<grpc::ByteBuffer> wq;
     bool wclosed = false;  // writer: send what is queued, then WritesDone
     bool finished = false;  // reader is done (guarded by Impl::mu)
   };
@@ -138,6 +156,7 @@ struct Feed::Impl {
 
   struct Target {
     std::string address;
+    std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<v1::TargetService::Stub> stub;
     TargetDescription info;
     State state = State::kConnecting;
@@ -155,7 +174,8 @@ struct Feed::Impl {
   struct Pending {
     std::vector<int32_t> token_ids;
     std::vector<int32_t> seq_lens;
-    std::vector<uint16_t> hidden;
+    std::shared_ptr<uint16_t> hidden;  // from the pool, T*K*H values
+    size_t values = 0;
     int64_t tokens_received = 0;
     Target* target = nullptr;
     Conn* conn = nullptr;
@@ -166,6 +186,9 @@ struct Feed::Impl {
   };
 
   FeedOptions options;
+  // Result buffers: reused across batches (a fresh 200 MB buffer per batch
+  // would cost a page fault per 4 KiB); idle memory capped at prefetch_bytes.
+  std::unique_ptr<HostBufferPool> pool;
   std::string fingerprint;  // every target must serve this
   std::string fingerprint_source;
   int32_t hidden_size = 0;
@@ -198,7 +221,8 @@ struct Feed::Impl {
     auto t = std::make_unique<Target>();
     t->address = address;
     t->stats.address = address;
-    t->stub = v1::TargetService::NewStub(MakeChannel(address));
+    t->channel = MakeChannel(address);
+    t->stub = v1::TargetService::NewStub(t->channel);
     t->backoff_s = options.reconnect_backoff_min_s;
     Target* raw = t.get();
     targets.push_back(std::move(t));
@@ -262,7 +286,10 @@ struct Feed::Impl {
       }
     }
     auto conn = std::make_shared<Conn>();
-    conn->stream = t->stub->StreamHiddenStates(&conn->ctx);
+    const grpc::internal::RpcMethod method(kStreamMethod,
+                                           grpc::internal::RpcMethod::BIDI_STREAMING, t->channel);
+    conn->stream.reset(grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+        t->channel.get(), method, &conn->ctx));
     v1::StreamRequest req;
     v1::Open* open = req.mutable_open();
     for (int32_t l : options.layers) open->add_layers(l);
@@ -272,10 +299,11 @@ struct Feed::Impl {
     open->set_max_inflight_batches(options.credits_per_target);
     open->set_client_name(options.client_name);
     v1::StreamResponse resp;
-    if (!conn->stream->Write(req) || !conn->stream->Read(&resp)) {
+    grpc::ByteBuffer raw;
+    if (!conn->stream->Write(ToBuffer(req)) || !conn->stream->Read(&raw)) {
       return FromGrpc(conn->stream->Finish(), absl::StrCat("target ", t->address, ": open stream"));
     }
-    if (resp.msg_case() != v1::StreamResponse::kOpened) {
+    if (!ParseBuffer(raw, &resp) || resp.msg_case() != v1::StreamResponse::kOpened) {
       conn->ctx.TryCancel();
       conn->stream->Finish();
       return absl::InternalError(absl::StrCat("target ", t->address, ": expected Opened"));
@@ -304,7 +332,7 @@ struct Feed::Impl {
     for (;;) {
       c->wcv.wait(lock, [&] { return c->wclosed || !c->wq.empty(); });
       if (c->wq.empty()) break;  // closed and drained
-      v1::StreamRequest req = std::move(c->wq.front());
+      grpc::ByteBuffer req = std::move(c->wq.front());
       c->wq.pop_front();
       lock.unlock();
       const bool ok = c->stream->Write(req);
@@ -331,7 +359,15 @@ struct Feed::Impl {
 
   void ReadLoop(Target* t, std::shared_ptr<Conn> conn) {
     v1::StreamResponse resp;
-    while (conn->stream->Read(&resp)) HandleResponse(t, conn.get(), resp);
+    grpc::ByteBuffer raw;
+    while (conn->stream->Read(&raw)) {
+      if (ReadChunkInPlace(t, conn.get(), raw)) continue;
+      if (!ParseBuffer(raw, &resp)) {
+        conn->ctx.TryCancel();  // a target that sends garbage is treated as lost
+        break;
+      }
+      HandleResponse(t, conn.get(), resp);
+    }
     // Finish must not race a Write: stop the writer first.
     StopWriter(conn.get(), /*drop_queued=*/true);
     if (conn->writer.joinable()) conn->writer.join();
@@ -383,8 +419,47 @@ struct Feed::Impl {
     unassigned.erase(id);
     p.complete = true;
     p.error = std::move(status);
-    p.hidden = {};
+    p.hidden.reset();
     ++stats.failed;
+  }
+
+  // The hot path: a HiddenChunk in the field order the target writes (1, 2, 3,
+  // then data) is copied from the gRPC slices straight into its batch. Any
+  // other message (or order) returns false and takes the protobuf path.
+  bool ReadChunkInPlace(Target* t, Conn* conn, grpc::ByteBuffer& raw) {
+    grpc::ProtoBufferReader reader(&raw);
+    google::protobuf::io::CodedInputStream in(&reader);
+    in.SetTotalBytesLimit(INT_MAX);
+    uint32_t len = 0;
+    uint64_t id = 0, offset = 0, count = 0;
+    uint32_t data_len = 0;
+    if (in.ReadTag() != 0x12 || !in.ReadVarint32(&len) || in.ReadTag() != 0x08 ||
+        !in.ReadVarint64(&id) || in.ReadTag() != 0x10 || !in.ReadVarint64(&offset) ||
+        in.ReadTag() != 0x18 || !in.ReadVarint64(&count) || in.ReadTag() != 0x22 ||
+        !in.ReadVarint32(&data_len)) {
+      return false;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = pending.find(id);
+    if (it == pending.end() || it->second.complete || it->second.conn != conn) return true;
+    Pending& p = it->second;
+    const int64_t T = static_cast<int64_t>(p.token_ids.size());
+    const int64_t stride = K() * hidden_size;
+    p.last_progress = Clock::now();
+    if (static_cast<int64_t>(offset) + static_cast<int64_t>(count) > T ||
+        static_cast<int64_t>(data_len) != static_cast<int64_t>(count) * stride * 2 ||
+        !in.ReadRaw(p.hidden.get() + static_cast<int64_t>(offset) * stride, static_cast<int>(data_len))) {
+      Fail(id, p,
+           absl::DataLossError(absl::StrCat("target ", t->address,
+                                            " sent a malformed chunk for batch ", id, ": tokens [",
+                                            offset, ", +", count, ") of ", T, ", ", data_len,
+                                            " bytes")));
+      cv.notify_all();
+      return true;
+    }
+    p.tokens_received += static_cast<int64_t>(count);
+    stats.bytes_received += data_len;
+    return true;
   }
 
   void HandleResponse(Target* t, Conn* conn, v1::StreamResponse& resp) {
@@ -419,7 +494,7 @@ struct Feed::Impl {
         cv.notify_all();
         return;
       }
-      std::memcpy(p.hidden.data() + c.token_offset() * stride, c.data().data(), c.data().size());
+      std::memcpy(p.hidden.get() + c.token_offset() * stride, c.data().data(), c.data().size());
       p.tokens_received += c.token_count();
       stats.bytes_received += static_cast<int64_t>(c.data().size());
       return;
@@ -444,7 +519,7 @@ struct Feed::Impl {
            absl::DataLossError(absl::StrCat("batch ", id, " from ", t->address, ": received ",
                                             p.tokens_received, " of ", T, " tokens")));
     } else if (options.verify_checksum &&
-               v1::PayloadChecksum(p.hidden.data(), p.hidden.size() * 2) != d.checksum()) {
+               v1::PayloadChecksum(p.hidden.get(), p.values * 2) != d.checksum()) {
       Fail(id, p,
            absl::DataLossError(
                absl::StrCat("batch ", id, " from ", t->address, ": checksum mismatch")));
@@ -462,7 +537,8 @@ struct Feed::Impl {
       r.num_tokens = T;
       r.num_layers = K();
       r.hidden_size = hidden_size;
-      r.hidden = std::move(p.hidden);
+      r.buffer = std::move(p.hidden);
+      r.num_values = p.values;
       r.token_ids = std::move(p.token_ids);
       r.seq_lens = std::move(p.seq_lens);
       r.checksum = d.checksum();
@@ -521,7 +597,7 @@ struct Feed::Impl {
       b->mutable_seq_lens()->Add(p.seq_lens.begin(), p.seq_lens.end());
       {
         std::lock_guard<std::mutex> wlock(p.conn->wmu);
-        p.conn->wq.push_back(std::move(req));
+        p.conn->wq.push_back(ToBuffer(req));
       }
       p.conn->wcv.notify_one();
     }
@@ -627,6 +703,7 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->pool = std::make_unique<HostBufferPool>(options.prefetch_bytes);
   impl->fingerprint = options.expected_fingerprint;
   if (!impl->fingerprint.empty()) impl->fingerprint_source = "FeedOptions.expected_fingerprint";
   Impl& m = *impl;
@@ -711,7 +788,10 @@ absl::StatusOr<uint64_t> Feed::Submit(std::vector<int32_t> token_ids,
   if (!m.fatal.ok()) return m.fatal;
   const uint64_t id = m.next_id++;
   Impl::Pending& p = m.pending[id];
-  p.hidden.assign(static_cast<size_t>(bytes / 2), 0);
+  // Pooled and uninitialised: every value is overwritten by a chunk before
+  // the batch completes (tokens_received must reach T).
+  p.values = static_cast<size_t>(bytes / 2);
+  p.hidden = m.pool->Acquire(p.values);
   p.token_ids = std::move(token_ids);
   p.seq_lens = std::move(seq_lens);
   m.unassigned.insert(id);

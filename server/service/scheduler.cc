@@ -13,8 +13,8 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
 }  // namespace
 
 Scheduler::Scheduler(std::vector<Engine*> engines, int64_t max_queued,
-                     double throttle_tokens_per_s)
-    : max_queued_(max_queued), throttle_tokens_per_s_(throttle_tokens_per_s) {
+                     double throttle_tokens_per_s, int64_t pool_idle_bytes)
+    : pool_(pool_idle_bytes), max_queued_(max_queued), throttle_tokens_per_s_(throttle_tokens_per_s) {
   workers_.reserve(engines.size());
   for (Engine* engine : engines) workers_.emplace_back([this, engine] { WorkerLoop(engine); });
 }
@@ -66,12 +66,14 @@ void Scheduler::WorkerLoop(Engine* engine) {
       result.queue_ms = MsSince(entry.enqueued);
       const int64_t tokens = static_cast<int64_t>(item.token_ids.size());
       const int64_t width = engine->model().config.hidden_size;
-      result.hidden.resize(static_cast<size_t>(tokens * static_cast<int64_t>(item.layers.size()) *
-                                               width));
+      result.hidden_size =
+          static_cast<size_t>(tokens * static_cast<int64_t>(item.layers.size()) * width);
+      result.hidden = pool_.Acquire(result.hidden_size);
       result.tokens = tokens;
       const auto t0 = std::chrono::steady_clock::now();
       absl::Status status = engine->Forward(
-          ForwardInput{item.token_ids, item.seq_lens, item.layers}, result.hidden);
+          ForwardInput{item.token_ids, item.seq_lens, item.layers},
+          std::span<uint16_t>(result.hidden.get(), result.hidden_size));
       if (throttle_tokens_per_s_ > 0) {
         std::this_thread::sleep_until(
             t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(

@@ -16,12 +16,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "server/model/engine.h"
+#include "server/common/host_buffer_pool.h"
 
 namespace draftfeed {
 
-// The captured states of one batch, bf16 [T, K, H].
+// The captured states of one batch, bf16 [T, K, H], in a pooled host buffer.
 struct ForwardResult {
-  std::vector<uint16_t> hidden;
+  std::shared_ptr<uint16_t> hidden;
+  size_t hidden_size = 0;  // elements
   int64_t tokens = 0;
   double queue_ms = 0;
   double forward_ms = 0;
@@ -42,7 +44,8 @@ class Scheduler {
  public:
   // `throttle_tokens_per_s` > 0 caps each worker's rate (emulates a slower
   // device, e.g. for balancing and split benchmarks); 0 runs at full speed.
-  Scheduler(std::vector<Engine*> engines, int64_t max_queued, double throttle_tokens_per_s = 0);
+  Scheduler(std::vector<Engine*> engines, int64_t max_queued, double throttle_tokens_per_s = 0,
+            int64_t pool_idle_bytes = int64_t{2} << 30);
   ~Scheduler();  // Stop()s
 
   // RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE once stopping.
@@ -54,6 +57,7 @@ class Scheduler {
   int64_t running() const;
   int64_t completed_batches() const;
   int64_t completed_tokens() const;
+  const HostBufferPool& pool() const { return pool_; }
 
  private:
   struct Entry {
@@ -62,6 +66,7 @@ class Scheduler {
   };
   void WorkerLoop(Engine* engine);
 
+  HostBufferPool pool_;
   const int64_t max_queued_;
   const double throttle_tokens_per_s_;
   mutable std::mutex mu_;

@@ -6,6 +6,8 @@
 #include <optional>
 #include <utility>
 
+#include <grpcpp/support/proto_buffer_reader.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "draftfeed/v1/checksum.h"
@@ -41,9 +43,64 @@ struct ReactorLink {
   std::atomic<bool> cancelled{false};
 };
 
+// Protobuf wire format of the HiddenChunk envelope (StreamResponse.chunk = 2;
+// HiddenChunk fields 1-3 varints, 4 = data), written by hand so the payload
+// can follow as its own slice.
+size_t PutVarint(uint8_t* p, uint64_t v) {
+  size_t n = 0;
+  while (v >= 0x80) {
+    p[n++] = static_cast<uint8_t>(v | 0x80);
+    v >>= 7;
+  }
+  p[n++] = static_cast<uint8_t>(v);
+  return n;
+}
+
+size_t VarintSize(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+grpc::ByteBuffer ChunkBuffer(uint64_t batch_id, int64_t token_offset, int64_t token_count,
+                             const std::shared_ptr<ForwardResult>& result, const void* data,
+                             size_t bytes) {
+  const size_t inner = 1 + VarintSize(batch_id) + 1 + VarintSize(token_offset) + 1 +
+                       VarintSize(token_count) + 1 + VarintSize(bytes) + bytes;
+  uint8_t head[64];
+  size_t n = 0;
+  head[n++] = 0x12;  // field 2 (chunk), length-delimited
+  n += PutVarint(head + n, inner);
+  head[n++] = 0x08;  // batch_id
+  n += PutVarint(head + n, batch_id);
+  head[n++] = 0x10;  // token_offset
+  n += PutVarint(head + n, static_cast<uint64_t>(token_offset));
+  head[n++] = 0x18;  // token_count
+  n += PutVarint(head + n, static_cast<uint64_t>(token_count));
+  head[n++] = 0x22;  // data, length-delimited
+  n += PutVarint(head + n, bytes);
+  grpc::Slice slices[2] = {
+      grpc::Slice(head, n),
+      // gRPC releases the payload slice when the bytes are on the wire; the
+      // result buffer lives until then.
+      grpc::Slice(const_cast<void*>(data), bytes,
+                  [](void* keep) { delete static_cast<std::shared_ptr<ForwardResult>*>(keep); },
+                  new std::shared_ptr<ForwardResult>(result))};
+  return grpc::ByteBuffer(slices, 2);
+}
+
+grpc::ByteBuffer Serialize(const StreamResponse& msg) {
+  const std::string bytes = msg.SerializeAsString();
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
 }  // namespace
 
-class StreamReactor final : public grpc::ServerBidiReactor<StreamRequest, StreamResponse> {
+class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StreamReactor(TargetService* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx), link_(std::make_shared<ReactorLink>()) {
@@ -56,6 +113,15 @@ class StreamReactor final : public grpc::ServerBidiReactor<StreamRequest, Stream
   void OnReadDone(bool ok) override {
     std::lock_guard<std::mutex> lock(mu_);
     read_pending_ = false;
+    if (ok) {
+      grpc::ProtoBufferReader reader(&raw_req_);
+      req_.Clear();
+      if (!req_.ParseFromZeroCopyStream(&reader)) {
+        FailStream(absl::InvalidArgumentError("malformed StreamRequest (protobuf parse failed)"));
+        Pump();
+        return;
+      }
+    }
     if (!ok) {
       reads_done_ = true;
     } else if (!opened_) {
@@ -107,7 +173,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<StreamRequest, Stream
                             absl::StatusOr<ForwardResult> result) {
     uint64_t checksum = 0;
     if (result.ok()) {
-      checksum = v1::PayloadChecksum(result->hidden.data(), result->hidden.size() * 2);
+      checksum = v1::PayloadChecksum(result->hidden.get(), result->hidden_size * 2);
     }
     std::lock_guard<std::mutex> link_lock(link->mu);
     if (link->reactor == nullptr) return;
@@ -137,7 +203,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<StreamRequest, Stream
       Outgoing out;
       out.batch_id = batch_id;
       out.token_stride = result->tokens > 0
-                             ? static_cast<int64_t>(result->hidden.size()) / result->tokens
+                             ? static_cast<int64_t>(result->hidden_size) / result->tokens
                              : 0;
       out.result = std::make_shared<ForwardResult>(*std::move(result));
       out.checksum = checksum;
@@ -273,11 +339,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<StreamRequest, Stream
     reads_done_ = true;
   }
 
-  // Fills resp_ with the next message of the outbox front.
+  // Fills raw_resp_ with the next message of the outbox front.
   void NextMessage() {
     Outgoing& out = outbox_.front();
     if (out.message.has_value()) {
-      resp_ = std::move(*out.message);
+      raw_resp_ = Serialize(*out.message);
       if (out.releases_credit) --inflight_;
       outbox_.pop_front();
       return;
@@ -286,27 +352,24 @@ class StreamReactor final : public grpc::ServerBidiReactor<StreamRequest, Stream
     if (out.next_token == 0) out.send_start = std::chrono::steady_clock::now();
     if (out.next_token < r.tokens) {
       const int64_t bytes_per_token = out.token_stride * 2;
-      const int64_t per_chunk =
-          std::max<int64_t>(1, service_->options().chunk_bytes / std::max<int64_t>(1, bytes_per_token));
+      const int64_t per_chunk = std::max<int64_t>(
+          1, service_->options().chunk_bytes / std::max<int64_t>(1, bytes_per_token));
       const int64_t count = std::min(per_chunk, r.tokens - out.next_token);
-      resp_.Clear();
-      v1::HiddenChunk* chunk = resp_.mutable_chunk();
-      chunk->set_batch_id(out.batch_id);
-      chunk->set_token_offset(out.next_token);
-      chunk->set_token_count(count);
-      chunk->set_data(reinterpret_cast<const char*>(r.hidden.data() + out.next_token * out.token_stride),
-                      static_cast<size_t>(count * bytes_per_token));
+      raw_resp_ = ChunkBuffer(out.batch_id, out.next_token, count, out.result,
+                              r.hidden.get() + out.next_token * out.token_stride,
+                              static_cast<size_t>(count * bytes_per_token));
       out.next_token += count;
       return;
     }
-    resp_.Clear();
-    v1::BatchDone* done = resp_.mutable_done();
+    StreamResponse done_msg;
+    v1::BatchDone* done = done_msg.mutable_done();
     done->set_batch_id(out.batch_id);
     done->set_tokens(r.tokens);
     done->set_checksum(out.checksum);
     done->mutable_timings()->set_queue_ms(r.queue_ms);
     done->mutable_timings()->set_forward_ms(r.forward_ms);
     done->mutable_timings()->set_send_ms(MsSince(out.send_start));
+    raw_resp_ = Serialize(done_msg);
     if (out.releases_credit) --inflight_;
     outbox_.pop_front();
   }
@@ -324,12 +387,12 @@ class StreamReactor final : public grpc::ServerBidiReactor<StreamRequest, Stream
     if (!write_pending_ && !outbox_.empty()) {
       NextMessage();
       write_pending_ = true;
-      StartWrite(&resp_);
+      StartWrite(&raw_resp_);
     }
     const bool draining = draining_ || service_->draining();
     if (!read_pending_ && !reads_done_ && !draining && (!opened_ || inflight_ < credits_)) {
       read_pending_ = true;
-      StartRead(&req_);
+      StartRead(&raw_req_);
     }
     const bool input_over = reads_done_ || draining;
     if (input_over && inflight_ == 0 && outbox_.empty() && !write_pending_) {
@@ -351,8 +414,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<StreamRequest, Stream
   const std::shared_ptr<ReactorLink> link_;
 
   std::mutex mu_;
+  grpc::ByteBuffer raw_req_;
+  grpc::ByteBuffer raw_resp_;
   StreamRequest req_;
-  StreamResponse resp_;
   std::deque<Outgoing> outbox_;
   std::vector<int32_t> layers_;
   absl::Status finish_status_;
@@ -370,7 +434,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<StreamRequest, Stream
 TargetService::TargetService(std::vector<Engine*> engines, ServiceOptions options)
     : engines_(std::move(engines)),
       options_(options),
-      scheduler_(engines_, options.max_queued_batches, options.throttle_tokens_per_s) {}
+      scheduler_(engines_, options.max_queued_batches, options.throttle_tokens_per_s,
+                 options.host_pool_bytes) {}
 
 TargetService::~TargetService() { scheduler_.Stop(); }
 
@@ -405,8 +470,8 @@ grpc::ServerUnaryReactor* TargetService::GetTargetInfo(grpc::CallbackServerConte
   return reactor;
 }
 
-grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>*
-TargetService::StreamHiddenStates(grpc::CallbackServerContext* ctx) {
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* TargetService::StreamHiddenStates(
+    grpc::CallbackServerContext* ctx) {
   return new StreamReactor(this, ctx);
 }
 

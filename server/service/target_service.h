@@ -23,11 +23,17 @@ struct ServiceOptions {
   int64_t chunk_bytes = 4 << 20;     // payload per HiddenChunk (whole tokens)
   int64_t max_queued_batches = 256;  // scheduler backstop
   double throttle_tokens_per_s = 0;  // > 0: cap the engine's rate (benchmarks)
+  int64_t host_pool_bytes = int64_t{2} << 30;  // idle capture buffers kept for reuse
 };
 
 class StreamReactor;
 
-class TargetService final : public v1::TargetService::CallbackService {
+// StreamHiddenStates is served raw (ByteBuffer in and out) so that payload
+// chunks leave as slices pointing at the capture buffer, never copied into a
+// protobuf `bytes` field; control messages are ordinary protobuf.
+class TargetService final
+    : public v1::TargetService::WithCallbackMethod_GetTargetInfo<
+          v1::TargetService::WithRawCallbackMethod_StreamHiddenStates<v1::TargetService::Service>> {
  public:
   // `engines` are replicas of one model (one per device); not owned.
   TargetService(std::vector<Engine*> engines, ServiceOptions options);
@@ -36,7 +42,7 @@ class TargetService final : public v1::TargetService::CallbackService {
   grpc::ServerUnaryReactor* GetTargetInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetTargetInfoRequest* request,
                                           v1::TargetInfo* response) override;
-  grpc::ServerBidiReactor<v1::StreamRequest, v1::StreamResponse>* StreamHiddenStates(
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StreamHiddenStates(
       grpc::CallbackServerContext* ctx) override;
 
   // Graceful shutdown, step 1: no new batches are accepted; every stream ends

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -82,7 +83,11 @@ struct HiddenBatch {
   int64_t num_tokens = 0;
   int64_t num_layers = 0;  // K
   int64_t hidden_size = 0;  // H
-  std::vector<uint16_t> hidden;  // bf16 bit patterns, [T, K, H]
+  // bf16 bit patterns, [T, K, H], in a buffer from the feed's pool: it goes
+  // back there when the last copy of `buffer` is released.
+  std::shared_ptr<uint16_t> buffer;
+  size_t num_values = 0;  // T*K*H
+  std::span<const uint16_t> hidden() const { return {buffer.get(), num_values}; }
   uint64_t checksum = 0;  // as sent in BatchDone (verified when asked)
   std::string target;     // address that computed it
   double queue_ms = 0, forward_ms = 0, send_ms = 0;

@@ -11,6 +11,7 @@
 #include "draftfeed/v1/checksum.h"
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 #include "server/model/cpu_engine.h"
+#include "server/common/host_buffer_pool.h"
 #include "server/service/target_service.h"
 
 namespace draftfeed {
@@ -47,6 +48,10 @@ class Server {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
 };
+
+std::vector<uint16_t> Values(const HiddenBatch& b) {
+  return std::vector<uint16_t>(b.hidden().begin(), b.hidden().end());
+}
 
 std::vector<int32_t> RandomTokens(int n, int vocab, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -105,8 +110,8 @@ TEST(ServiceTest, ClientReceivesExactlyWhatTheEngineComputes) {
     EXPECT_EQ(b->token_ids, toks[i]);
     EXPECT_EQ(b->seq_lens, lens[i]);
     EXPECT_EQ(b->num_layers, 3);
-    EXPECT_EQ(b->hidden, Direct(server.engine(), toks[i], lens[i], layers)) << "batch " << i;
-    EXPECT_EQ(b->checksum, v1::PayloadChecksum(b->hidden.data(), b->hidden.size() * 2));
+    EXPECT_EQ(Values(*b), Direct(server.engine(), toks[i], lens[i], layers)) << "batch " << i;
+    EXPECT_EQ(b->checksum, v1::PayloadChecksum(b->hidden().data(), b->hidden().size() * 2));
   }
   EXPECT_TRUE((*feed)->Close().ok());
   FeedStats st = (*feed)->Stats();
@@ -135,9 +140,9 @@ TEST(ServiceTest, PackedBatchEqualsEachSequenceAlone) {
   offset = 0;
   for (int32_t l : lens) {
     HiddenBatch alone = *feed->Next();
-    std::vector<uint16_t> slice(packed.hidden.begin() + offset * stride,
-                                packed.hidden.begin() + (offset + l) * stride);
-    EXPECT_EQ(slice, alone.hidden) << "sequence at offset " << offset;
+    std::vector<uint16_t> slice(packed.hidden().begin() + offset * stride,
+                                packed.hidden().begin() + (offset + l) * stride);
+    EXPECT_EQ(slice, Values(alone)) << "sequence at offset " << offset;
     offset += l;
   }
 }
@@ -155,13 +160,13 @@ TEST(ServiceTest, TwoStreamsAtOnce) {
       toks.push_back(RandomTokens(40 + i * 7, 4096, seed + i));
       if (i >= 3) {
         HiddenBatch b = *feed->Next();
-        *ok &= b.hidden == Direct(server.engine(), toks[i - 3], {static_cast<int32_t>(toks[i - 3].size())}, layers);
+        *ok &= Values(b) == Direct(server.engine(), toks[i - 3], {static_cast<int32_t>(toks[i - 3].size())}, layers);
       }
       ASSERT_TRUE(feed->Submit(toks.back(), {static_cast<int32_t>(toks.back().size())}).ok());
     }
     for (int i = 5; i < 8; ++i) {
       HiddenBatch b = *feed->Next();
-      *ok &= b.hidden == Direct(server.engine(), toks[i], {static_cast<int32_t>(toks[i].size())}, layers);
+      *ok &= Values(b) == Direct(server.engine(), toks[i], {static_cast<int32_t>(toks[i].size())}, layers);
     }
   };
   bool ok1 = true, ok2 = true;
@@ -384,7 +389,7 @@ TEST(ServiceTest, DrainFinishesAcceptedBatchesThenEndsStreams) {
   for (int i = 0; i < 4; ++i) {
     auto b = feed->Next();
     ASSERT_TRUE(b.ok()) << b.status();
-    EXPECT_EQ(b->hidden, Direct(server.engine(), toks[i], {200}, {-1}));
+    EXPECT_EQ(Values(*b), Direct(server.engine(), toks[i], {200}, {-1}));
   }
   stopper.join();
   auto after = feed->Submit(toks[0], {200});
@@ -426,11 +431,82 @@ TEST(ServiceTest, VanishingClientDoesNotDisturbOthers) {
   ASSERT_TRUE(feed->Submit(tokens, {33}).ok());
   auto b = feed->Next();
   ASSERT_TRUE(b.ok()) << b.status();
-  EXPECT_EQ(b->hidden, Direct(server.engine(), tokens, {33}, {2}));
+  EXPECT_EQ(Values(*b), Direct(server.engine(), tokens, {33}, {2}));
   for (int i = 0; i < 500 && server.service().open_streams() > 1; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_EQ(server.service().open_streams(), 1);
+}
+
+}  // namespace
+}  // namespace draftfeed
+
+namespace draftfeed {
+namespace {
+
+TEST(ChecksumTest, PinsTheProtocolValueAndSeesEveryByte) {
+  std::vector<uint8_t> data(1000);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 7 + 3);
+  const uint64_t base = v1::PayloadChecksum(data.data(), data.size());
+  // The value is part of the wire protocol: a change here breaks old clients.
+  EXPECT_EQ(base, 0xcd56156c556173c0ULL);
+  for (size_t i : {size_t{0}, size_t{31}, size_t{32}, size_t{999}}) {
+    std::vector<uint8_t> flipped = data;
+    flipped[i] ^= 1;
+    EXPECT_NE(v1::PayloadChecksum(flipped.data(), flipped.size()), base) << "byte " << i;
+  }
+  // Two words swapped between lanes, and a shorter length, change it too.
+  std::vector<uint8_t> swapped = data;
+  std::swap_ranges(swapped.begin(), swapped.begin() + 8, swapped.begin() + 8);
+  EXPECT_NE(v1::PayloadChecksum(swapped.data(), swapped.size()), base);
+  EXPECT_NE(v1::PayloadChecksum(data.data(), 999), base);
+}
+
+TEST(HostBufferPoolTest, ReusesAndCapsIdleMemory) {
+  HostBufferPool pool(/*max_idle_bytes=*/3000);
+  {
+    auto a = pool.Acquire(1000);  // 2000 bytes
+    auto b = pool.Acquire(500);
+    EXPECT_EQ(pool.live_bytes(), 3000);
+  }
+  EXPECT_EQ(pool.live_bytes(), 0);
+  EXPECT_EQ(pool.idle_bytes(), 3000);
+  auto c = pool.Acquire(900);  // fits the idle 1000-element buffer: no new allocation
+  EXPECT_EQ(pool.allocations(), 2);
+  auto d = pool.Acquire(5000);  // nothing big enough idle
+  EXPECT_EQ(pool.allocations(), 3);
+  d.reset();  // 10000 bytes would pass the idle cap: freed
+  EXPECT_LE(pool.idle_bytes(), 3000);
+}
+
+TEST(ServiceTest, VanishedClientsReturnEveryBuffer) {
+  Server server;
+  for (int round = 0; round < 3; ++round) {
+    auto stub = v1::TargetService::NewStub(
+        grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    auto stream = stub->StreamHiddenStates(&ctx);
+    v1::StreamRequest req;
+    *req.mutable_open() = OpenFor({0, 1, 2, 3, -1});
+    stream->Write(req);
+    for (uint64_t id = 1; id <= 4; ++id) {
+      v1::StreamRequest b;
+      b.mutable_batch()->set_batch_id(id);
+      for (int i = 0; i < 500; ++i) b.mutable_batch()->add_token_ids(i);
+      b.mutable_batch()->add_seq_lens(500);
+      stream->Write(b);
+    }
+    v1::StreamResponse r;
+    stream->Read(&r);  // Opened
+    stream->Read(&r);  // part of the first batch, then vanish
+    ctx.TryCancel();
+  }
+  const auto& pool = server.service().scheduler().pool();
+  for (int i = 0; i < 500 && (pool.live_bytes() > 0 || server.service().open_streams() > 0); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(pool.live_bytes(), 0);
+  EXPECT_EQ(server.service().open_streams(), 0);
 }
 
 }  // namespace

@@ -1,0 +1,194 @@
+// gRPC data-plane throughput vs a raw TCP socket moving the same bytes.
+//
+//   draftfeed-grpc-bench [--tokens 4096 --layers 5 --hidden 5120 --batches 40 --streams 1]
+//
+// The target side runs a real TargetService whose engine only fills its
+// output (a memset), so what is timed is the data plane: serialisation,
+// HTTP/2 framing, loopback TCP and the client's reassembly into [T, K, H].
+// The baseline is a plain TCP socket pair on 127.0.0.1 sending the same
+// bytes in chunks of the same size, written here, in the same run.
+#include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <malloc.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "draftfeed/client.h"
+#include "server/model/model.h"
+#include "server/service/target_service.h"
+
+ABSL_FLAG(int64_t, tokens, 4096, "Tokens per batch.");
+ABSL_FLAG(int64_t, layers, 5, "Captured layers per token.");
+ABSL_FLAG(int64_t, hidden, 5120, "Hidden size (bytes per value: 2).");
+ABSL_FLAG(int32_t, batches, 40, "Batches per measurement.");
+ABSL_FLAG(int32_t, streams, 1, "Concurrent client streams (one Feed each).");
+ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "Payload bytes per HiddenChunk / TCP write.");
+ABSL_FLAG(int32_t, repeats, 3, "Measurements per mode (median reported).");
+
+namespace draftfeed {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// An engine that computes nothing: it fills the capture so the bytes are real.
+class FillEngine final : public Engine {
+ public:
+  explicit FillEngine(const Model* m) : model_(m) {}
+  const Model& model() const override { return *model_; }
+  std::string device_name() const override { return "fill"; }
+  absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) override {
+    std::memset(out.data(), 0x5a, out.size() * 2);
+    return absl::OkStatus();
+  }
+
+ private:
+  const Model* model_;
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+double RawTcpGBps(int64_t total_bytes, int64_t chunk, int streams) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
+  listen(listener, streams);
+  std::vector<int> senders, receivers;
+  for (int s = 0; s < streams; ++s) {
+    const int c = socket(AF_INET, SOCK_STREAM, 0);
+    connect(c, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    receivers.push_back(c);
+    senders.push_back(accept(listener, nullptr, nullptr));
+  }
+  close(listener);
+  const int64_t per_stream = total_bytes / streams;
+  const auto t0 = Clock::now();
+  std::vector<std::thread> threads;
+  for (int s = 0; s < streams; ++s) {
+    threads.emplace_back([&, s] {
+      std::vector<char> buf(static_cast<size_t>(chunk), 0x5a);
+      for (int64_t sent = 0; sent < per_stream;) {
+        const ssize_t n = write(senders[s], buf.data(),
+                                static_cast<size_t>(std::min<int64_t>(chunk, per_stream - sent)));
+        if (n <= 0) break;
+        sent += n;
+      }
+    });
+    threads.emplace_back([&, s] {
+      // The receiver lands bytes in a batch-sized buffer, as the client does.
+      std::vector<char> batch(static_cast<size_t>(std::min<int64_t>(per_stream, 256 << 20)));
+      for (int64_t got = 0; got < per_stream;) {
+        const size_t off = static_cast<size_t>(got % static_cast<int64_t>(batch.size()));
+        const ssize_t n = read(receivers[s], batch.data() + off,
+                               std::min(batch.size() - off, static_cast<size_t>(chunk)));
+        if (n <= 0) break;
+        got += n;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (int fd : senders) close(fd);
+  for (int fd : receivers) close(fd);
+  return static_cast<double>(per_stream * streams) / secs / 1e9;
+}
+
+int Run() {
+  const int64_t T = absl::GetFlag(FLAGS_tokens), K = absl::GetFlag(FLAGS_layers),
+                H = absl::GetFlag(FLAGS_hidden);
+  const int batches = absl::GetFlag(FLAGS_batches), streams = absl::GetFlag(FLAGS_streams);
+  // A model description of the right width; its weights are never read.
+  auto model = OpenModel(H == 5120 ? "random:qwen3.6-27b" : "tiny-random");
+  if (!model.ok()) return 1;
+  if ((*model)->config.hidden_size != H) {
+    std::fprintf(stderr, "--hidden must be 5120 or 128\n");
+    return 1;
+  }
+  FillEngine engine(model->get());
+  ServiceOptions opt;
+  opt.max_batch_tokens = T;
+  opt.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  TargetService service({&engine}, opt);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  auto server = builder.BuildAndStart();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+
+  std::vector<int32_t> layers;
+  for (int64_t k = 0; k + 1 < K; ++k) layers.push_back(static_cast<int32_t>(k));
+  layers.push_back(-1);
+  const int64_t batch_bytes = T * K * H * 2;
+  std::vector<double> grpc_gbps, tcp_gbps;
+  for (int rep = 0; rep < absl::GetFlag(FLAGS_repeats); ++rep) {
+    std::vector<std::thread> threads;
+    const auto t0 = Clock::now();
+    for (int s = 0; s < streams; ++s) {
+      threads.emplace_back([&] {
+        FeedOptions fo;
+        fo.targets = {address};
+        fo.layers = layers;
+        fo.prefetch = 4;
+        fo.credits_per_target = 4;
+        auto feed = Feed::Open(fo);
+        if (!feed.ok()) return;
+        std::vector<int32_t> ids(static_cast<size_t>(T), 1), lens = {static_cast<int32_t>(T)};
+        int done = 0;
+        for (int b = 0; b < batches; ++b) {
+          if (b >= 4) done += (*feed)->Next().ok();
+          (void)(*feed)->Submit(ids, lens);
+        }
+        for (int b = 0; b < std::min(4, batches); ++b) done += (*feed)->Next().ok();
+      });
+    }
+    for (auto& t : threads) t.join();
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    grpc_gbps.push_back(static_cast<double>(batch_bytes) * batches * streams / secs / 1e9);
+    tcp_gbps.push_back(RawTcpGBps(batch_bytes * batches * streams,
+                                  absl::GetFlag(FLAGS_chunk_bytes), streams));
+  }
+  const double g = Median(grpc_gbps), t = Median(tcp_gbps);
+  std::printf("payload %lld x %lld x %lld bf16 = %.1f MB per batch, %d batches x %d stream(s), "
+              "chunks of %lld KiB\n",
+              static_cast<long long>(T), static_cast<long long>(K), static_cast<long long>(H),
+              batch_bytes / 1e6, batches, streams,
+              static_cast<long long>(absl::GetFlag(FLAGS_chunk_bytes) >> 10));
+  std::printf("gRPC %.2f GB/s, raw TCP %.2f GB/s: gRPC = %.0f%% of TCP (medians of %zu)\n", g, t,
+              100 * g / t, grpc_gbps.size());
+  server->Shutdown();
+  return 0;
+}
+
+}  // namespace
+}  // namespace draftfeed
+
+ABSL_FLAG(bool, heap_large_slices, true,
+          "mallopt so that gRPC's multi-MiB receive slices come from the heap, not fresh mmaps "
+          "(each fresh page is a fault); what draftfeed-target and the client module do.");
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  if (absl::GetFlag(FLAGS_heap_large_slices)) {
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    mallopt(M_TRIM_THRESHOLD, 256 << 20);
+  }
+  return draftfeed::Run();
+}

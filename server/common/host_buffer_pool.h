@@ -1,0 +1,44 @@
+// Reusable host buffers for captured hidden states. A batch's buffer is taken
+// when its forward starts and comes back when the last gRPC slice pointing
+// into it is released, so steady streaming allocates (and page-faults)
+// nothing; idle memory is capped.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+
+namespace draftfeed {
+
+class HostBufferPool {
+ public:
+  explicit HostBufferPool(int64_t max_idle_bytes);
+  ~HostBufferPool();
+  HostBufferPool(const HostBufferPool&) = delete;
+  HostBufferPool& operator=(const HostBufferPool&) = delete;
+
+  // At least `elements` uint16 values, uninitialised. Returns to the pool (or
+  // is freed, past the idle cap) when the last copy of the pointer drops;
+  // buffers may outlive the pool.
+  std::shared_ptr<uint16_t> Acquire(size_t elements);
+
+  int64_t live_bytes() const;  // handed out, not yet returned
+  int64_t idle_bytes() const;  // kept for reuse
+  int64_t allocations() const;  // fresh allocations so far
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::multimap<size_t, uint16_t*> idle;  // by capacity (elements)
+    int64_t idle_bytes = 0;
+    int64_t live_bytes = 0;
+    int64_t allocations = 0;
+    int64_t max_idle_bytes = 0;
+    bool closed = false;
+  };
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace draftfeed
