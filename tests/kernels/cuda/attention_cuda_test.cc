@@ -215,6 +215,13 @@ TEST(AttentionCudaTest, OddPackedSizesHeadDim128) {
   CheckAll({kOddLens, 4, 2, 128, false}, 12, "odd sizes, hd 128");
 }
 
+// The simple kernel for the small head dims of test-sized models.
+TEST(AttentionCudaTest, OddPackedSizesSmallHeadDims) {
+  DF_REQUIRE_GPU();
+  CheckAll({kOddLens, 4, 2, 32, false}, 21, "odd sizes, hd 32");
+  CheckAll({kOddLens, 4, 2, 64, true}, 22, "odd sizes, hd 64, q in query|gate");
+}
+
 TEST(AttentionCudaTest, QueryInsideGateProjectionAndFusedKv) {
   DF_REQUIRE_GPU();
   CheckAll({kOddLens, 4, 2, 256, true}, 13, "q in query|gate, fused kv, hd 256");
@@ -231,7 +238,7 @@ TEST(AttentionCudaTest, RejectsBadArguments) {
   DF_REQUIRE_GPU();
   AttentionData d({{5}, 4, 2, 256, false}, 16);
   AttentionArgs a = d.args();
-  a.head_dim = 64;
+  a.head_dim = 48;
   EXPECT_EQ(VarlenCausalAttention(a, nullptr), cudaErrorInvalidValue);
   a = d.args();
   a.num_kv_heads = 3;

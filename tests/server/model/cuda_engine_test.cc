@@ -77,13 +77,20 @@ TEST_P(CudaEngineTest, MatchesCpuReferenceOnPackedBatch) {
   // stream; transformers-bf16 itself is 1-5e-2 rms from fp32 on these models.
   // 4e-2 of the layer's largest value, and per-token cosine > 0.999, bound
   // that while a wrong op (mask, head mapping, norm convention) is O(1).
+  // tiny-random's GDN heads are 32 wide with decays up to A = 16, which
+  // amplify the bf16 chunk operands the way the goldens' 16-wide heads do
+  // (measured on the H200: max_rel 5.3-7.3e-2, cosine >= 0.9955); the
+  // real-head-size models above are the tight check.
+  const bool tiny = std::string(GetParam()) == "tiny-random";
+  const double rel_bound = tiny ? 0.12 : 4e-2;
+  const double cos_bound = tiny ? 0.99 : 0.999;
   const std::vector<Errors> e = Compare(ref, got, T, K, H);
   for (int64_t k = 0; k < K; ++k) {
     SCOPED_TRACE(::testing::Message() << GetParam() << " layer id " << layers[k]);
     std::printf("%s id %3d: max_abs %.3e  max_rel %.3e  min_cos %.6f\n", GetParam(), layers[k],
                 e[k].max_abs, e[k].max_abs / e[k].max_ref, e[k].min_cos);
-    EXPECT_LE(e[k].max_abs, 4e-2 * e[k].max_ref);
-    EXPECT_GE(e[k].min_cos, 0.999);
+    EXPECT_LE(e[k].max_abs, rel_bound * e[k].max_ref);
+    EXPECT_GE(e[k].min_cos, cos_bound);
   }
 }
 
@@ -137,7 +144,7 @@ TEST(CudaEngineErrors, RefusesBadInputWithoutCrashing) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, CudaEngineTest,
-                         ::testing::Values("small-random", "small-random-qwen3"),
+                         ::testing::Values("small-random", "small-random-qwen3", "tiny-random"),
                          [](const auto& info) {
                            std::string n = info.param;
                            for (char& ch : n) if (ch == '-') ch = '_';
