@@ -50,6 +50,8 @@ def main():
     p.add_argument("--max-len", type=int, default=8192)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draftfeed-tokens-per-s", type=float, default=0.0,
+                   help="draftfeed-bench's rate on the same batch, to print the ratio")
     args = p.parse_args()
 
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
@@ -82,6 +84,10 @@ def main():
     print(f"transformers: {args.tokens} tokens in {len(lens)} sequences: median {med * 1e3:.0f} ms "
           f"= {args.tokens / med:,.0f} tokens/s; peak GPU memory {peak / 2**30:.1f} GiB "
           f"(weights + {(peak - weights) / 2**30:.1f} GiB)", flush=True)
+    if args.draftfeed_tokens_per_s > 0:
+        print(f"ratio: draftfeed {args.draftfeed_tokens_per_s:,.0f} / transformers "
+              f"{args.tokens / med:,.0f} tokens/s = {args.draftfeed_tokens_per_s * med / args.tokens:.2f}x",
+              flush=True)
 
 
 if __name__ == "__main__":
