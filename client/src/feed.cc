@@ -176,6 +176,10 @@ struct Feed::Impl {
     std::vector<int32_t> seq_lens;
     std::shared_ptr<uint16_t> hidden;  // from the pool, T*K*H values
     size_t values = 0;
+    // Checksum fed chunk by chunk while the bytes are in cache; valid while
+    // chunks arrive in order (otherwise the batch is re-hashed whole).
+    v1::PayloadHasher hasher{0};
+    bool hashed_in_order = true;
     int64_t tokens_received = 0;
     Target* target = nullptr;
     Conn* conn = nullptr;
@@ -187,7 +191,7 @@ struct Feed::Impl {
 
   FeedOptions options;
   // Result buffers: reused across batches (a fresh 200 MB buffer per batch
-  // would cost a page fault per 4 KiB); idle memory capped at prefetch_bytes.
+  // would cost a page fault per 4 KiB); idle memory capped at 2x prefetch_bytes.
   std::unique_ptr<HostBufferPool> pool;
   std::string fingerprint;  // every target must serve this
   std::string fingerprint_source;
@@ -412,6 +416,8 @@ struct Feed::Impl {
     p.target = nullptr;
     p.conn = nullptr;
     p.tokens_received = 0;
+    p.hasher.Reset(p.values * 2);
+    p.hashed_in_order = true;
   }
 
   void Fail(uint64_t id, Pending& p, absl::Status status) {
@@ -457,6 +463,13 @@ struct Feed::Impl {
       cv.notify_all();
       return true;
     }
+    if (options.verify_checksum) {
+      if (p.hashed_in_order && static_cast<int64_t>(offset) == p.tokens_received) {
+        p.hasher.Update(p.hidden.get() + static_cast<int64_t>(offset) * stride, data_len);
+      } else {
+        p.hashed_in_order = false;
+      }
+    }
     p.tokens_received += static_cast<int64_t>(count);
     stats.bytes_received += data_len;
     return true;
@@ -495,6 +508,7 @@ struct Feed::Impl {
         return;
       }
       std::memcpy(p.hidden.get() + c.token_offset() * stride, c.data().data(), c.data().size());
+      p.hashed_in_order = false;  // this (rare) path re-hashes the batch at the end
       p.tokens_received += c.token_count();
       stats.bytes_received += static_cast<int64_t>(c.data().size());
       return;
@@ -519,7 +533,9 @@ struct Feed::Impl {
            absl::DataLossError(absl::StrCat("batch ", id, " from ", t->address, ": received ",
                                             p.tokens_received, " of ", T, " tokens")));
     } else if (options.verify_checksum &&
-               v1::PayloadChecksum(p.hidden.get(), p.values * 2) != d.checksum()) {
+               (p.hashed_in_order && p.hasher.bytes_seen() == p.values * 2
+                    ? p.hasher.Finish()
+                    : v1::PayloadChecksum(p.hidden.get(), p.values * 2)) != d.checksum()) {
       Fail(id, p,
            absl::DataLossError(
                absl::StrCat("batch ", id, " from ", t->address, ": checksum mismatch")));
@@ -703,7 +719,8 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  impl->pool = std::make_unique<HostBufferPool>(options.prefetch_bytes);
+  // Idle cap: the prefetch window plus one batch in the trainer's hands.
+  impl->pool = std::make_unique<HostBufferPool>(2 * options.prefetch_bytes);
   impl->fingerprint = options.expected_fingerprint;
   if (!impl->fingerprint.empty()) impl->fingerprint_source = "FeedOptions.expected_fingerprint";
   Impl& m = *impl;
@@ -792,6 +809,7 @@ absl::StatusOr<uint64_t> Feed::Submit(std::vector<int32_t> token_ids,
   // the batch completes (tokens_received must reach T).
   p.values = static_cast<size_t>(bytes / 2);
   p.hidden = m.pool->Acquire(p.values);
+  p.hasher.Reset(p.values * 2);
   p.token_ids = std::move(token_ids);
   p.seq_lens = std::move(seq_lens);
   m.unassigned.insert(id);

@@ -465,6 +465,18 @@ TEST(ChecksumTest, PinsTheProtocolValueAndSeesEveryByte) {
   EXPECT_NE(v1::PayloadChecksum(data.data(), 999), base);
 }
 
+TEST(ChecksumTest, PiecewiseHashEqualsWholeHash) {
+  std::vector<uint8_t> data(4099);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + 7);
+  for (size_t n : {size_t{0}, size_t{5}, size_t{32}, size_t{100}, size_t{4099}}) {
+    for (size_t piece : {size_t{1}, size_t{7}, size_t{32}, size_t{33}, size_t{1000}}) {
+      v1::PayloadHasher h(n);
+      for (size_t off = 0; off < n; off += piece) h.Update(data.data() + off, std::min(piece, n - off));
+      EXPECT_EQ(h.Finish(), v1::PayloadChecksum(data.data(), n)) << n << " bytes in " << piece;
+    }
+  }
+}
+
 TEST(HostBufferPoolTest, ReusesAndCapsIdleMemory) {
   HostBufferPool pool(/*max_idle_bytes=*/3000);
   {
