@@ -9,7 +9,7 @@ PACKAGES=(
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libabsl-dev libssl-dev zlib1g-dev libzstd-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  pybind11-dev python3-dev python3-numpy python3-pytest python3-grpcio
+  pybind11-dev python3-dev python3-numpy python3-pytest python3-grpcio python3-matplotlib
 )
 # torch is optional for the client (DLPack hand-off); installed when the archive has it.
 OPTIONAL=(python3-torch)
