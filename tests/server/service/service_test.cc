@@ -607,7 +607,7 @@ TEST(ServiceTest, StalledClientHoldsTargetAtItsCredits) {
       v1::StreamRequest b;
       b.mutable_batch()->set_batch_id(id);
       for (int i = 0; i < kTokens; ++i) b.mutable_batch()->add_token_ids(i % 4096);
-      b.mutable_batch()->add_seq_lens(kTokens);
+      for (int s = 0; s < kTokens / 500; ++s) b.mutable_batch()->add_seq_lens(500);
       if (!stream->Write(b)) return;
     }
   });
