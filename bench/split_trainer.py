@@ -27,6 +27,7 @@ import os
 import pathlib
 import resource
 import sys
+import threading
 import time
 
 import numpy as np
@@ -198,13 +199,18 @@ def run(args):
         forward_ms, target_tokens = {}, {}
         drafter_s, tokens, steps = 0.0, 0, 0
         queue = []
+        stop = threading.Event()
         t0 = time.time()
-        next_sample = t0
+
+        def sample():  # Feed.stats() takes the feed's lock: safe beside next()/submit()
+            while True:
+                queue.append((round(time.time() - t0, 3), feed.stats()["queue_depth"]))
+                if stop.wait(args.sample_every_s):
+                    return
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         for r in feed.map(counted(synthetic_batches(rng, args.tokens, args.batch_tokens, vocab))):
-            now = time.time()
-            if now >= next_sample:
-                queue.append((now - t0, feed.stats()["queue_depth"]))
-                next_sample = now + args.sample_every_s
             delivered["batches"] += 1
             delivered["tokens"] += r.num_tokens
             tokens += r.num_tokens
@@ -217,7 +223,9 @@ def run(args):
             drafter_s += time.perf_counter() - s0
             steps += 1
         t1 = time.time()
-        queue.append((t1 - t0, feed.stats()["queue_depth"]))
+        stop.set()
+        sampler.join()
+        queue.append((round(t1 - t0, 3), feed.stats()["queue_depth"]))
         stats = feed.stats()
     finally:
         feed.close()

@@ -24,11 +24,6 @@ using ::draftfeed::testing::RandomBf16Values;
 using ::draftfeed::testing::ToBf16;
 using ::draftfeed::testing::ToF32;
 
-#define DF_CUDA_CALL_OK(expr)                                       \
-  do {                                                              \
-    const cudaError_t df_err_ = (expr);                             \
-    ASSERT_EQ(df_err_, cudaSuccess) << cudaGetErrorString(df_err_); \
-  } while (0)
 
 // Error budget of one output element against the fp32 reference, with
 // bf16-representable inputs:
@@ -198,8 +193,8 @@ void ExpectClose(const AttentionData& d, const std::vector<float>& got, int64_t 
 void CheckAll(const Problem& pb, uint64_t seed, const std::string& what) {
   AttentionData d(pb, seed);
   d.PoisonOutput();
-  DF_CUDA_CALL_OK(VarlenCausalAttention(d.args(), nullptr));
-  DF_CUDA_CALL_OK(cudaDeviceSynchronize());
+  DF_CUDA_OK(VarlenCausalAttention(d.args(), nullptr));
+  DF_CUDA_OK(cudaDeviceSynchronize());
   ExpectClose(d, d.Output(), 0, pb.hq, d.Reference(0, pb.hq), what);
 }
 

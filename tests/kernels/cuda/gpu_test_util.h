@@ -21,7 +21,12 @@ inline bool HasGpu() {
     if (!::draftfeed::testing::HasGpu()) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
-#define DF_CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(expr)
+// Asserts a CUDA call succeeded (evaluates `expr` once).
+#define DF_CUDA_OK(expr)                                            \
+  do {                                                              \
+    const cudaError_t df_err_ = (expr);                             \
+    ASSERT_EQ(df_err_, cudaSuccess) << cudaGetErrorString(df_err_); \
+  } while (0)
 
 // Owns a device buffer of T.
 template <typename T>

@@ -29,13 +29,8 @@ using ::draftfeed::testing::RandomBf16Values;
 using ::draftfeed::testing::ToBf16;
 using ::draftfeed::testing::ToF32;
 
-#define DF_LAUNCH_OK(expr)                                          \
-  do {                                                              \
-    const cudaError_t df_err_ = (expr);                             \
-    ASSERT_EQ(df_err_, cudaSuccess) << cudaGetErrorString(df_err_); \
-  } while (0)
 
-#define DF_SYNC_OK() DF_LAUNCH_OK(cudaDeviceSynchronize())
+#define DF_SYNC_OK() DF_CUDA_OK(cudaDeviceSynchronize())
 
 // bf16 NaN: outputs are poisoned with it, so an element the kernel should have
 // written and did not shows up, and one it should not touch must keep it.
@@ -138,7 +133,7 @@ TEST(EmbeddingCudaTest, GathersRowsExactly) {
     DeviceBuffer<bf16> d_table(table);
     DeviceBuffer<int32_t> d_ids(ids);
     DeviceBuffer<float> d_out(std::vector<float>(kTokens * width, NAN));
-    DF_LAUNCH_OK(
+    DF_CUDA_OK(
         EmbeddingLookup(d_ids.get(), kTokens, d_table.get() + offset, width, d_out.get(), nullptr));
     DF_SYNC_OK();
     const std::vector<float> got = d_out.Download();
@@ -190,7 +185,7 @@ TEST(RmsNormCudaTest, F32IntoCaptureSlotMatchesReference) {
       DeviceBuffer<float> d_x(x);
       DeviceBuffer<bf16> d_w(ToBf16(w));
       DeviceBuffer<bf16> d_out(Poisoned(s.rows * out_stride));
-      DF_LAUNCH_OK(RmsNormF32(d_x.get(), s.x_stride, d_w.get(), s.rows, s.width, eps, kind,
+      DF_CUDA_OK(RmsNormF32(d_x.get(), s.x_stride, d_w.get(), s.rows, s.width, eps, kind,
                               d_out.get() + kSlot * s.width, out_stride, nullptr));
       DF_SYNC_OK();
       const std::vector<bf16> out = d_out.Download();
@@ -233,7 +228,7 @@ TEST(RmsNormCudaTest, AddRmsNormUpdatesResidualThenNorms) {
       DeviceBuffer<bf16> d_delta(ToBf16(delta));
       DeviceBuffer<bf16> d_w(ToBf16(w));
       DeviceBuffer<bf16> d_out(Poisoned(rows * width));
-      DF_LAUNCH_OK(AddRmsNormF32(d_res.get(), d_delta.get(), d_w.get(), rows, width, eps, kind,
+      DF_CUDA_OK(AddRmsNormF32(d_res.get(), d_delta.get(), d_w.get(), rows, width, eps, kind,
                                  d_out.get(), nullptr));
       DF_SYNC_OK();
       const std::vector<float> got_res = d_res.Download();
@@ -277,7 +272,7 @@ TEST(RmsNormCudaTest, Bf16InPlacePerHeadInsideStridedBuffer) {
     const std::vector<bf16> before = ToBf16(x);
     DeviceBuffer<bf16> d_x(before);
     DeviceBuffer<bf16> d_w(ToBf16(w));
-    DF_LAUNCH_OK(RmsNormBf16InPlace(d_x.get(), c.head_stride, d_w.get(), rows, c.head_dim, eps,
+    DF_CUDA_OK(RmsNormBf16InPlace(d_x.get(), c.head_stride, d_w.get(), rows, c.head_dim, eps,
                                     c.kind, nullptr));
     DF_SYNC_OK();
     const std::vector<bf16> after = d_x.Download();
@@ -320,7 +315,7 @@ TEST(RmsNormCudaTest, GatedMatchesReference) {
     DeviceBuffer<bf16> d_z(ToBf16(z));
     DeviceBuffer<bf16> d_w(ToBf16(w));
     DeviceBuffer<bf16> d_out(Poisoned(c.rows * c.width));
-    DF_LAUNCH_OK(GatedRmsNorm(d_x.get(), d_z.get(), c.z_stride, d_w.get(), c.rows, c.width, eps,
+    DF_CUDA_OK(GatedRmsNorm(d_x.get(), d_z.get(), c.z_stride, d_w.get(), c.rows, c.width, eps,
                               d_out.get(), nullptr));
     DF_SYNC_OK();
     ExpectBf16Close(ToF32(d_out.Download()), want, 1e-6,
@@ -338,7 +333,7 @@ TEST(RmsNormCudaTest, AddResidualIsOneFp32Add) {
     for (size_t i = 0; i < want.size(); ++i) want[i] = residual[i] + delta[i];
     DeviceBuffer<float> d_res(residual);
     DeviceBuffer<bf16> d_delta(ToBf16(delta));
-    DF_LAUNCH_OK(AddResidual(d_res.get(), d_delta.get(), rows, width, nullptr));
+    DF_CUDA_OK(AddResidual(d_res.get(), d_delta.get(), rows, width, nullptr));
     DF_SYNC_OK();
     const std::vector<float> got = d_res.Download();
     EXPECT_EQ(0, std::memcmp(got.data(), want.data(), want.size() * sizeof(float)))
@@ -360,7 +355,7 @@ TEST(RopeCudaTest, PositionsRestartPerSequence) {
   cpu::SequencePositions(kCuSeqlens.data(), num_seqs, want.data());
   DeviceBuffer<int32_t> d_cu(kCuSeqlens);
   DeviceBuffer<int32_t> d_pos(std::vector<int32_t>(kPackedTokens, -1));
-  DF_LAUNCH_OK(PositionsFromCuSeqlens(d_cu.get(), num_seqs, kPackedTokens, d_pos.get(), nullptr));
+  DF_CUDA_OK(PositionsFromCuSeqlens(d_cu.get(), num_seqs, kPackedTokens, d_pos.get(), nullptr));
   DF_SYNC_OK();
   EXPECT_EQ(d_pos.Download(), want);
 }
@@ -399,7 +394,7 @@ TEST(RopeCudaTest, MatchesReferenceWithPackedPositions) {
     const std::vector<bf16> before = ToBf16(x);
     DeviceBuffer<bf16> d_x(before);
     DeviceBuffer<int32_t> d_pos(pos);
-    DF_LAUNCH_OK(ApplyRope(d_x.get(), kPackedTokens, c.heads, c.head_dim, token_stride,
+    DF_CUDA_OK(ApplyRope(d_x.get(), kPackedTokens, c.heads, c.head_dim, token_stride,
                            c.head_stride, c.rotary_dim, d_pos.get(), c.theta, nullptr));
     DF_SYNC_OK();
     const std::vector<bf16> after = d_x.Download();
@@ -440,7 +435,7 @@ TEST(ElementwiseCudaTest, SwiGluMatchesReference) {
     cpu::SwiGlu(gate.data(), up.data(), kTokens * ffn, want.data());
     DeviceBuffer<bf16> d_gu(ToBf16(gate_up));
     DeviceBuffer<bf16> d_out(Poisoned(kTokens * ffn));
-    DF_LAUNCH_OK(SwiGlu(d_gu.get(), kTokens, ffn, d_out.get(), nullptr));
+    DF_CUDA_OK(SwiGlu(d_gu.get(), kTokens, ffn, d_out.get(), nullptr));
     DF_SYNC_OK();
     ExpectBf16Close(ToF32(d_out.Download()), want, 1e-6, "SwiGlu F=" + std::to_string(ffn));
   }
@@ -471,7 +466,7 @@ TEST(ElementwiseCudaTest, SigmoidGateMulReadsStridedGate) {
     }
     DeviceBuffer<bf16> d_o(ToBf16(o));
     DeviceBuffer<bf16> d_proj(ToBf16(proj));
-    DF_LAUNCH_OK(SigmoidGateMul(d_o.get(), d_proj.get() + c.gate_offset, kTokens, c.heads,
+    DF_CUDA_OK(SigmoidGateMul(d_o.get(), d_proj.get() + c.gate_offset, kTokens, c.heads,
                                 c.head_dim, gate_token_stride, c.gate_head_stride, nullptr));
     DF_SYNC_OK();
     ExpectBf16Close(
@@ -487,7 +482,7 @@ TEST(ElementwiseCudaTest, CaptureResidualWritesOnlyItsSlot) {
     const std::vector<float> residual = RandomF32(kTokens * width, 4.0f, width);
     DeviceBuffer<float> d_res(residual);
     DeviceBuffer<bf16> d_cap(Poisoned(kTokens * kSlots * width));
-    DF_LAUNCH_OK(CaptureResidual(d_res.get(), kTokens, width, d_cap.get(), kSlots, kSlot, nullptr));
+    DF_CUDA_OK(CaptureResidual(d_res.get(), kTokens, width, d_cap.get(), kSlots, kSlot, nullptr));
     DF_SYNC_OK();
     const std::vector<bf16> cap = d_cap.Download();
     size_t wrong = 0, touched = 0;
