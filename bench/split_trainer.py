@@ -177,7 +177,10 @@ def run(args):
             submitted["tokens"] += b.num_tokens
             yield b
 
-    feed = draftfeed.Feed(targets=targets, layers=layers, prefetch=args.prefetch,
+    # Unordered: a drafter trains on whichever batch is ready (no head-of-line wait), and
+    # the window grows with the number of targets so each has work from every trainer.
+    prefetch = args.prefetch or max(8, 2 * len(targets))
+    feed = draftfeed.Feed(targets=targets, layers=layers, prefetch=prefetch, ordered=False,
                           credits_per_target=args.credits_per_target)
     try:
         # Warm-up: connections, the feed's rate estimates, torch's first-call costs.
@@ -196,6 +199,7 @@ def run(args):
                 time.sleep(0.005)
 
         bytes0 = feed.stats()["bytes_received"]
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         forward_ms, target_tokens = {}, {}
         drafter_s, tokens, steps = 0.0, 0, 0
         queue = []
@@ -223,6 +227,7 @@ def run(args):
             drafter_s += time.perf_counter() - s0
             steps += 1
         t1 = time.time()
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
         stop.set()
         sampler.join()
         queue.append((round(t1 - t0, 3), feed.stats()["queue_depth"]))
@@ -242,6 +247,7 @@ def run(args):
         "batches_submitted": submitted["batches"], "batches_delivered": delivered["batches"],
         "feed_tokens_delivered": stats["tokens_delivered"], "feed_failed": stats["failed"],
         "feed_resent": stats["resent"], "queue_depth": queue,
+        "cpu_s": (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime),
         "peak_rss_bytes": peak_rss_bytes(),
     }), flush=True)
     return 0
@@ -263,7 +269,7 @@ def main():
                    help="tokens/s cap of the drafter (emulated device speed); 0: none")
     p.add_argument("--device", default="cpu")
     p.add_argument("--torch-threads", type=int, default=1)
-    p.add_argument("--prefetch", type=int, default=8)
+    p.add_argument("--prefetch", type=int, default=0, help="0: max(8, 2 x targets)")
     p.add_argument("--credits-per-target", type=int, default=4)
     p.add_argument("--sample-every-s", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)

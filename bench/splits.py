@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import shutil
 import subprocess
 import sys
@@ -78,6 +77,15 @@ class Target:
         self.log.close()
 
 
+def cpu_seconds(pid):
+    """utime + stime of a process (all threads) from /proc; 0 if it is gone."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def trainer_cmd(args, name, targets, tokens, warmup, drafter, seed, extra=()):
     return [sys.executable, str(TRAINER), f"--name={name}", f"--targets={','.join(targets)}",
             f"--layers={args.layers}", f"--tokens={tokens}", f"--warmup-tokens={warmup}",
@@ -94,8 +102,9 @@ def last_json_line(text, what):
     raise RuntimeError(f"{what} printed no JSON report:\n{text[-3000:]}")
 
 
-def run_trainers(cmds, workdir, timeout_s):
-    """Starts the trainers, waits until all warmed up, releases them together, returns reports."""
+def run_trainers(cmds, workdir, timeout_s, target_pids=()):
+    """Starts the trainers, waits until all warmed up, releases them together, returns their
+    reports and the CPU seconds the targets used meanwhile."""
     go = os.path.join(workdir, "go")
     procs = []
     for i, cmd in enumerate(cmds):
@@ -114,6 +123,7 @@ def run_trainers(cmds, workdir, timeout_s):
             if time.time() > deadline:
                 raise RuntimeError("trainers did not finish warm-up in time")
             time.sleep(0.02)
+        cpu0 = sum(cpu_seconds(p) for p in target_pids)
         open(go, "w").close()
         reports = []
         for p, _, err in procs:
@@ -122,7 +132,7 @@ def run_trainers(cmds, workdir, timeout_s):
                 err.seek(0)
                 raise RuntimeError(f"trainer exited {p.returncode}:\n{err.read()[-3000:]}")
             reports.append(last_json_line(out, "trainer"))
-        return reports
+        return reports, sum(cpu_seconds(p) for p in target_pids) - cpu0
     finally:
         for p, _, err in procs:
             if p.poll() is None:
@@ -146,8 +156,10 @@ def calibrate(args, workdir):
                                          text=True).stdout)
         tokens = args.calibrate_tokens or max(1000, int(args.target_rate * 1.0)
                                               if args.target_rate > 0 else 20000)
-        rep = run_trainers([trainer_cmd(args, "calibrate-target", [t.address], tokens,
-                                        args.batch_tokens, "none", 999)], d, 300)[0]
+        reps, target_cpu = run_trainers([trainer_cmd(args, "calibrate-target", [t.address],
+                                                     tokens, args.batch_tokens, "none", 999)],
+                                        d, 300, [t.proc.pid])
+        rep = reps[0]
     finally:
         t.stop()
     k = len(args.layers.split(","))
@@ -167,6 +179,9 @@ def calibrate(args, workdir):
         "drafter_gflops_per_s": drep["gflops_per_s"],
         # Loopback: no network link between targets and trainers to measure.
         "link_tokens_per_s": None, "link_note": "skipped: loopback",
+        # Host CPU seconds per token of the feed itself (target process + trainer client, no
+        # drafter work): in CPU mode all emulated devices share this host's cores.
+        "pipeline_cpu_s_per_token": (target_cpu + rep["cpu_s"]) / max(1, rep["tokens"]),
         "model": info,
     }
 
@@ -177,9 +192,11 @@ def predict(cal, t, d, cpu_mode):
     if cal["link_tokens_per_s"]:
         limits["link"] = cal["link_tokens_per_s"]
     if cpu_mode:
-        # The emulated drafter devices share this host's cores: their compute cannot exceed
-        # cores x one drafter's compute rate (only matters when drafter compute is real load).
-        limits["host-cpu"] = (os.cpu_count() or 1) * cal["drafter_compute_tokens_per_s"]
+        # Every emulated device is a process on this host: per token the host spends the
+        # feed's CPU time (target forward + gRPC + client) plus the drafter's compute, so
+        # cores / (that sum) caps any split. Not a term of the GPU modes.
+        per_token = cal["pipeline_cpu_s_per_token"] + 1.0 / cal["drafter_compute_tokens_per_s"]
+        limits["host-cpu"] = (os.cpu_count() or 1) / per_token
     bottleneck = min(limits, key=limits.get)
     return limits[bottleneck], bottleneck, limits
 
@@ -197,7 +214,8 @@ def run_split(args, t_count, d_count, workdir):
         warm = -(-args.warmup_tokens // d_count)
         cmds = [trainer_cmd(args, f"trainer{j}", addrs, per, warm, args.drafter, 100 * j + 7)
                 for j in range(d_count)]
-        reports = run_trainers(cmds, d, args.split_timeout_s)
+        reports, target_cpu = run_trainers(cmds, d, args.split_timeout_s,
+                                           [t.proc.pid for t in targets])
         target_rss = {t.address: t.peak_rss_bytes() for t in targets}
     finally:
         for t in targets:
@@ -226,6 +244,8 @@ def run_split(args, t_count, d_count, workdir):
         "peak_memory_bytes": {**{f"target {a}": v for a, v in target_rss.items()},
                               **{r["trainer"]: r["peak_rss_bytes"] for r in reports}},
         "peak_memory_kind": "ru_maxrss / VmHWM (host RSS)",
+        "host_cpu_utilisation": (target_cpu + sum(r["cpu_s"] for r in reports))
+                                / wall / (os.cpu_count() or 1),
         "tokens_submitted": sub, "tokens_delivered": dlv,
         "feed_tokens_delivered": sum(r["feed_tokens_delivered"] for r in reports),
         "feed_failed": sum(r["feed_failed"] for r in reports),
@@ -246,7 +266,7 @@ def fmt_bytes(n):
 def print_table(results):
     hdr = (f"{'split':>6} {'tok/s':>9} {'predicted':>9} {'ratio':>6} {'bottleneck':>10} "
            f"{'tgt util':>8} {'drf util':>8} {'q mean':>6} {'q max':>5} {'GB/s':>7} "
-           f"{'peak tgt':>8} {'peak trn':>8}")
+           f"{'host cpu':>8} {'peak tgt':>8} {'peak trn':>8}")
     print(hdr)
     print("-" * len(hdr))
     for r in results:
@@ -258,7 +278,8 @@ def print_table(results):
               f"{r['measured_over_predicted']:>6.2f} {r['predicted_bottleneck']:>10} "
               f"{r['target_utilisation_mean']:>8.0%} {r['drafter_utilisation_mean']:>8.0%} "
               f"{sum(qs) / max(1, len(qs)):>6.1f} {max(qs, default=0):>5} "
-              f"{r['transfer_GB_per_s']:>7.4f} {fmt_bytes(tgt):>8} {fmt_bytes(trn):>8}")
+              f"{r['transfer_GB_per_s']:>7.4f} {r['host_cpu_utilisation']:>8.0%} "
+              f"{fmt_bytes(tgt):>8} {fmt_bytes(trn):>8}")
 
 
 def plot(results, predictions, path):
@@ -367,7 +388,8 @@ def main(argv=None):
         print(f"advisor: one target {cal['target_tokens_per_s']:,.0f} tok/s; one drafter "
               f"{cal['drafter_tokens_per_s']:,.0f} tok/s ({cal['drafter_step_ms']:.1f} ms per "
               f"{args.batch_tokens}-token step, {cal['drafter_gflops_per_s']:.2f} GFLOP/s); "
-              f"link {cal['link_note']}", flush=True)
+              f"link {cal['link_note']}; feed costs "
+              f"{cal['pipeline_cpu_s_per_token'] * 1e6:.0f} host CPU-us per token", flush=True)
         predictions = []
         for t in range(1, args.gpus):
             rate, neck, limits = predict(cal, t, args.gpus - t, args.device == "cpu")
@@ -407,7 +429,7 @@ def main(argv=None):
     invariants["all_ok"] = (invariants["every_split_ran"] and invariants["no_failed_batches"]
                             and all(invariants["tokens_submitted_eq_delivered"].values()))
     doc = {
-        "config": {**vars(args), "cpu_count": os.cpu_count(), "host": platform.node(),
+        "config": {**vars(args), "cpu_count": os.cpu_count(),
                    "python": sys.version.split()[0], "mode": "cpu-emulated",
                    "started": t_start, "elapsed_s": time.time() - t_start},
         "advisor": {"calibration": cal, "predictions": predictions, "best": best},
