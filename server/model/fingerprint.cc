@@ -136,6 +136,12 @@ std::string ComputeFingerprint(const Model& model) {
   }
   d.U64(c.layer_types.size());
   for (LayerKind k : c.layer_types) d.U64(static_cast<uint64_t>(k));
+  if (model.weights_on_device_random) {
+    // Weights made on the GPU from a seed: the seed stands for their bytes.
+    d.Str("device-random");
+    d.U64(model.device_random_seed);
+    return d.Hex();
+  }
 
   std::vector<WeightSpec> specs;
   if (c.layer_types.size() == static_cast<size_t>(c.num_layers)) specs = DecoderWeightSpecs(c);

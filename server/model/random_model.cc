@@ -282,10 +282,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) 
     }
     model->weights_on_device_random = true;
     model->device_random_seed = seed;
-    // No bytes to hash: the shape name and seed determine every weight.
-    uint64_t h = 0xcbf29ce484222325ULL;
-    for (char c : model->id + "|" + config.ToJson()) h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ULL;
-    model->fingerprint = absl::StrCat(absl::Hex(h, absl::kZeroPad16), "d0000000000000000").substr(0, 32);
+    model->fingerprint = ComputeFingerprint(*model);
     return model;
   }
   int64_t total = 0;

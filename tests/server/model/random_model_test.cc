@@ -176,3 +176,27 @@ TEST(RandomModelTest, BadSeedIsRejected) {
 
 }  // namespace
 }  // namespace draftfeed
+
+namespace draftfeed {
+namespace {
+
+// Real-size shapes carry no host weights; their fingerprint stands for the
+// seed and shape, so two seeds (or shapes) never share one.
+TEST(RandomModelTest, DeviceRandomModelsFingerprintBySeedAndShape) {
+  auto a = MakeRandomModel("random:qwen3.6-27b");
+  auto b = MakeRandomModel("random:qwen3.6-27b:1");
+  auto c = MakeRandomModel("random:qwen3-8b");
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  EXPECT_TRUE((*a)->weights_on_device_random);
+  EXPECT_EQ((*a)->id, "random:qwen3.6-27b:0");
+  EXPECT_EQ((*a)->config.num_layers, 64);
+  EXPECT_EQ((*a)->weights.layers[3].q_proj.shape, (std::vector<int64_t>{12288, 5120}));
+  EXPECT_EQ((*a)->weights.layers[3].q_proj.data, nullptr);
+  EXPECT_EQ((*a)->fingerprint, (*MakeRandomModel("random:qwen3.6-27b:0"))->fingerprint);
+  EXPECT_NE((*a)->fingerprint, (*b)->fingerprint);
+  EXPECT_NE((*a)->fingerprint, (*c)->fingerprint);
+  EXPECT_EQ((*a)->fingerprint.size(), (*MakeRandomModel("tiny-random"))->fingerprint.size());
+}
+
+}  // namespace
+}  // namespace draftfeed
