@@ -405,27 +405,31 @@ TEST(ServiceTest, DrainFinishesAcceptedBatchesThenEndsStreams) {
   }
 }
 
+// A client that opens a stream (all layers), sends `batches` batches of
+// `tokens` tokens, reads `reads` messages and then cancels the call.
+void OpenSendAndVanish(const std::string& address, int batches, int tokens, int reads) {
+  auto stub =
+      v1::TargetService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  auto stream = stub->StreamHiddenStates(&ctx);
+  v1::StreamRequest req;
+  *req.mutable_open() = OpenFor({0, 1, 2, 3, -1});
+  stream->Write(req);
+  for (int id = 1; id <= batches; ++id) {
+    v1::StreamRequest b;
+    b.mutable_batch()->set_batch_id(static_cast<uint64_t>(id));
+    for (int i = 0; i < tokens; ++i) b.mutable_batch()->add_token_ids(i);
+    b.mutable_batch()->add_seq_lens(tokens);
+    stream->Write(b);
+  }
+  v1::StreamResponse r;
+  for (int i = 0; i < reads; ++i) stream->Read(&r);
+  ctx.TryCancel();
+}
+
 TEST(ServiceTest, VanishingClientDoesNotDisturbOthers) {
   Server server;
-  {
-    auto stub = v1::TargetService::NewStub(
-        grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    auto stream = stub->StreamHiddenStates(&ctx);
-    v1::StreamRequest req;
-    *req.mutable_open() = OpenFor({0, 1, 2, 3, -1});
-    stream->Write(req);
-    for (uint64_t id = 1; id <= 3; ++id) {
-      v1::StreamRequest b;
-      b.mutable_batch()->set_batch_id(id);
-      for (int i = 0; i < 300; ++i) b.mutable_batch()->add_token_ids(i);
-      b.mutable_batch()->add_seq_lens(300);
-      stream->Write(b);
-    }
-    v1::StreamResponse r;
-    stream->Read(&r);  // Opened
-    ctx.TryCancel();
-  }
+  OpenSendAndVanish(server.address(), /*batches=*/3, /*tokens=*/300, /*reads=*/1);
   FeedOptions opt;
   opt.targets = {server.address()};
   opt.layers = {2};
@@ -497,24 +501,8 @@ TEST(HostBufferPoolTest, ReusesAndCapsIdleMemory) {
 TEST(ServiceTest, VanishedClientsReturnEveryBuffer) {
   Server server;
   for (int round = 0; round < 3; ++round) {
-    auto stub = v1::TargetService::NewStub(
-        grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    auto stream = stub->StreamHiddenStates(&ctx);
-    v1::StreamRequest req;
-    *req.mutable_open() = OpenFor({0, 1, 2, 3, -1});
-    stream->Write(req);
-    for (uint64_t id = 1; id <= 4; ++id) {
-      v1::StreamRequest b;
-      b.mutable_batch()->set_batch_id(id);
-      for (int i = 0; i < 500; ++i) b.mutable_batch()->add_token_ids(i);
-      b.mutable_batch()->add_seq_lens(500);
-      stream->Write(b);
-    }
-    v1::StreamResponse r;
-    stream->Read(&r);  // Opened
-    stream->Read(&r);  // part of the first batch, then vanish
-    ctx.TryCancel();
+    // Opened and part of the first batch arrive, then the client vanishes.
+    OpenSendAndVanish(server.address(), /*batches=*/4, /*tokens=*/500, /*reads=*/2);
   }
   const auto& pool = server.service().scheduler().pool();
   for (int i = 0; i < 500 && (pool.live_bytes() > 0 || server.service().open_streams() > 0); ++i) {
