@@ -578,9 +578,11 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in) {
         !s.ok()) {
       return s;
     }
+    // After the last layer run no next input is needed: the final norm, when
+    // asked for, is written straight into its capture slot below.
     const bf16* next_norm = l + 1 < L ? layers[static_cast<size_t>(l + 1)].input_norm : final_norm;
     if (absl::Status s = Timed("norm", [&] {
-          return Check(l == last && final_slot < 0
+          return Check(l == last
                            ? cuda::AddResidual(residual, mix, T, D, stream)
                            : cuda::AddRmsNormF32(residual, mix, next_norm, T, D, eps, norm_kind, u,
                                                  stream),
