@@ -655,6 +655,17 @@ absl::Status CudaEngine::Forward(const ForwardInput& in, std::span<uint16_t> out
   return absl::OkStatus();
 }
 
+absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSink& sink) {
+  if (absl::Status s = impl_->Run(in); !s.ok()) return s;
+  DeviceView view;
+  view.data = impl_->capture;
+  view.bytes = static_cast<size_t>(in.token_ids.size()) * in.layers.size() *
+               static_cast<size_t>(impl_->D) * 2;
+  view.device = impl_->options.device;
+  view.stream = impl_->stream;
+  return sink(view);
+}
+
 const void* CudaEngine::DeviceCapture() const { return impl_->capture; }
 
 int64_t CudaEngine::weight_bytes() const { return static_cast<int64_t>(impl_->weights.used()); }

@@ -39,6 +39,8 @@ class CudaEngine final : public Engine {
   absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) override;
   // Runs the forward only; the capture stays in device memory (DeviceCapture).
   absl::Status ForwardOnDevice(const ForwardInput& in);
+  absl::Status ForwardToDevice(const ForwardInput& in, const DeviceSink& sink) override;
+  bool has_device_capture() const override { return true; }
   const void* DeviceCapture() const;
 
   int64_t weight_bytes() const;

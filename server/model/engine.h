@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -30,6 +31,24 @@ class Engine {
   // Writes bf16 [T, K, H] into `out` (T*K*H elements). Input errors are
   // INVALID_ARGUMENT naming the bad field; `out` is then untouched.
   virtual absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) = 0;
+
+  // The capture while it is still in device memory, for transports that move
+  // it GPU to GPU (NCCL). Valid only during the sink call; `stream` is the
+  // cudaStream_t the forward ran on (the sink orders its work after it and
+  // must finish before returning, since the next forward reuses the buffer).
+  struct DeviceView {
+    const void* data = nullptr;  // bf16 [T, K, H]
+    size_t bytes = 0;
+    int device = 0;
+    void* stream = nullptr;
+  };
+  using DeviceSink = std::function<absl::Status(const DeviceView&)>;
+  // Runs the forward and hands the device-resident capture to `sink`.
+  // Engines without device memory (CPU) return UNIMPLEMENTED.
+  virtual absl::Status ForwardToDevice(const ForwardInput& in, const DeviceSink& sink) {
+    return absl::UnimplementedError(device_name() + " has no device-resident capture");
+  }
+  virtual bool has_device_capture() const { return false; }
 };
 
 // Validates a ForwardInput against a model (token ids < vocab, lengths, layer

@@ -68,12 +68,17 @@ void Scheduler::WorkerLoop(Engine* engine) {
       const int64_t width = engine->model().config.hidden_size;
       result.hidden_size =
           static_cast<size_t>(tokens * static_cast<int64_t>(item.layers.size()) * width);
-      result.hidden = pool_.Acquire(result.hidden_size);
       result.tokens = tokens;
+      const ForwardInput input{item.token_ids, item.seq_lens, item.layers};
       const auto t0 = std::chrono::steady_clock::now();
-      absl::Status status = engine->Forward(
-          ForwardInput{item.token_ids, item.seq_lens, item.layers},
-          std::span<uint16_t>(result.hidden.get(), result.hidden_size));
+      absl::Status status;
+      if (item.device_sink) {
+        status = engine->ForwardToDevice(input, item.device_sink);
+      } else {
+        result.hidden = pool_.Acquire(result.hidden_size);
+        status = engine->Forward(input,
+                                 std::span<uint16_t>(result.hidden.get(), result.hidden_size));
+      }
       if (throttle_tokens_per_s_ > 0) {
         std::this_thread::sleep_until(
             t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(

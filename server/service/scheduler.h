@@ -38,6 +38,9 @@ struct WorkItem {
   std::function<void(absl::StatusOr<ForwardResult>)> done;
   // Checked before the forward starts; true skips the work.
   std::function<bool()> cancelled;
+  // When set (NCCL transport), the capture is handed over while still on the
+  // device and `done` gets a result without a host buffer (`hidden` null).
+  Engine::DeviceSink device_sink;
 };
 
 class Scheduler {
