@@ -1,20 +1,38 @@
 #!/usr/bin/env python3
 """Split benchmark: given N devices, how many should run targets (T) and how many drafter
-trainers (D), T + D = N?  (docs: /work/shared/design/ARCHITECTURE.md section 6, issue 7.)
+trainers (D), T + D = N?  (docs: /work/shared/design/ARCHITECTURE.md section 6, issues 7, 8.)
 
-For every split T-D it starts T draftfeed-target processes and D trainer processes
-(bench/split_trainer.py, each with its own draftfeed.Feed over all T targets), runs a warm-up,
-then a fixed number of tokens, and reports end-to-end tokens/s, target and drafter utilisation,
-queue depth over time, transfer GB/s and per-process peak memory. An advisor measures one
-target's rate and one drafter's rate first and predicts every split as
-min(T * target_rate, D * drafter_rate, link_rate), naming the best split and its bottleneck.
+For every split T-D it runs T draftfeed-target processes and D trainer processes
+(bench/split_trainer.py, each with its own draftfeed.Feed over all T targets), a warm-up, then a
+fixed number of tokens, and reports end-to-end tokens/s, target and drafter utilisation, queue
+depth over time, transfer GB/s and per-device peak memory. An advisor first measures one
+target's rate, one drafter's rate and the link between them (one target streaming to a trainer
+that only receives) and predicts every split as
+min(T x target_rate, D x drafter_rate, min(T, D) x link_rate), naming the best split and the
+term that bounds each one.
 
-    PYTHONPATH=build/python /usr/bin/python3 bench/splits.py --gpus 8 --splits 5-3,4-4 \\
-        --model tiny-random --device cpu --target-rate 3000 --out bench/results/splits-cpu
+Modes:
+  --device cpu   each "GPU" is a process on this host: targets capped with
+                 --throttle_tokens_per_s=--target-rate, drafters optionally padded to
+                 --drafter-rate; CI runs this.
+      PYTHONPATH=build/python /usr/bin/python3 bench/splits.py --gpus 8 --splits 5-3,4-4 \
+          --model tiny-random --device cpu --target-rate 3000 --out bench/results/splits-cpu
+  --device cuda  real GPUs, no throttling: targets are `draftfeed-target --device cuda:i
+                 --model M --max_batch_tokens B` on GPUs 0..T-1, trainers run torch on
+                 cuda:T..N-1. --gpus 1 is the shared smoke mode: one target and one trainer on
+                 cuda:0 (only split 1-1). --transport grpc|nccl|auto goes to every trainer's
+                 Feed(transport=..., cuda_device=<its GPU>); --transport both runs each split
+                 once per transport ("1-1/grpc", "1-1/nccl"). bench/run_splits_gpu.sh has the
+                 exact commands for 1, 2 and 8 GPUs.
 
-Only --device cpu runs now: each "GPU" is emulated by a process (targets capped with
---throttle_tokens_per_s=R, drafters optionally capped with --drafter-rate). The GPU modes
-(--device cuda: one GPU shared, 2 GPUs, 8 GPUs) are planned and refused for now.
+Targets are started once and reused by later splits (splits are run from the most targets to
+the fewest; a target whose GPU a split gives to a trainer is stopped), so a 27B random model is
+made once per GPU, not once per split.
+
+Measured tokens/s is the steady state: the tokens delivered after the first round (one batch per
+target) over the time from that round's end to the last delivery; the prediction is a
+steady-state rate, and a run of a few 49,152-token batches would otherwise be dominated by the
+pipeline's fill and drain. The end-to-end rate over the whole window is reported beside it.
 
 Outputs: a table on the terminal, DIR/splits.json (config, advisor, per-split results,
 invariants), DIR/splits.png (tokens/s per split, measured vs predicted; queue depth over time).
@@ -28,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -37,23 +56,39 @@ TRAINER = pathlib.Path(__file__).resolve().parent / "split_trainer.py"
 # ---------------------------------------------------------------------------- processes
 
 class Target:
-    def __init__(self, binary, model, device, rate, workdir, index):
+    """One draftfeed-target process; `start()` launches it, `wait()` blocks until it serves (a
+    split's targets start together: a random 27B model takes 10-20 s to make on its GPU)."""
+
+    def __init__(self, args, workdir, index):
+        self.index = index
         self.dir = tempfile.mkdtemp(prefix=f"target{index}-", dir=workdir)
-        port_file = os.path.join(self.dir, "port")
+        self.port_file = os.path.join(self.dir, "port")
         self.log = open(os.path.join(self.dir, "log"), "w+")
-        cmd = [binary, f"--model={model}", "--listen=127.0.0.1:0", f"--port_file={port_file}",
-               "--threads=1", f"--device={device}"]
-        if rate > 0:
-            cmd.append(f"--throttle_tokens_per_s={rate}")
+        self.timeout_s = args.target_start_timeout_s
+        cmd = [args.binary, f"--model={args.model}", "--listen=127.0.0.1:0",
+               f"--port_file={self.port_file}"]
+        if args.device == "cuda":
+            cmd += [f"--device=cuda:{index}", f"--max_batch_tokens={args.max_batch_tokens}"]
+        else:
+            cmd += ["--threads=1", "--device=cpu"]
+            if args.target_rate > 0:
+                cmd.append(f"--throttle_tokens_per_s={args.target_rate}")
+        self.cmd = cmd
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while not os.path.exists(port_file) or not open(port_file).read().strip():
+        self.started = time.time()
+        self.address = None
+
+    def wait(self):
+        while not os.path.exists(self.port_file) or not open(self.port_file).read().strip():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"target exited: {self.output()}")
-            if time.time() > deadline:
-                raise RuntimeError("target did not start within 60 s")
+                raise RuntimeError(f"target {' '.join(self.cmd)} exited: {self.output()[-3000:]}")
+            if time.time() > self.started + self.timeout_s:
+                raise RuntimeError(f"target did not start within {self.timeout_s:.0f} s: "
+                                   f"{self.output()[-3000:]}")
             time.sleep(0.05)
-        self.address = f"127.0.0.1:{int(open(port_file).read())}"
+        self.address = f"127.0.0.1:{int(open(self.port_file).read())}"
+        self.start_s = time.time() - self.started
+        return self
 
     def output(self):
         self.log.flush()
@@ -86,13 +121,108 @@ def cpu_seconds(pid):
         return 0.0
 
 
-def trainer_cmd(args, name, targets, tokens, warmup, drafter, seed, extra=()):
-    return [sys.executable, str(TRAINER), f"--name={name}", f"--targets={','.join(targets)}",
-            f"--layers={args.layers}", f"--tokens={tokens}", f"--warmup-tokens={warmup}",
-            f"--batch-tokens={args.batch_tokens}", f"--drafter={drafter}",
-            f"--flops-per-token={args.drafter_flops_per_token}",
-            f"--drafter-rate={args.drafter_rate if drafter != 'none' else 0}",
-            f"--device={args.device}", f"--seed={seed}", *extra]
+class TargetPool:
+    """Targets by index (index i runs on GPU i in cuda mode), kept across splits."""
+
+    def __init__(self, args, workdir):
+        self.args, self.workdir, self.running = args, workdir, {}
+
+    def take(self, count):
+        """Targets 0..count-1 serving; any other running target is stopped first (its GPU
+        goes to a trainer)."""
+        for i in sorted(self.running):
+            if i >= count:
+                self.running.pop(i).stop()
+        new = [Target(self.args, self.workdir, i) for i in range(count) if i not in self.running]
+        try:
+            for t in new:
+                self.running[t.index] = t.wait()
+        except BaseException:
+            for t in new:
+                t.stop()
+            raise
+        if new:
+            print(f"  started {len(new)} target(s) in {max(t.start_s for t in new):.1f} s",
+                  flush=True)
+        return [self.running[i] for i in range(count)]
+
+    def stop(self):
+        for t in self.running.values():
+            t.stop()
+        self.running = {}
+
+
+class GpuMonitor:
+    """Samples nvidia-smi in a thread: peak memory.used and mean utilization.gpu per GPU while
+    a split runs. Does nothing where nvidia-smi is absent (CPU mode)."""
+
+    QUERY = ["nvidia-smi", "--query-gpu=index,memory.used,utilization.gpu",
+             "--format=csv,noheader,nounits"]
+
+    def __init__(self, every_s=0.5):
+        self.every_s = every_s
+        self.enabled = shutil.which("nvidia-smi") is not None
+        self.peak_mib, self.util = {}, {}
+        self._stop = threading.Event()
+        self._thread = None
+
+    def sample(self):
+        out = subprocess.run(self.QUERY, capture_output=True, text=True, timeout=10).stdout
+        for line in out.strip().splitlines():
+            idx, mem, util = (v.strip() for v in line.split(","))
+            i = int(idx)
+            self.peak_mib[i] = max(self.peak_mib.get(i, 0), float(mem))
+            if util.replace(".", "").isdigit():
+                self.util.setdefault(i, []).append(float(util))
+
+    def __enter__(self):
+        if self.enabled:
+            def loop():
+                while True:
+                    try:
+                        self.sample()
+                    except (OSError, ValueError, subprocess.SubprocessError):
+                        pass
+                    if self._stop.wait(self.every_s):
+                        return
+            self._thread = threading.Thread(target=loop, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._thread:
+            self._stop.set()
+            self._thread.join()
+        return False
+
+    def report(self):
+        if not self.enabled:
+            return None
+        return {str(i): {"peak_memory_bytes": int(self.peak_mib[i] * 2**20),
+                         "utilization_gpu_mean": (sum(self.util.get(i, [])) /
+                                                  max(1, len(self.util.get(i, [])))) / 100.0,
+                         "samples": len(self.util.get(i, []))}
+                for i in sorted(self.peak_mib)}
+
+
+def trainer_gpu(args, t_count, j):
+    """The GPU trainer j of a split with t_count targets uses (shared mode: GPU 0)."""
+    return 0 if args.gpus == 1 else t_count + j
+
+
+def trainer_cmd(args, name, targets, tokens, warmup, drafter, seed, gpu=0, transport="",
+                extra=()):
+    device = f"cuda:{gpu}" if args.device == "cuda" else "cpu"
+    cmd = [sys.executable, str(TRAINER), f"--name={name}", f"--targets={','.join(targets)}",
+           f"--layers={args.layers}", f"--tokens={tokens}", f"--warmup-tokens={warmup}",
+           f"--batch-tokens={args.batch_tokens}", f"--drafter={drafter}",
+           f"--flops-per-token={args.drafter_flops_per_token}",
+           f"--drafter-rate={args.drafter_rate if drafter != 'none' else 0}",
+           f"--drafter-layers={args.drafter_layers}", f"--draft-vocab={args.draft_vocab}",
+           f"--max-seq-len={args.max_seq_len}", f"--device={device}", f"--seed={seed}"]
+    if transport:
+        cmd += [f"--transport={transport}", f"--cuda-device={gpu}"]
+    return cmd + list(extra)
 
 
 def last_json_line(text, what):
@@ -143,54 +273,96 @@ def run_trainers(cmds, workdir, timeout_s, target_pids=()):
 
 # ---------------------------------------------------------------------------- advisor
 
-def calibrate(args, workdir):
-    """One target alone (trivial drafter) and one drafter alone (timed steps on random hidden
-    states of the right shape)."""
+def link_rate(tokens, send_s):
+    """Tokens/s a link moves while it is busy (the targets' send_ms: first chunk to BatchDone);
+    None when the sends were too short to time."""
+    return tokens / send_s if send_s > 1e-3 else None
+
+
+def calibrate(args, pool, workdir, transports):
+    """One target streaming to one trainer that only receives (the target's rate from its
+    forward_ms, the link's from its send_ms), once per transport; then one drafter alone (timed
+    steps on random hidden states of the right shape on its device)."""
     d = tempfile.mkdtemp(prefix="calibrate-", dir=workdir)
-    t = Target(args.binary, args.model, args.device, args.target_rate, d, 0)
-    try:
-        info_cmd = [sys.executable, "-c",
-                    "import json, sys, draftfeed; print(json.dumps(draftfeed.describe_target(sys.argv[1])))",
-                    t.address]
-        info = json.loads(subprocess.run(info_cmd, check=True, capture_output=True,
-                                         text=True).stdout)
+    t = pool.take(1)[0]
+    info_cmd = [sys.executable, "-c",
+                "import json, sys, draftfeed; print(json.dumps(draftfeed.describe_target(sys.argv[1])))",
+                t.address]
+    info = json.loads(subprocess.run(info_cmd, check=True, capture_output=True,
+                                     text=True).stdout)
+    if args.device == "cuda":
+        tokens = args.calibrate_tokens or 4 * args.batch_tokens
+    else:
         tokens = args.calibrate_tokens or max(1000, int(args.target_rate * 1.0)
                                               if args.target_rate > 0 else 20000)
-        reps, target_cpu = run_trainers([trainer_cmd(args, "calibrate-target", [t.address],
-                                                     tokens, args.batch_tokens, "none", 999)],
-                                        d, 300, [t.proc.pid])
+    gpu = trainer_gpu(args, 1, 0)
+    links, target = {}, None
+    for transport in transports:
+        reps, target_cpu = run_trainers(
+            [trainer_cmd(args, "calibrate-target", [t.address], tokens, args.batch_tokens, "none",
+                         999, gpu, transport if args.device == "cuda" else "")],
+            d, args.split_timeout_s, [t.proc.pid])
         rep = reps[0]
-    finally:
-        t.stop()
+        fwd_s = sum(rep["forward_ms_by_target"].values()) / 1000.0
+        send_s = sum(rep["send_ms_by_target"].values()) / 1000.0
+        links[transport] = {"link_tokens_per_s": link_rate(rep["tokens"], send_s),
+                            "delivered_tokens_per_s": steady_rate([rep])[0],
+                            "send_s": send_s, "GB_per_s": rep["bytes_received"] / send_s / 1e9
+                            if send_s > 1e-3 else None}
+        if target is None:
+            target = {"target_tokens_per_s": rep["tokens"] / fwd_s if fwd_s > 0
+                      else rep["tokens_per_s"],
+                      "target_calibration_tokens": rep["tokens"],
+                      # Host CPU seconds per token of the feed itself (target process + trainer
+                      # client, no drafter work): in CPU mode all emulated devices share this
+                      # host's cores.
+                      "pipeline_cpu_s_per_token": (target_cpu + rep["cpu_s"]) / max(1, rep["tokens"])}
     k = len(args.layers.split(","))
-    out = subprocess.run(trainer_cmd(args, "calibrate-drafter", [], 0, 0, args.drafter, 998,
-                                     ["--calibrate", f"--hidden-size={info['hidden_size']}",
-                                      f"--num-layers={k}", f"--vocab={min(4096, info['vocab_size'])}",
-                                      f"--calibrate-s={args.calibrate_s}"]),
-                         check=True, capture_output=True, text=True).stdout
-    drep = last_json_line(out, "drafter calibration")
+    out = subprocess.run(trainer_cmd(args, "calibrate-drafter", [], 0, 0, args.drafter, 998, gpu,
+                                     extra=["--calibrate", f"--hidden-size={info['hidden_size']}",
+                                            f"--num-layers={k}",
+                                            f"--vocab={min(4096, info['vocab_size'])}",
+                                            f"--calibrate-s={args.calibrate_s}"]),
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"drafter calibration exited {out.returncode}:\n{out.stderr[-3000:]}")
+    drep = last_json_line(out.stdout, "drafter calibration")
+    # gRPC on a GPU: every step first copies its batch in from host memory (the trainer's
+    # thread waits for it); NCCL delivers on the device. Per transport, the drafter rate a
+    # trainer sees.
+    per_token_s = 1.0 / drep["drafter_tokens_per_s"]
+    h2d_per_token_s = drep["h2d_ms"] / 1000.0 / args.batch_tokens
+    drafter_by_transport = {
+        tr: 1.0 / (per_token_s + (h2d_per_token_s if tr == "grpc" else 0.0))
+        for tr in transports}
     return {
-        "target_tokens_per_s": rep["tokens_per_s"],
-        "target_calibration_tokens": rep["tokens"],
+        **target,
         "drafter_tokens_per_s": drep["drafter_tokens_per_s"],
+        "drafter_tokens_per_s_by_transport": drafter_by_transport,
         "drafter_compute_tokens_per_s": drep["compute_tokens_per_s"],
         "drafter_step_ms": drep["step_ms"],
+        "drafter_h2d_ms": drep["h2d_ms"],
         "drafter_flops_per_token": drep["flops_per_token"],
         "drafter_gflops_per_s": drep["gflops_per_s"],
-        # Loopback: no network link between targets and trainers to measure.
-        "link_tokens_per_s": None, "link_note": "skipped: loopback",
-        # Host CPU seconds per token of the feed itself (target process + trainer client, no
-        # drafter work): in CPU mode all emulated devices share this host's cores.
-        "pipeline_cpu_s_per_token": (target_cpu + rep["cpu_s"]) / max(1, rep["tokens"]),
+        "drafter_cuda_peak_allocated_bytes": drep.get("cuda_peak_allocated_bytes"),
+        "link_by_transport": links,
         "model": info,
     }
 
 
-def predict(cal, t, d, cpu_mode):
-    """Predicted tokens/s of split T-D and its bottleneck."""
-    limits = {"target": t * cal["target_tokens_per_s"], "drafter": d * cal["drafter_tokens_per_s"]}
-    if cal["link_tokens_per_s"]:
-        limits["link"] = cal["link_tokens_per_s"]
+def predict(cal, t, d, cpu_mode, transport="grpc"):
+    """Predicted tokens/s of split T-D, the term that bounds it, and every term.
+
+    target: T x one target's rate. drafter: D x one drafter's rate (with the batch's copy from
+    host memory when the transport is gRPC). link: min(T, D) x one target->trainer link's rate:
+    every target sends and every trainer receives through its own stream endpoint, so the
+    pairs the smaller side can drive at once bound the data plane."""
+    drafter = cal.get("drafter_tokens_per_s_by_transport", {}).get(
+        transport, cal["drafter_tokens_per_s"])
+    limits = {"target": t * cal["target_tokens_per_s"], "drafter": d * drafter}
+    link = cal.get("link_by_transport", {}).get(transport, {}).get("link_tokens_per_s")
+    if link:
+        limits["link"] = min(t, d) * link
     if cpu_mode:
         # Every emulated device is a process on this host: per token the host spends the
         # feed's CPU time (target forward + gRPC + client) plus the drafter's compute, so
@@ -201,58 +373,91 @@ def predict(cal, t, d, cpu_mode):
     return limits[bottleneck], bottleneck, limits
 
 
+def steady_rate(reports, skip=1):
+    """(tokens/s, seconds) in steady state, across the split's trainers: from the skip-th
+    delivery to the last, counting the tokens delivered after the skip-th. skip = the number of
+    targets: they fill in parallel, so the first round of deliveries lands almost at once and
+    only the time after it measures the rate. (0, 0) when too few deliveries."""
+    ds = sorted((t, n) for r in reports for t, n in r.get("deliveries", []))
+    skip = max(1, min(skip, len(ds) - 1))
+    if len(ds) < 2 or ds[-1][0] <= ds[skip - 1][0]:
+        return 0.0, 0.0
+    span = ds[-1][0] - ds[skip - 1][0]
+    return sum(n for _, n in ds[skip:]) / span, span
+
+
 # ---------------------------------------------------------------------------- one split
 
-def run_split(args, t_count, d_count, workdir):
-    d = tempfile.mkdtemp(prefix=f"split{t_count}-{d_count}-", dir=workdir)
-    targets = []
-    try:
-        for i in range(t_count):
-            targets.append(Target(args.binary, args.model, args.device, args.target_rate, d, i))
-        addrs = [t.address for t in targets]
-        per = -(-args.tokens_per_split // d_count)
-        warm = -(-args.warmup_tokens // d_count)
-        cmds = [trainer_cmd(args, f"trainer{j}", addrs, per, warm, args.drafter, 100 * j + 7)
-                for j in range(d_count)]
+def run_split(args, pool, t_count, d_count, transport, workdir):
+    label = f"{t_count}-{d_count}" + (f"/{transport}" if args.device == "cuda" else "")
+    d = tempfile.mkdtemp(prefix=f"split{t_count}-{d_count}-{transport}-", dir=workdir)
+    targets = pool.take(t_count)
+    addrs = [t.address for t in targets]
+    per = -(-args.tokens_per_split // d_count)
+    warm = -(-args.warmup_tokens // d_count)
+    cmds = [trainer_cmd(args, f"trainer{j}", addrs, per, warm, args.drafter, 100 * j + 7,
+                        trainer_gpu(args, t_count, j),
+                        transport if args.device == "cuda" else "")
+            for j in range(d_count)]
+    with GpuMonitor(args.gpu_sample_s) as gpus:
         reports, target_cpu = run_trainers(cmds, d, args.split_timeout_s,
                                            [t.proc.pid for t in targets])
-        target_rss = {t.address: t.peak_rss_bytes() for t in targets}
-    finally:
-        for t in targets:
-            t.stop()
+    target_rss = {t.address: t.peak_rss_bytes() for t in targets}
     start = min(r["start"] for r in reports)
     end = max(r["end"] for r in reports)
     wall = end - start
     tokens = sum(r["tokens"] for r in reports)
+    steady, steady_s = steady_rate(reports, t_count)
     fwd = {a: sum(r["forward_ms_by_target"].get(a, 0.0) for r in reports) / 1000.0 for a in addrs}
     ttok = {a: sum(r["tokens_by_target"].get(a, 0) for r in reports) for a in addrs}
     sub = sum(r["tokens_submitted"] for r in reports)
     dlv = sum(r["tokens_delivered"] for r in reports)
+    gpu = gpus.report()
+    if gpu is not None:
+        roles = {str(t.index): f"target {t.address}" for t in targets}
+        for j, r in enumerate(reports):
+            g = str(trainer_gpu(args, t_count, j))
+            roles[g] = f"{roles[g]} + {r['trainer']}" if g in roles else r["trainer"]
+        for g, v in gpu.items():
+            v["role"] = roles.get(g, "idle")
+    if args.device == "cuda":
+        peak = {**{f"gpu {g}": v["peak_memory_bytes"] for g, v in (gpu or {}).items()
+                   if v.get("role") != "idle"},
+                **{f"{r['trainer']} torch": r.get("cuda_peak_allocated_bytes") for r in reports}}
+        peak_kind = "nvidia-smi memory.used peak per GPU; torch.cuda.max_memory_allocated per trainer"
+    else:
+        peak = {**{f"target {a}": v for a, v in target_rss.items()},
+                **{r["trainer"]: r["peak_rss_bytes"] for r in reports}}
+        peak_kind = "ru_maxrss / VmHWM (host RSS; targets are reused across splits)"
     return {
-        "split": f"{t_count}-{d_count}", "targets": t_count, "trainers": d_count,
-        "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+        "split": label, "targets": t_count, "trainers": d_count, "transport": transport,
+        "wall_s": wall, "tokens": tokens,
+        "tokens_per_s": steady or tokens / wall, "steady_window_s": steady_s,
+        "end_to_end_tokens_per_s": tokens / wall,
         "sum_trainer_tokens_per_s": sum(r["tokens_per_s"] for r in reports),
         "target_utilisation": {a: fwd[a] / wall for a in addrs},
         "target_utilisation_mean": sum(fwd.values()) / wall / t_count,
         "tokens_by_target": ttok,
         "drafter_utilisation": {r["trainer"]: r["drafter_busy"] for r in reports},
         "drafter_utilisation_mean": sum(r["drafter_busy"] for r in reports) / d_count,
+        "copy_s_by_trainer": {r["trainer"]: r.get("copy_s", 0.0) for r in reports},
         "transfer_GB_per_s": sum(r["bytes_received"] for r in reports) / wall / 1e9,
         "bytes_received": sum(r["bytes_received"] for r in reports),
         "queue_depth": {r["trainer"]: [[round(r["start"] - start + ts, 3), q]
                                        for ts, q in r["queue_depth"]] for r in reports},
-        "peak_memory_bytes": {**{f"target {a}": v for a, v in target_rss.items()},
-                              **{r["trainer"]: r["peak_rss_bytes"] for r in reports}},
-        "peak_memory_kind": "ru_maxrss / VmHWM (host RSS)",
+        "peak_memory_bytes": peak, "peak_memory_kind": peak_kind,
+        "target_peak_rss_bytes": target_rss,
+        "gpus": gpu,
         "host_cpu_utilisation": (target_cpu + sum(r["cpu_s"] for r in reports))
                                 / wall / (os.cpu_count() or 1),
         "tokens_submitted": sub, "tokens_delivered": dlv,
         "feed_tokens_delivered": sum(r["feed_tokens_delivered"] for r in reports),
         "feed_failed": sum(r["feed_failed"] for r in reports),
         "feed_resent": sum(r["feed_resent"] for r in reports),
-        "per_trainer": [{k: r[k] for k in ("trainer", "tokens", "wall_s", "tokens_per_s",
-                                           "drafter_busy", "drafter_tokens_per_s",
-                                           "tokens_submitted", "tokens_delivered")}
+        "per_trainer": [{k: r.get(k) for k in ("trainer", "tokens", "wall_s", "tokens_per_s",
+                                               "drafter_busy", "drafter_tokens_per_s", "copy_s",
+                                               "tokens_submitted", "tokens_delivered",
+                                               "cuda_peak_allocated_bytes", "transport")}
                         for r in reports],
     }
 
@@ -263,21 +468,37 @@ def fmt_bytes(n):
     return "-" if n is None else f"{n / 2**20:,.0f}M"
 
 
+def peaks(r):
+    """(largest target peak, largest trainer peak) in bytes: GPU memory.used in cuda mode (a
+    shared GPU counts as the target's), host RSS in CPU mode."""
+    if r.get("gpus"):
+        tgt = [v["peak_memory_bytes"] for v in r["gpus"].values() if v["role"].startswith("target")]
+        trn = [v["peak_memory_bytes"] for v in r["gpus"].values()
+               if v["role"] not in ("idle",) and not v["role"].startswith("target")]
+    else:
+        mem = r["peak_memory_bytes"]
+        tgt = [v or 0 for k, v in mem.items() if k.startswith("target ")]
+        trn = [v or 0 for k, v in mem.items() if not k.startswith("target ")]
+    return max(tgt, default=None), max(trn, default=None)
+
+
 def print_table(results):
-    hdr = (f"{'split':>6} {'tok/s':>9} {'predicted':>9} {'ratio':>6} {'bottleneck':>10} "
-           f"{'tgt util':>8} {'drf util':>8} {'q mean':>6} {'q max':>5} {'GB/s':>7} "
-           f"{'host cpu':>8} {'peak tgt':>8} {'peak trn':>8}")
+    hdr = (f"{'split':>10} {'tok/s':>9} {'e2e':>9} {'predicted':>9} {'ratio':>6} "
+           f"{'bottleneck':>10} {'tgt util':>8} {'drf util':>8} {'gpu util':>8} {'q mean':>6} "
+           f"{'q max':>5} {'GB/s':>7} {'host cpu':>8} {'peak tgt':>8} {'peak trn':>8}")
     print(hdr)
     print("-" * len(hdr))
     for r in results:
         qs = [q for series in r["queue_depth"].values() for _, q in series]
-        mem = r["peak_memory_bytes"]
-        tgt = max((v or 0) for k, v in mem.items() if k.startswith("target "))
-        trn = max((v or 0) for k, v in mem.items() if not k.startswith("target "))
-        print(f"{r['split']:>6} {r['tokens_per_s']:>9,.0f} {r['predicted_tokens_per_s']:>9,.0f} "
+        tgt, trn = peaks(r)
+        gpu = r.get("gpus") or {}
+        used = [v["utilization_gpu_mean"] for v in gpu.values() if v["role"] != "idle"]
+        gutil = f"{sum(used) / len(used):.0%}" if used else "-"
+        print(f"{r['split']:>10} {r['tokens_per_s']:>9,.0f} {r['end_to_end_tokens_per_s']:>9,.0f} "
+              f"{r['predicted_tokens_per_s']:>9,.0f} "
               f"{r['measured_over_predicted']:>6.2f} {r['predicted_bottleneck']:>10} "
               f"{r['target_utilisation_mean']:>8.0%} {r['drafter_utilisation_mean']:>8.0%} "
-              f"{sum(qs) / max(1, len(qs)):>6.1f} {max(qs, default=0):>5} "
+              f"{gutil:>8} {sum(qs) / max(1, len(qs)):>6.1f} {max(qs, default=0):>5} "
               f"{r['transfer_GB_per_s']:>7.4f} {r['host_cpu_utilisation']:>8.0%} "
               f"{fmt_bytes(tgt):>8} {fmt_bytes(trn):>8}")
 
@@ -302,7 +523,7 @@ def plot(results, predictions, path):
         names = names + [p["split"] for p in other]
         x = x + xo
     ax1.set_xticks(x)
-    ax1.set_xticklabels(names)
+    ax1.set_xticklabels(names, rotation=30 if len(names) > 4 else 0, fontsize=8)
     ax1.set_xlabel("split (targets-trainers)")
     ax1.set_ylabel("end-to-end tokens/s")
     ax1.set_title("throughput per split")
@@ -325,91 +546,162 @@ def plot(results, predictions, path):
 
 # ---------------------------------------------------------------------------- main
 
-def parse_splits(text, gpus):
+def parse_splits(text, gpus, device="cpu"):
+    """[(T, D), ...] from "5-3,4-4". cuda with --gpus 1 is the shared mode: 1 target and 1
+    trainer on the one GPU, so 1-1 is its only split."""
     out = []
+    shared = device == "cuda" and gpus == 1
     for part in text.split(","):
         try:
             t, d = (int(v) for v in part.strip().split("-"))
         except ValueError:
             raise SystemExit(f"--splits: {part!r} is not T-D (e.g. 5-3)")
-        if t < 1 or d < 1 or t + d != gpus:
+        if shared:
+            if (t, d) != (1, 1):
+                raise SystemExit(f"--splits: {part} with --device cuda --gpus 1: one GPU is "
+                                 f"shared by 1 target and 1 trainer, so the only split is 1-1")
+        elif t < 1 or d < 1 or t + d != gpus:
             raise SystemExit(f"--splits: {part} needs T >= 1, D >= 1 and T + D = --gpus ({gpus})")
         out.append((t, d))
     return out
 
 
+def parse_transports(text, device, gpus):
+    """--transport: grpc | nccl | auto | both (grpc then nccl) -> the list to run."""
+    choices = {"grpc": ["grpc"], "nccl": ["nccl"], "auto": ["auto"], "both": ["grpc", "nccl"]}
+    if text not in choices:
+        raise SystemExit(f"--transport: {text!r} is not one of {', '.join(choices)}")
+    got = choices[text]
+    if device == "cpu" and got != ["grpc"]:
+        raise SystemExit(f"--transport {text}: the CPU mode has no GPUs to move states between; "
+                         f"only grpc runs there")
+    if device == "cuda" and gpus == 1 and "nccl" in got:
+        raise SystemExit(f"--transport {text}: with --gpus 1 the target and the trainer share "
+                         f"one GPU, and NCCL refuses two ranks on one device; use grpc")
+    return got
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, required=True, help="devices to split (T + D)")
+    p.add_argument("--gpus", type=int, required=True,
+                   help="devices to split (T + D); --device cuda --gpus 1: shared smoke mode")
     p.add_argument("--splits", required=True, help="comma-separated T-D, e.g. 5-3,4-4")
-    p.add_argument("--model", default="tiny-random")
+    p.add_argument("--model", default="tiny-random",
+                   help="draftfeed-target --model (e.g. random:qwen3.6-27b in cuda mode)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="cpu: emulated devices (runs now); cuda: real GPUs (not implemented yet)")
-    p.add_argument("--gpu-mode", default="per-process", choices=["per-process", "shared"],
-                   help="GPU modes (planned): one process per GPU, or all on one shared GPU")
+                   help="cpu: emulated devices; cuda: one process per real GPU")
+    p.add_argument("--transport", default="grpc",
+                   help="grpc | nccl | auto | both (cuda mode: every split once per transport)")
+    p.add_argument("--max-batch-tokens", type=int, default=16384,
+                   help="cuda mode: the targets' --max_batch_tokens (token budget of a batch)")
     p.add_argument("--tokens-per-split", type=int, default=20000, help="measured tokens per split")
     p.add_argument("--warmup-tokens", type=int, default=2000, help="warm-up tokens per split")
-    p.add_argument("--drafter", choices=["synthetic", "dflash"], default="synthetic")
+    p.add_argument("--drafter", choices=["synthetic", "dflash", "dflash-full"], default="synthetic")
     p.add_argument("--drafter-flops-per-token", type=float, default=2e5,
                    help="synthetic drafter's load (FLOPs per token, forward matmuls)")
+    p.add_argument("--drafter-layers", type=int, default=1,
+                   help="dflash-full: decoder layers at the target's width")
+    p.add_argument("--draft-vocab", type=int, default=32768, help="dflash-full: lm head size")
     p.add_argument("--drafter-rate", type=float, default=0.0,
                    help="CPU mode: cap each drafter at this tokens/s (emulated device speed); "
                         "0: compute-bound only")
     p.add_argument("--target-rate", type=float, default=3000.0,
                    help="CPU mode: each target's --throttle_tokens_per_s (emulated device speed)")
     p.add_argument("--layers", default="1,2,3", help="layer ids the trainers ask for")
-    p.add_argument("--batch-tokens", type=int, default=512, help="packing token budget")
+    p.add_argument("--batch-tokens", type=int, default=0,
+                   help="packing token budget (default: 512 on CPU, --max-batch-tokens on cuda)")
+    p.add_argument("--max-seq-len", type=int, default=0,
+                   help="synthetic sequences are 16..this many tokens (default 256 CPU, 2048 cuda)")
     p.add_argument("--calibrate-tokens", type=int, default=0,
-                   help="tokens for the single-target measurement (default: ~1 s of it)")
+                   help="tokens for the single-target measurement (default: ~1 s of it on CPU, "
+                        "4 batches on cuda)")
     p.add_argument("--calibrate-s", type=float, default=1.0, help="drafter calibration time")
     p.add_argument("--split-timeout-s", type=float, default=600.0)
+    p.add_argument("--target-start-timeout-s", type=float, default=0,
+                   help="default 60 s on CPU, 300 s on cuda (random 27B weights take 10-20 s)")
+    p.add_argument("--gpu-sample-s", type=float, default=0.5, help="nvidia-smi sampling period")
     p.add_argument("--binary", default=str(REPO / "build" / "bin" / "draftfeed-target"))
     p.add_argument("--out", default="splits-out", help="directory for splits.json / splits.png")
     args = p.parse_args(argv)
 
-    if args.device != "cpu":
-        print("splits.py: GPU modes (one GPU shared, 2 GPUs with NCCL/gRPC, 8 GPUs) are not "
-              "implemented yet; use --device cpu", file=sys.stderr)
-        return 2
-    splits = parse_splits(args.splits, args.gpus)
+    cuda = args.device == "cuda"
+    splits = parse_splits(args.splits, args.gpus, args.device)
+    transports = parse_transports(args.transport, args.device, args.gpus)
+    args.batch_tokens = args.batch_tokens or (args.max_batch_tokens if cuda else 512)
+    args.max_seq_len = args.max_seq_len or (2048 if cuda else 256)
+    args.target_start_timeout_s = args.target_start_timeout_s or (300.0 if cuda else 60.0)
+    if cuda and args.batch_tokens > args.max_batch_tokens:
+        raise SystemExit(f"--batch-tokens {args.batch_tokens} exceeds the targets' "
+                         f"--max-batch-tokens {args.max_batch_tokens}")
+    if cuda and shutil.which("nvidia-smi") is None:
+        print("splits.py: --device cuda but no nvidia-smi here: per-GPU memory and utilisation "
+              "will be missing", file=sys.stderr)
+    # Most targets first: a later split reuses running targets and stops the surplus.
+    order = sorted(range(len(splits)), key=lambda i: -splits[i][0])
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="draftfeed-splits-")
+    pool = TargetPool(args, workdir)
     t_start = time.time()
+    results = []
     try:
-        print(f"splits: {args.gpus} emulated devices, splits {args.splits}, model {args.model}, "
-              f"target rate {args.target_rate:,.0f} tok/s, drafter {args.drafter}"
-              + (f" ({args.drafter_flops_per_token:.3g} FLOPs/token)"
-                 if args.drafter == "synthetic" else "")
-              + (f" capped at {args.drafter_rate:,.0f} tok/s" if args.drafter_rate else ""),
-              flush=True)
-        cal = calibrate(args, workdir)
+        if cuda:
+            print(f"splits: {args.gpus} GPU(s){' shared' if args.gpus == 1 else ''}, splits "
+                  f"{args.splits}, transport {'/'.join(transports)}, model {args.model}, batch "
+                  f"{args.batch_tokens} tokens, drafter {args.drafter}", flush=True)
+        else:
+            print(f"splits: {args.gpus} emulated devices, splits {args.splits}, model "
+                  f"{args.model}, target rate {args.target_rate:,.0f} tok/s, drafter "
+                  f"{args.drafter}"
+                  + (f" ({args.drafter_flops_per_token:.3g} FLOPs/token)"
+                     if args.drafter == "synthetic" else "")
+                  + (f" capped at {args.drafter_rate:,.0f} tok/s" if args.drafter_rate else ""),
+                  flush=True)
+        cal = calibrate(args, pool, workdir, transports)
+        links = "; ".join(
+            f"{tr} link {v['link_tokens_per_s']:,.0f} tok/s" if v["link_tokens_per_s"]
+            else f"{tr} link too fast to time" for tr, v in cal["link_by_transport"].items())
         print(f"advisor: one target {cal['target_tokens_per_s']:,.0f} tok/s; one drafter "
               f"{cal['drafter_tokens_per_s']:,.0f} tok/s ({cal['drafter_step_ms']:.1f} ms per "
-              f"{args.batch_tokens}-token step, {cal['drafter_gflops_per_s']:.2f} GFLOP/s); "
-              f"link {cal['link_note']}; feed costs "
-              f"{cal['pipeline_cpu_s_per_token'] * 1e6:.0f} host CPU-us per token", flush=True)
+              f"{args.batch_tokens}-token step, {cal['drafter_gflops_per_s']:.2f} GFLOP/s"
+              + (f", +{cal['drafter_h2d_ms']:.1f} ms host->GPU copy over gRPC" if cuda else "")
+              + f"); {links}"
+              + ("" if cuda else f"; feed costs {cal['pipeline_cpu_s_per_token'] * 1e6:.0f} "
+                                 f"host CPU-us per token"), flush=True)
         predictions = []
-        for t in range(1, args.gpus):
-            rate, neck, limits = predict(cal, t, args.gpus - t, args.device == "cpu")
-            predictions.append({"split": f"{t}-{args.gpus - t}", "tokens_per_s": rate,
-                                "bottleneck": neck, "limits": limits})
+        candidates = [(1, 1)] if cuda and args.gpus == 1 else [
+            (t, args.gpus - t) for t in range(1, args.gpus)]
+        for tr in transports:
+            for t, d in candidates:
+                rate, neck, limits = predict(cal, t, d, not cuda, tr)
+                predictions.append({"split": f"{t}-{d}" + (f"/{tr}" if cuda else ""),
+                                    "transport": tr, "tokens_per_s": rate, "bottleneck": neck,
+                                    "limits": limits})
+        for q in predictions:
+            terms = ", ".join(f"{k} {v:,.0f}" for k, v in q["limits"].items())
+            print(f"advisor: {q['split']:>10} predicted {q['tokens_per_s']:>9,.0f} tok/s, "
+                  f"{q['bottleneck']}-bound ({terms})", flush=True)
         best = max(predictions, key=lambda q: q["tokens_per_s"]) if predictions else None
         if best:
             print(f"advisor: best split {best['split']} at {best['tokens_per_s']:,.0f} tok/s "
                   f"(bottleneck: {best['bottleneck']})", flush=True)
-        results = []
-        for t, d in splits:
-            print(f"split {t}-{d}: running ...", flush=True)
-            r = run_split(args, t, d, workdir)
-            rate, neck, limits = predict(cal, t, d, args.device == "cpu")
-            r.update(predicted_tokens_per_s=rate, predicted_bottleneck=neck, predicted_limits=limits,
-                     measured_over_predicted=r["tokens_per_s"] / rate)
-            results.append(r)
-            print(f"split {t}-{d}: {r['tokens_per_s']:,.0f} tok/s measured, {rate:,.0f} predicted "
-                  f"({neck}-bound)", flush=True)
+        by_index = {}
+        for i in order:
+            t, d = splits[i]
+            for tr in transports:
+                print(f"split {t}-{d}{'/' + tr if cuda else ''}: running ...", flush=True)
+                r = run_split(args, pool, t, d, tr, workdir)
+                rate, neck, limits = predict(cal, t, d, not cuda, tr)
+                r.update(predicted_tokens_per_s=rate, predicted_bottleneck=neck,
+                         predicted_limits=limits, measured_over_predicted=r["tokens_per_s"] / rate)
+                by_index.setdefault(i, []).append(r)
+                print(f"split {r['split']}: {r['tokens_per_s']:,.0f} tok/s measured "
+                      f"({r['end_to_end_tokens_per_s']:,.0f} end to end), {rate:,.0f} predicted "
+                      f"({neck}-bound), ratio {r['measured_over_predicted']:.2f}", flush=True)
+        results = [r for i in range(len(splits)) for r in by_index.get(i, [])]
     finally:
+        pool.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
     print()
@@ -420,17 +712,22 @@ def main(argv=None):
               f"{best['bottleneck']}-bound); best measured {measured_best['split']} "
               f"({measured_best['tokens_per_s']:,.0f} tok/s)")
 
+    expected = [f"{t}-{d}" + (f"/{tr}" if cuda else "") for t, d in splits for tr in transports]
     invariants = {
-        "every_split_ran": [r["split"] for r in results] == [f"{t}-{d}" for t, d in splits],
+        "every_split_ran": [r["split"] for r in results] == expected,
         "tokens_submitted_eq_delivered": {r["split"]: r["tokens_submitted"] == r["tokens_delivered"]
                                           == r["feed_tokens_delivered"] for r in results},
         "no_failed_batches": all(r["feed_failed"] == 0 for r in results),
+        "within_15_percent": {r["split"]: abs(r["measured_over_predicted"] - 1) <= 0.15
+                              for r in results},
     }
     invariants["all_ok"] = (invariants["every_split_ran"] and invariants["no_failed_batches"]
                             and all(invariants["tokens_submitted_eq_delivered"].values()))
     doc = {
         "config": {**vars(args), "cpu_count": os.cpu_count(),
-                   "python": sys.version.split()[0], "mode": "cpu-emulated",
+                   "python": sys.version.split()[0],
+                   "mode": ("cuda-shared" if args.gpus == 1 else "cuda") if cuda else "cpu-emulated",
+                   "transports": transports,
                    "started": t_start, "elapsed_s": time.time() - t_start},
         "advisor": {"calibration": cal, "predictions": predictions, "best": best},
         "splits": results,
@@ -439,7 +736,8 @@ def main(argv=None):
     (out / "splits.json").write_text(json.dumps(doc, indent=1))
     plot(results, predictions, out / "splits.png")
     print(f"wrote {out / 'splits.json'} and {out / 'splits.png'}; invariants "
-          f"{'OK' if invariants['all_ok'] else 'FAILED'}")
+          f"{'OK' if invariants['all_ok'] else 'FAILED'} (within 15%: "
+          f"{sum(invariants['within_15_percent'].values())}/{len(results)} splits)")
     return 0 if invariants["all_ok"] else 1
 
 

@@ -1,13 +1,27 @@
-"""bench/splits.py in CPU mode: 3 emulated devices, splits 2-1 and 1-2 (issue 7)."""
+"""bench/splits.py in CPU mode: 3 emulated devices, splits 2-1 and 1-2 (issue 7); the GPU
+modes' argument checks, advisor terms and transport hand-over, which need no GPU (issue 8)."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import types
+
+import numpy as np
+import pytest
 
 from conftest import BUILD, REPO, TARGET_BIN
 
 SPLITS = REPO / "bench" / "splits.py"
+TRAINER = REPO / "bench" / "split_trainer.py"
+
+
+def load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def run_splits(tmp_path, *extra):
@@ -62,6 +76,13 @@ def test_cpu_splits_report_invariants_and_prediction(tmp_path):
     assert splits["1-2"]["predicted_bottleneck"] == "target"
 
     adv = doc["advisor"]
+    link = adv["calibration"]["link_by_transport"]["grpc"]
+    assert link["send_s"] >= 0 and (link["link_tokens_per_s"] is None
+                                     or link["link_tokens_per_s"] > 0)
+    if link["link_tokens_per_s"]:  # tiny-random's 0.4 KB/token moves far faster than 3,000/s
+        assert splits["2-1"]["predicted_limits"]["link"] > 3000
+    for r in splits.values():
+        assert r["end_to_end_tokens_per_s"] > 0 and r["steady_window_s"] > 0
     assert adv["calibration"]["target_tokens_per_s"] > 0
     assert adv["calibration"]["drafter_tokens_per_s"] > 0
     assert {p["split"] for p in adv["predictions"]} == {"1-2", "2-1"}
@@ -71,10 +92,134 @@ def test_cpu_splits_report_invariants_and_prediction(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
 
 
-def test_gpu_mode_is_refused_for_now(tmp_path):
-    proc = run_splits(tmp_path, "--gpus", "2", "--splits", "1-1", "--device", "cuda")
-    assert proc.returncode == 2
-    assert "not implemented yet" in proc.stderr
+def test_shared_gpu_mode_takes_only_split_1_1(tmp_path):
+    proc = run_splits(tmp_path, "--gpus", "1", "--splits", "1-1,2-1", "--device", "cuda")
+    assert proc.returncode != 0
+    assert "only split is 1-1" in proc.stderr
+    proc = run_splits(tmp_path, "--gpus", "1", "--splits", "1-1", "--device", "cuda",
+                      "--transport", "both")
+    assert proc.returncode != 0
+    assert "NCCL refuses two ranks on one device" in proc.stderr
+
+
+def test_transport_parsing():
+    splits = load(SPLITS, "splits_bench")
+    assert splits.parse_transports("both", "cuda", 2) == ["grpc", "nccl"]
+    assert splits.parse_transports("auto", "cuda", 8) == ["auto"]
+    assert splits.parse_transports("grpc", "cpu", 3) == ["grpc"]
+    with pytest.raises(SystemExit, match="only grpc runs there"):
+        splits.parse_transports("nccl", "cpu", 3)
+    with pytest.raises(SystemExit, match="is not one of"):
+        splits.parse_transports("tcp", "cuda", 2)
+    assert splits.parse_splits("6-2,5-3,4-4,3-5", 8, "cuda") == [(6, 2), (5, 3), (4, 4), (3, 5)]
+    assert splits.parse_splits("1-1", 1, "cuda") == [(1, 1)]
+    with pytest.raises(SystemExit, match="T \\+ D = --gpus"):
+        splits.parse_splits("1-1", 1, "cpu")  # no shared mode for emulated devices
+
+
+def test_advisor_link_term():
+    splits = load(SPLITS, "splits_bench")
+    cal = {"target_tokens_per_s": 10000.0, "drafter_tokens_per_s": 20000.0,
+           "drafter_tokens_per_s_by_transport": {"grpc": 16000.0, "nccl": 20000.0},
+           "link_by_transport": {"grpc": {"link_tokens_per_s": 15000.0},
+                                 "nccl": {"link_tokens_per_s": None}}}
+    # gRPC: two targets make 20,000, one trainer drafts 16,000 (its copy from host memory
+    # included), and one trainer's link carries 15,000: the link bounds it.
+    rate, neck, limits = splits.predict(cal, 2, 1, False, "grpc")
+    assert (rate, neck) == (15000.0, "link")
+    assert limits == {"target": 20000.0, "drafter": 16000.0, "link": 15000.0}
+    # The link scales with the smaller side: 3 targets x 3 trainers drive 3 streams at once.
+    rate, neck, limits = splits.predict(cal, 3, 3, False, "grpc")
+    assert limits["link"] == 45000.0 and (rate, neck) == (30000.0, "target")
+    # A link too fast to time is no term at all.
+    rate, neck, limits = splits.predict(cal, 3, 1, False, "nccl")
+    assert "link" not in limits and (rate, neck) == (20000.0, "drafter")
+    assert splits.link_rate(49152, 2.0) == 24576.0
+    assert splits.link_rate(512, 0.0) is None
+    # Steady state: the first delivery opens the window and its tokens are not counted.
+    reports = [{"deliveries": [[10.0, 100], [12.0, 100]]}, {"deliveries": [[11.0, 100]]}]
+    assert splits.steady_rate(reports) == (100.0, 2.0)
+    # Two targets fill together: their first round (10.0, 10.1) opens the window.
+    reports = [{"deliveries": [[10.0, 100], [14.1, 100]]}, {"deliveries": [[10.1, 100], [14.1, 100]]}]
+    assert splits.steady_rate(reports, 2) == pytest.approx((50.0, 4.0))
+
+
+class FakeResult:
+    def __init__(self, target, hidden):
+        self.target, self._hidden, self.probes = target, hidden, 0
+
+    @property
+    def hidden(self):
+        self.probes += 1
+        return self._hidden if not isinstance(self._hidden, np.ndarray) else self._hidden.copy()
+
+    def torch(self):
+        torch = pytest.importorskip("torch")
+        return torch.from_numpy(self._hidden).to(torch.bfloat16)
+
+
+def test_trainer_takes_device_tensors_as_they_come():
+    torch = pytest.importorskip("torch")
+    trainer = load(TRAINER, "split_trainer_bench")
+    dev = torch.device("cpu")  # stands in for the trainer's GPU
+    on_dev = torch.ones(4, 2, 8, dtype=torch.bfloat16)
+    host = np.ones((4, 2, 8), dtype=np.float32)
+    # nccl: the tensor the feed put on the device, the very object, no copy.
+    assert trainer.to_drafter(FakeResult("a", on_dev), "nccl", dev, {}) is on_dev
+    # grpc: from the host buffer.
+    h = trainer.to_drafter(FakeResult("a", host), "grpc", dev, {})
+    assert h.dtype == torch.bfloat16 and tuple(h.shape) == (4, 2, 8)
+    # nccl promised but host memory came: a clear error, not a silent copy.
+    with pytest.raises(RuntimeError, match="expected the hidden states as a tensor"):
+        trainer.to_drafter(FakeResult("a", host), "nccl", dev, {})
+    # auto: probed once per target, then remembered.
+    side = {}
+    r1, r2 = FakeResult("a", host), FakeResult("a", host)
+    trainer.to_drafter(r1, "auto", dev, side)
+    trainer.to_drafter(r2, "auto", dev, side)
+    assert side == {"a": False} and (r1.probes, r2.probes) == (1, 0)
+    assert trainer.to_drafter(FakeResult("b", on_dev), "auto", dev, side) is on_dev
+    assert side == {"a": False, "b": True}
+
+
+def test_trainer_feed_without_transport_keyword():
+    trainer = load(TRAINER, "split_trainer_bench")
+    opened = []
+
+    class OldFeed:  # the Feed before transport=/cuda_device= existed
+        def __init__(self, targets, layers, prefetch=8, prefetch_bytes=1 << 30, ordered=True,
+                     credits_per_target=4, **advanced):
+            opened.append(advanced)
+
+    old = types.SimpleNamespace(Feed=OldFeed, __file__="old/draftfeed/__init__.py")
+    trainer.open_feed(old, ["t:1"], [1], 8, 1 << 30, 4, "grpc", 1)
+    assert opened == [{}]  # grpc is what such a Feed does anyway: no keyword passed
+    with pytest.raises(SystemExit, match="needs a draftfeed client whose Feed takes transport"):
+        trainer.open_feed(old, ["t:1"], [1], 8, 1 << 30, 4, "nccl", 1)
+
+    class NewFeed:
+        def __init__(self, targets, layers, prefetch=8, prefetch_bytes=1 << 30, ordered=True,
+                     credits_per_target=4, transport="grpc", cuda_device=None, **advanced):
+            opened.append((transport, cuda_device))
+
+    trainer.open_feed(types.SimpleNamespace(Feed=NewFeed), ["t:1"], [1], 8, 1 << 30, 4, "nccl", 3)
+    assert opened[-1] == ("nccl", 3)
+
+
+def test_full_width_drafter_steps_on_cpu():
+    # The GPU modes' realistic drafter, at a tiny width, on an odd batch (not a multiple of the
+    # 16-token draft block): it trains (loss, backward, AdamW) and reports its rate.
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(TRAINER), "--calibrate", "--drafter", "dflash-full", "--device",
+         "cpu", "--hidden-size", "64", "--num-layers", "3", "--batch-tokens", "100",
+         "--vocab", "500", "--draft-vocab", "256", "--drafter-layers", "2", "--calibrate-s", "0.2"],
+        capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rep["drafter_tokens_per_s"] > 0 and rep["steps"] >= 3
+    assert rep["h2d_ms"] == 0.0  # no host->device copy on the CPU
+    assert rep["flops_per_token"] > 6 * (3 * 64 * 64)  # at least the fc's weights
 
 
 def test_bad_split_is_refused(tmp_path):

@@ -87,4 +87,38 @@ inline uint64_t PayloadChecksum(const void* data, size_t n) {
   return h.Finish();
 }
 
+// The BatchDone checksum of TRANSPORT_NCCL payloads, which never touch host
+// memory: both ends compute it on their GPU (kernels/checksum.cuh), so it is
+// a sum and parallelises. Words w_i (little-endian u64, the tail zero-padded)
+// are mixed, weighted by the odd number 2i+1 (a flipped bit or two swapped
+// words change the sum) and added mod 2^64; the byte count is folded in last.
+inline uint64_t PositionalMix(uint64_t w) {
+  w ^= w >> 31;
+  w *= 0x9e3779b97f4a7c15ULL;
+  w ^= w >> 29;
+  return w;
+}
+
+inline uint64_t PositionalFinish(uint64_t sum, size_t n) {
+  return PositionalMix(sum ^ (static_cast<uint64_t>(n) * 0xff51afd7ed558ccdULL));
+}
+
+// CPU reference of the GPU kernel (bit-identical by construction: integer maths).
+inline uint64_t PositionalChecksum(const void* data, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint64_t sum = 0;
+  size_t i = 0;
+  for (; (i + 1) * 8 <= n; ++i) {
+    uint64_t w;
+    std::memcpy(&w, p + i * 8, 8);
+    sum += PositionalMix(w) * (2 * static_cast<uint64_t>(i) + 1);
+  }
+  if (i * 8 < n) {
+    uint64_t w = 0;
+    std::memcpy(&w, p + i * 8, n - i * 8);
+    sum += PositionalMix(w) * (2 * static_cast<uint64_t>(i) + 1);
+  }
+  return PositionalFinish(sum, n);
+}
+
 }  // namespace draftfeed::v1

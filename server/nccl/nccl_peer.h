@@ -1,0 +1,69 @@
+// One side of the NCCL transport: a 2-rank communicator between a target
+// (rank 0, sends) and a trainer (rank 1, receives), set up from the
+// trainer's ncclUniqueId, which travels in Open. Every wait polls, so a peer
+// that vanishes or hangs costs a timeout and an abort, never a stuck GPU.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace draftfeed {
+
+class NcclPeer {
+ public:
+  static constexpr int kSenderRank = 0;    // the target
+  static constexpr int kReceiverRank = 1;  // the trainer
+  using Cancelled = std::function<bool()>;
+
+  // A fresh ncclUniqueId (128 bytes) for the receiver to send in Open.
+  static absl::StatusOr<std::string> NewUniqueId();
+
+  // Starts joining the communicator on `device` (the calling thread's device
+  // is set to it) and returns at once; Wait() finishes the join.
+  static absl::StatusOr<std::unique_ptr<NcclPeer>> Start(const std::string& unique_id, int rank,
+                                                         int device);
+  ~NcclPeer();  // aborts the communicator (never waits for the other rank)
+  NcclPeer(const NcclPeer&) = delete;
+  NcclPeer& operator=(const NcclPeer&) = delete;
+
+  // Waits until the communicator is up (the other rank joined), `cancelled`
+  // returns true, or `timeout_s` passes; on failure the communicator is aborted.
+  absl::Status Wait(double timeout_s, const Cancelled& cancelled = nullptr);
+
+  // Moves `bytes` bytes from / into device memory in order on `stream`
+  // (a cudaStream_t) and waits for completion like Wait.
+  absl::Status Send(const void* data, size_t bytes, void* stream, double timeout_s,
+                    const Cancelled& cancelled = nullptr);
+  absl::Status Recv(void* data, size_t bytes, void* stream, double timeout_s,
+                    const Cancelled& cancelled = nullptr);
+
+  // v1::PositionalChecksum of `bytes` device bytes, computed on `stream`.
+  absl::StatusOr<uint64_t> Checksum(const void* data, size_t bytes, void* stream);
+
+  // Unblocks every operation of this communicator (from any thread); it is
+  // unusable afterwards.
+  void Abort();
+  bool aborted() const;
+  int device() const { return device_; }
+
+ private:
+  struct Impl;
+  NcclPeer(std::unique_ptr<Impl> impl, int device);
+  absl::Status Transfer(bool send, void* data, size_t bytes, void* stream, double timeout_s,
+                        const Cancelled& cancelled);
+  std::unique_ptr<Impl> impl_;
+  int device_;
+};
+
+// "host id" used by transport=auto to tell that two processes share a host:
+// the kernel's boot id (same machine, same boot), else the hostname.
+std::string LocalHostId();
+// UUID of a CUDA device ("GPU-…"), empty when unknown.
+std::string CudaDeviceUuid(int device);
+
+}  // namespace draftfeed
