@@ -67,14 +67,7 @@ def full_drafter(num_layers, hidden_size, draft_vocab, n_layers, block=16):
     import torch.nn.functional as F
     from torch import nn
 
-    class RMSNorm(nn.Module):  # torch.nn.RMSNorm is newer than some CPU boxes' torch
-        def __init__(self, dim, eps=1e-6):
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(dim))
-            self.eps = eps
-
-        def forward(self, x):
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+    RMSNorm = load_example_drafter().RMSNorm  # torch.nn.RMSNorm is newer than CI's torch
 
     def attention(q, k, v):
         if hasattr(F, "scaled_dot_product_attention"):
@@ -227,15 +220,20 @@ def to_drafter(result, transport, device, device_side):
 
     nccl: the feed already put them there (`result.hidden` is a CUDA tensor): used as is.
     grpc: the host buffer (DLPack, no copy) goes over with a non-blocking copy.
-    auto: whichever each target's results hold; `device_side` caches that per target so only
-    a target's first result pays the probe.
+    auto: whichever each result holds: `result.device` (-1: host memory) says so; a client
+    without it is probed once per target (cached in `device_side`), since `.hidden` of a host
+    result is a float32 copy.
     """
     import torch
     on_device = transport == "nccl"
     if transport == "auto":
-        on_device = device_side.get(result.target)
-        if on_device is None:
-            on_device = device_side[result.target] = isinstance(result.hidden, torch.Tensor)
+        held = getattr(result, "device", None)
+        if held is not None:
+            on_device = held >= 0
+        else:
+            on_device = device_side.get(result.target)
+            if on_device is None:
+                on_device = device_side[result.target] = isinstance(result.hidden, torch.Tensor)
     if on_device:
         h = result.hidden
         if not isinstance(h, torch.Tensor) or h.device != device:

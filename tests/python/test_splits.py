@@ -24,10 +24,15 @@ def load(path, name):
     return mod
 
 
-def run_splits(tmp_path, *extra):
+def python_env():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(BUILD / "python")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def run_splits(tmp_path, *extra):
+    env = python_env()
     return subprocess.run(
         [sys.executable, str(SPLITS), "--binary", str(TARGET_BIN), "--out", str(tmp_path), *extra],
         env=env, capture_output=True, text=True, timeout=110)
@@ -180,6 +185,11 @@ def test_trainer_takes_device_tensors_as_they_come():
     assert side == {"a": False} and (r1.probes, r2.probes) == (1, 0)
     assert trainer.to_drafter(FakeResult("b", on_dev), "auto", dev, side) is on_dev
     assert side == {"a": False, "b": True}
+    # A client whose results say where they are (Result.device, -1 = host): no probe.
+    r = FakeResult("c", host)
+    r.device = -1
+    trainer.to_drafter(r, "auto", dev, side)
+    assert r.probes == 0 and "c" not in side
 
 
 def test_trainer_feed_without_transport_keyword():
@@ -214,7 +224,7 @@ def test_full_width_drafter_steps_on_cpu():
         [sys.executable, str(TRAINER), "--calibrate", "--drafter", "dflash-full", "--device",
          "cpu", "--hidden-size", "64", "--num-layers", "3", "--batch-tokens", "100",
          "--vocab", "500", "--draft-vocab", "256", "--drafter-layers", "2", "--calibrate-s", "0.2"],
-        capture_output=True, text=True, timeout=100)
+        env=python_env(), capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout.strip().splitlines()[-1])
     assert rep["drafter_tokens_per_s"] > 0 and rep["steps"] >= 3
