@@ -350,19 +350,23 @@ def calibrate(args, pool, workdir, transports):
     }
 
 
-def predict(cal, t, d, cpu_mode, transport="grpc"):
+def predict(cal, t, d, cpu_mode, transport="grpc", shared_gpu=False):
     """Predicted tokens/s of split T-D, the term that bounds it, and every term.
 
     target: T x one target's rate. drafter: D x one drafter's rate (with the batch's copy from
     host memory when the transport is gRPC). link: min(T, D) x one target->trainer link's rate:
     every target sends and every trainer receives through its own stream endpoint, so the
-    pairs the smaller side can drive at once bound the data plane."""
+    pairs the smaller side can drive at once bound the data plane. shared-gpu (--gpus 1): the
+    target's forward and the drafter's step take turns on one GPU, so their times per token
+    add up."""
     drafter = cal.get("drafter_tokens_per_s_by_transport", {}).get(
         transport, cal["drafter_tokens_per_s"])
     limits = {"target": t * cal["target_tokens_per_s"], "drafter": d * drafter}
     link = cal.get("link_by_transport", {}).get(transport, {}).get("link_tokens_per_s")
     if link:
         limits["link"] = min(t, d) * link
+    if shared_gpu:
+        limits["shared-gpu"] = 1.0 / (1.0 / limits["target"] + 1.0 / limits["drafter"])
     if cpu_mode:
         # Every emulated device is a process on this host: per token the host spends the
         # feed's CPU time (target forward + gRPC + client) plus the drafter's compute, so
@@ -674,7 +678,7 @@ def main(argv=None):
             (t, args.gpus - t) for t in range(1, args.gpus)]
         for tr in transports:
             for t, d in candidates:
-                rate, neck, limits = predict(cal, t, d, not cuda, tr)
+                rate, neck, limits = predict(cal, t, d, not cuda, tr, cuda and args.gpus == 1)
                 predictions.append({"split": f"{t}-{d}" + (f"/{tr}" if cuda else ""),
                                     "transport": tr, "tokens_per_s": rate, "bottleneck": neck,
                                     "limits": limits})
@@ -692,7 +696,7 @@ def main(argv=None):
             for tr in transports:
                 print(f"split {t}-{d}{'/' + tr if cuda else ''}: running ...", flush=True)
                 r = run_split(args, pool, t, d, tr, workdir)
-                rate, neck, limits = predict(cal, t, d, not cuda, tr)
+                rate, neck, limits = predict(cal, t, d, not cuda, tr, cuda and args.gpus == 1)
                 r.update(predicted_tokens_per_s=rate, predicted_bottleneck=neck,
                          predicted_limits=limits, measured_over_predicted=r["tokens_per_s"] / rate)
                 by_index.setdefault(i, []).append(r)

@@ -139,6 +139,9 @@ def test_advisor_link_term():
     # A link too fast to time is no term at all.
     rate, neck, limits = splits.predict(cal, 3, 1, False, "nccl")
     assert "link" not in limits and (rate, neck) == (20000.0, "drafter")
+    # One shared GPU: forward and drafter step take turns, 1 / (1/10,000 + 1/20,000).
+    rate, neck, _ = splits.predict(cal, 1, 1, False, "nccl", shared_gpu=True)
+    assert neck == "shared-gpu" and rate == pytest.approx(20000.0 / 3)
     assert splits.link_rate(49152, 2.0) == 24576.0
     assert splits.link_rate(512, 0.0) is None
     # Steady state: the first delivery opens the window and its tokens are not counted.
