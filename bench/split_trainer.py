@@ -32,6 +32,7 @@ the host-to-device copy of one batch timed separately (`h2d_ms`; 0 on the CPU).
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -159,7 +160,11 @@ class Drafter:
             self.flops_per_token = 6.0 * sum(p.numel() for p in self.model.parameters())
         elif kind == "dflash-full":
             self.vocab = min(vocab, draft_vocab)
-            self.model = full_drafter(num_layers, hidden_size, self.vocab, drafter_layers)
+            # Made on the device where torch can (2.x): 2B fp32 weights initialised on the
+            # host would take tens of seconds per trainer.
+            where = self.device if hasattr(self.device, "__enter__") else contextlib.nullcontext()
+            with where:
+                self.model = full_drafter(num_layers, hidden_size, self.vocab, drafter_layers)
             self.model.to(self.device)
             extra = {"fused": True} if self.device.type == "cuda" else {}
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.0,
