@@ -1,14 +1,24 @@
 #include "server/common/host_buffer_pool.h"
 
+#include <algorithm>
+#include <utility>
+
 namespace draftfeed {
 
-HostBufferPool::HostBufferPool(int64_t max_idle_bytes) : state_(std::make_shared<State>()) {
+HostAllocator HostAllocator::Heap() {
+  return HostAllocator{.allocate = [](size_t bytes) -> void* { return ::operator new(bytes); },
+                       .release = [](void* p) { ::operator delete(p); }};
+}
+
+HostBufferPool::HostBufferPool(int64_t max_idle_bytes, HostAllocator allocator)
+    : state_(std::make_shared<State>()) {
   state_->max_idle_bytes = max_idle_bytes;
+  state_->allocator = std::move(allocator);
 }
 
 HostBufferPool::~HostBufferPool() {
   std::lock_guard<std::mutex> lock(state_->mu);
-  for (auto& [cap, p] : state_->idle) delete[] p;
+  for (auto& [cap, p] : state_->idle) state_->allocator.release(p);
   state_->idle.clear();
   state_->idle_bytes = 0;
   state_->closed = true;  // buffers still out are freed when they come back
@@ -32,7 +42,8 @@ std::shared_ptr<uint16_t> HostBufferPool::Acquire(size_t elements) {
   }
   if (p == nullptr) {
     cap = elements;
-    p = new uint16_t[cap == 0 ? 1 : cap];
+    p = static_cast<uint16_t*>(state->allocator.allocate(std::max<size_t>(cap, 1) * 2));
+    if (p == nullptr) return nullptr;
     std::lock_guard<std::mutex> lock(state->mu);
     ++state->allocations;
   }
@@ -41,14 +52,18 @@ std::shared_ptr<uint16_t> HostBufferPool::Acquire(size_t elements) {
     state->live_bytes += static_cast<int64_t>(cap * 2);
   }
   return std::shared_ptr<uint16_t>(p, [state, cap](uint16_t* q) {
-    std::lock_guard<std::mutex> lock(state->mu);
-    state->live_bytes -= static_cast<int64_t>(cap * 2);
-    if (!state->closed && state->idle_bytes + static_cast<int64_t>(cap * 2) <= state->max_idle_bytes) {
-      state->idle.emplace(cap, q);
-      state->idle_bytes += static_cast<int64_t>(cap * 2);
-    } else {
-      delete[] q;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->live_bytes -= static_cast<int64_t>(cap * 2);
+      if (!state->closed &&
+          state->idle_bytes + static_cast<int64_t>(cap * 2) <= state->max_idle_bytes) {
+        state->idle.emplace(cap, q);
+        state->idle_bytes += static_cast<int64_t>(cap * 2);
+        return;
+      }
     }
+    // Outside the lock: freeing pinned memory is slow (and synchronises the GPU).
+    state->allocator.release(q);
   });
 }
 

@@ -6,22 +6,33 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 
 namespace draftfeed {
 
+// Where the pool's memory comes from. The default is plain heap memory; a
+// GPU target plugs in page-locked memory (cudaHostAlloc) so device-to-host
+// copies run at full bandwidth and asynchronously. `allocate` returns null
+// (or throws) on failure; `release` takes back what `allocate` returned.
+struct HostAllocator {
+  std::function<void*(size_t bytes)> allocate;
+  std::function<void(void*)> release;
+  static HostAllocator Heap();
+};
+
 class HostBufferPool {
  public:
-  explicit HostBufferPool(int64_t max_idle_bytes);
+  explicit HostBufferPool(int64_t max_idle_bytes, HostAllocator allocator = HostAllocator::Heap());
   ~HostBufferPool();
   HostBufferPool(const HostBufferPool&) = delete;
   HostBufferPool& operator=(const HostBufferPool&) = delete;
 
-  // At least `elements` uint16 values, uninitialised. Returns to the pool (or
-  // is freed, past the idle cap) when the last copy of the pointer drops;
-  // buffers may outlive the pool.
+  // At least `elements` uint16 values, uninitialised; null when the allocator
+  // returns null. Returns to the pool (or is freed, past the idle cap) when the last
+  // copy of the pointer drops; buffers may outlive the pool.
   std::shared_ptr<uint16_t> Acquire(size_t elements);
 
   int64_t live_bytes() const;  // handed out, not yet returned
@@ -37,6 +48,7 @@ class HostBufferPool {
     int64_t allocations = 0;
     int64_t max_idle_bytes = 0;
     bool closed = false;
+    HostAllocator allocator;
   };
   std::shared_ptr<State> state_;
 };
