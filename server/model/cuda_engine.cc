@@ -6,8 +6,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <map>
+#include <mutex>
+#include <thread>
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
@@ -120,7 +124,26 @@ struct CudaEngine::Impl {
   bf16* normed = nullptr;
   bf16* mix = nullptr;
   bf16* act = nullptr;
+  // Double-buffered capture: ForwardAsync copies one buffer to the host on
+  // copy_stream while the next forward writes the other. `capture` is the
+  // buffer of the current (or last) forward.
+  bf16* captures[2] = {nullptr, nullptr};
   bf16* capture = nullptr;
+  int current = 1;
+  cudaStream_t copy_stream = nullptr;
+  cudaEvent_t copied[2] = {nullptr, nullptr};
+  // The copy thread retires copies in order: it waits for each one's event,
+  // runs its callback, then frees its buffer for the next forward.
+  struct PendingCopy {
+    int buffer;
+    CopiedCallback on_copied;
+  };
+  std::mutex copy_mu;
+  std::condition_variable copy_cv;
+  std::deque<PendingCopy> pending;  // at most 2: one per buffer
+  bool busy[2] = {false, false};    // a copy out of this buffer is not retired yet
+  bool stop_copier = false;
+  std::thread copier;
   void* gdn_ws = nullptr;
   size_t workspace_total = 0;
   int64_t capture_tokens = 0, capture_slots = 0;
@@ -155,6 +178,9 @@ struct CudaEngine::Impl {
   }
 
   absl::Status Init(const Model* m, const CudaEngineOptions& opt);
+  int TakeBuffer();
+  void CopyLoop();
+  void StopCopier();
   absl::Status UploadWeights();
   absl::Status Run(const ForwardInput& in);
   absl::Status Mixer(const Layer& w, int64_t T, int32_t nseq, int32_t max_len);
@@ -223,7 +249,8 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   add(T * std::max(Nv * dv, Hq * hd) * 2);  // normed
   add(T * D * 2);                           // mix
   add(T * F * 2);                           // act
-  add(T * options.max_layers * D * 2);      // capture
+  add(T * options.max_layers * D * 2);      // capture, twice
+  add(T * options.max_layers * D * 2);
   add(gdn_bytes);
   add(gemm_ws);
   if (absl::Status s = work.Reserve(total); !s.ok()) {
@@ -244,14 +271,66 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   normed = work.Take<bf16>(T * std::max(Nv * dv, Hq * hd));
   mix = work.Take<bf16>(T * D);
   act = work.Take<bf16>(T * F);
-  capture = work.Take<bf16>(T * options.max_layers * D);
+  captures[0] = work.Take<bf16>(T * options.max_layers * D);
+  captures[1] = work.Take<bf16>(T * options.max_layers * D);
+  capture = captures[current];
   gdn_ws = work.Take<char>(static_cast<int64_t>(gdn_bytes));
   void* gemm_workspace = work.Take<char>(gemm_ws);
   if (gemm_workspace == nullptr) return absl::InternalError("workspace carve overflow");
   DF_CUDA(cudaMallocHost(&h_ids, T * 4));
   DF_CUDA(cudaMallocHost(&h_cu, (options.max_seqs + 1) * 4));
+  DF_CUDA(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
+  for (cudaEvent_t& e : copied) {
+    // Blocking sync: the copy thread sleeps instead of spinning a core that
+    // gRPC and the checksums need.
+    DF_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync));
+  }
   if (absl::Status s = gemm.Init(gemm_workspace, gemm_ws); !s.ok()) return s;
   return UploadWeights();
+}
+
+// The buffer the next forward writes: the other one than last time, once the
+// copy out of it (if any) is retired. A forward of batch N+1 therefore runs
+// while batch N's capture is copied, and never overwrites it.
+int CudaEngine::Impl::TakeBuffer() {
+  const int b = 1 - current;
+  std::unique_lock<std::mutex> lock(copy_mu);
+  copy_cv.wait(lock, [&] { return !busy[b]; });
+  current = b;
+  capture = captures[b];
+  return b;
+}
+
+void CudaEngine::Impl::CopyLoop() {
+  cudaSetDevice(options.device);
+  for (;;) {
+    PendingCopy job;
+    {
+      std::unique_lock<std::mutex> lock(copy_mu);
+      copy_cv.wait(lock, [&] { return stop_copier || !pending.empty(); });
+      if (pending.empty()) return;  // stopping and drained
+      job = std::move(pending.front());
+      pending.pop_front();
+    }
+    const cudaError_t e = cudaEventSynchronize(copied[job.buffer]);
+    job.on_copied(e == cudaSuccess ? absl::OkStatus()
+                                   : CudaError(e, "device-to-host copy of the capture"));
+    {
+      std::lock_guard<std::mutex> lock(copy_mu);
+      busy[job.buffer] = false;
+    }
+    copy_cv.notify_all();
+  }
+}
+
+void CudaEngine::Impl::StopCopier() {
+  if (!copier.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(copy_mu);
+    stop_copier = true;
+  }
+  copy_cv.notify_all();
+  copier.join();
 }
 
 absl::Status CudaEngine::Impl::UploadWeights() {
@@ -621,6 +700,11 @@ CudaEngine::CudaEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 CudaEngine::~CudaEngine() {
   if (impl_) {
+    impl_->StopCopier();  // every pending copy's callback runs first
+    for (cudaEvent_t e : impl_->copied) {
+      if (e) cudaEventDestroy(e);
+    }
+    if (impl_->copy_stream) cudaStreamDestroy(impl_->copy_stream);
     if (impl_->h_ids) cudaFreeHost(impl_->h_ids);
     if (impl_->h_cu) cudaFreeHost(impl_->h_cu);
     if (impl_->stream) cudaStreamDestroy(impl_->stream);
@@ -633,6 +717,7 @@ absl::StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Create(const Model* mode
   if (options.max_tokens < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
   auto impl = std::make_unique<Impl>();
   if (absl::Status s = impl->Init(model, options); !s.ok()) return s;
+  impl->copier = std::thread([p = impl.get()] { p->CopyLoop(); });
   return std::unique_ptr<CudaEngine>(new CudaEngine(std::move(impl)));
 }
 
@@ -640,22 +725,57 @@ const Model& CudaEngine::model() const { return *impl_->model; }
 
 std::string CudaEngine::device_name() const { return absl::StrCat("cuda:", impl_->options.device); }
 
-absl::Status CudaEngine::ForwardOnDevice(const ForwardInput& in) { return impl_->Run(in); }
+absl::Status CudaEngine::ForwardOnDevice(const ForwardInput& in) {
+  impl_->TakeBuffer();
+  return impl_->Run(in);
+}
 
-absl::Status CudaEngine::Forward(const ForwardInput& in, std::span<uint16_t> out) {
+namespace {
+absl::Status CheckOutput(const ForwardInput& in, std::span<uint16_t> out, int64_t hidden) {
   const int64_t need = static_cast<int64_t>(in.token_ids.size()) *
-                       static_cast<int64_t>(in.layers.size()) * impl_->D;
+                       static_cast<int64_t>(in.layers.size()) * hidden;
   if (static_cast<int64_t>(out.size()) < need) {
     return absl::InvalidArgumentError(
         absl::StrCat("output span holds ", out.size(), " values; ", need, " needed"));
   }
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status CudaEngine::Forward(const ForwardInput& in, std::span<uint16_t> out) {
+  if (absl::Status s = CheckOutput(in, out, impl_->D); !s.ok()) return s;
+  impl_->TakeBuffer();
   if (absl::Status s = impl_->Run(in); !s.ok()) return s;
-  DF_CUDA(cudaMemcpy(out.data(), impl_->capture, static_cast<size_t>(need) * 2,
+  DF_CUDA(cudaMemcpy(out.data(), impl_->capture,
+                     in.token_ids.size() * in.layers.size() * static_cast<size_t>(impl_->D) * 2,
                      cudaMemcpyDeviceToHost));
   return absl::OkStatus();
 }
 
+absl::Status CudaEngine::ForwardAsync(const ForwardInput& in, std::span<uint16_t> out,
+                                      CopiedCallback on_copied) {
+  if (absl::Status s = CheckOutput(in, out, impl_->D); !s.ok()) return s;
+  Impl& m = *impl_;
+  const int b = m.TakeBuffer();
+  // Run ends with the compute stream synchronised, so the copy stream needs
+  // no event to order itself after the forward.
+  if (absl::Status s = m.Run(in); !s.ok()) return s;
+  const size_t bytes = in.token_ids.size() * in.layers.size() * static_cast<size_t>(m.D) * 2;
+  DF_CUDA(cudaMemcpyAsync(out.data(), m.captures[b], bytes, cudaMemcpyDeviceToHost, m.copy_stream));
+  DF_CUDA(cudaEventRecord(m.copied[b], m.copy_stream));
+  {
+    std::lock_guard<std::mutex> lock(m.copy_mu);
+    m.busy[b] = true;
+    m.pending.push_back(Impl::PendingCopy{b, std::move(on_copied)});
+  }
+  m.copy_cv.notify_all();
+  return absl::OkStatus();
+}
+
 absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSink& sink) {
+  // TakeBuffer waits out any copy still reading the buffer, and the sink
+  // finishes before the next TakeBuffer can hand the buffer out again.
+  impl_->TakeBuffer();
   if (absl::Status s = impl_->Run(in); !s.ok()) return s;
   DeviceView view;
   view.data = impl_->capture;
@@ -667,6 +787,7 @@ absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSin
 }
 
 const void* CudaEngine::DeviceCapture() const { return impl_->capture; }
+int64_t CudaEngine::max_capture_layers() const { return impl_->options.max_layers; }
 
 int64_t CudaEngine::weight_bytes() const { return static_cast<int64_t>(impl_->weights.used()); }
 int64_t CudaEngine::workspace_bytes() const { return static_cast<int64_t>(impl_->workspace_total); }
@@ -676,6 +797,16 @@ void CudaEngine::set_profile(bool on) { impl_->options.profile = on; }
 int CudaDeviceCount() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+HostAllocator PinnedHostAllocator() {
+  return HostAllocator{.allocate = [](size_t bytes) -> void* {
+                         void* p = nullptr;
+                         return cudaHostAlloc(&p, bytes, cudaHostAllocPortable) == cudaSuccess
+                                    ? p
+                                    : nullptr;
+                       },
+                       .release = [](void* p) { cudaFreeHost(p); }};
 }
 
 }  // namespace draftfeed

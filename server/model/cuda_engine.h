@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/common/host_buffer_pool.h"
 #include "server/model/engine.h"
 
 namespace draftfeed {
@@ -17,7 +18,10 @@ struct CudaEngineOptions {
   int device = 0;
   int64_t max_tokens = 16384;  // token budget: sizes the workspace
   int64_t max_seqs = 4096;     // sequences per batch
-  int64_t max_layers = 0;      // capture slots; 0 = num_layers + 1
+  // Capture slots (layers one batch may capture); 0 = num_layers + 1. Two
+  // capture buffers of max_tokens x max_layers x hidden bf16 are reserved
+  // (one is copied to the host while the next forward fills the other).
+  int64_t max_layers = 0;
   bool profile = false;        // time every op family (adds syncs; benchmarks only)
 };
 
@@ -37,10 +41,18 @@ class CudaEngine final : public Engine {
   std::string device_name() const override;
   // Runs the forward and copies the [T, K, H] capture to host memory.
   absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) override;
+  // Runs the forward, then copies the capture on a copy stream while the next
+  // forward fills the other capture buffer. `out` should be pinned
+  // (PinnedHostAllocator); pageable memory works but the copy then blocks.
+  // `on_copied` runs on the engine's copy thread.
+  absl::Status ForwardAsync(const ForwardInput& in, std::span<uint16_t> out,
+                            CopiedCallback on_copied) override;
   // Runs the forward only; the capture stays in device memory (DeviceCapture).
   absl::Status ForwardOnDevice(const ForwardInput& in);
   absl::Status ForwardToDevice(const ForwardInput& in, const DeviceSink& sink) override;
   bool has_device_capture() const override { return true; }
+  int64_t max_capture_layers() const override;
+  // The capture buffer of the last forward.
   const void* DeviceCapture() const;
 
   int64_t weight_bytes() const;
@@ -57,5 +69,10 @@ class CudaEngine final : public Engine {
 
 // Number of CUDA devices (0 when there is no driver or GPU).
 int CudaDeviceCount();
+
+// Page-locked host memory (cudaHostAlloc, portable to every device) for the
+// target's capture buffers: device-to-host copies into it run at full
+// bandwidth and overlap the next forward.
+HostAllocator PinnedHostAllocator();
 
 }  // namespace draftfeed

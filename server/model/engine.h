@@ -32,6 +32,25 @@ class Engine {
   // INVALID_ARGUMENT naming the bad field; `out` is then untouched.
   virtual absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) = 0;
 
+  // Forward whose copy to `out` may still be running when it returns, so the
+  // caller can start the next batch while this one's capture travels to the
+  // host. Returns once the forward itself is done. On OK, `on_copied` runs
+  // exactly once, possibly before the return and possibly on another thread,
+  // when `out` holds the capture (OK) or the copy failed; `out` must stay
+  // valid until then, and `on_copied` must be quick (the engine's next copy
+  // waits for it). On an error return `on_copied` is never called. Copies
+  // complete in call order. The default is Forward, then `on_copied`.
+  using CopiedCallback = std::function<void(absl::Status)>;
+  virtual absl::Status ForwardAsync(const ForwardInput& in, std::span<uint16_t> out,
+                                    CopiedCallback on_copied) {
+    if (absl::Status s = Forward(in, out); !s.ok()) return s;
+    on_copied(absl::OkStatus());
+    return absl::OkStatus();
+  }
+
+  // Most layers one batch may capture (its capture slots); 0 = no limit.
+  virtual int64_t max_capture_layers() const { return 0; }
+
   // The capture while it is still in device memory, for transports that move
   // it GPU to GPU (NCCL). Valid only during the sink call; `stream` is the
   // cudaStream_t the forward ran on (the sink orders its work after it and

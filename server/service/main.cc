@@ -42,6 +42,10 @@ ABSL_FLAG(std::string, devices, "",
           "endpoint (overrides --device).");
 ABSL_FLAG(int32_t, threads, 0, "CPU engine threads (0 = all cores).");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384, "Token budget of one batch; larger batches fail.");
+ABSL_FLAG(int32_t, max_capture_layers, 8,
+          "GPU engines: most layer ids one stream or batch may capture (DFlash uses 5, EAGLE-3 "
+          "4); two capture buffers of max_batch_tokens x this x hidden bf16 are reserved. More "
+          "fails with INVALID_ARGUMENT. The CPU engine has no limit.");
 ABSL_FLAG(int32_t, default_credits, 4, "In-flight batches per stream when the client asks for 0.");
 ABSL_FLAG(int32_t, max_credits, 32, "Upper bound on a stream's in-flight batches.");
 ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "Payload bytes per HiddenChunk (rounded to whole tokens).");
@@ -95,6 +99,7 @@ int Run() {
 #endif
   if (absl::GetFlag(FLAGS_max_batch_tokens) < 1) return Fail("--max_batch_tokens must be >= 1");
   if (absl::GetFlag(FLAGS_chunk_bytes) < 1) return Fail("--chunk_bytes must be >= 1");
+  if (absl::GetFlag(FLAGS_max_capture_layers) < 1) return Fail("--max_capture_layers must be >= 1");
   if (absl::GetFlag(FLAGS_default_credits) < 1 || absl::GetFlag(FLAGS_max_credits) < 1) {
     return Fail("--default_credits and --max_credits must be >= 1");
   }
@@ -122,6 +127,7 @@ int Run() {
     copt.device = g;
     copt.max_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
     copt.max_seqs = std::min<int64_t>(copt.max_tokens, 4096);
+    copt.max_layers = absl::GetFlag(FLAGS_max_capture_layers);
     auto engine = CudaEngine::Create(model->get(), copt);
     if (!engine.ok()) {
       return Fail(absl::StrCat("cuda:", g, ": ", std::string(engine.status().message())));
@@ -141,6 +147,11 @@ int Run() {
   options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   options.max_queued_batches = absl::GetFlag(FLAGS_max_queued_batches);
   options.throttle_tokens_per_s = absl::GetFlag(FLAGS_throttle_tokens_per_s);
+#if DRAFTFEED_HAVE_CUDA
+  // Pinned capture buffers: the engines copy into them at full bandwidth
+  // while their next forward runs.
+  if (!gpus.empty()) options.host_allocator = PinnedHostAllocator();
+#endif
   if (options.throttle_tokens_per_s < 0) return Fail("--throttle_tokens_per_s must be >= 0");
   TargetService service(engine_ptrs, options);
 

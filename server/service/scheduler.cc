@@ -12,11 +12,21 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
 }
 }  // namespace
 
-Scheduler::Scheduler(std::vector<Engine*> engines, int64_t max_queued,
-                     double throttle_tokens_per_s, int64_t pool_idle_bytes)
-    : pool_(pool_idle_bytes), max_queued_(max_queued), throttle_tokens_per_s_(throttle_tokens_per_s) {
-  workers_.reserve(engines.size());
-  for (Engine* engine : engines) workers_.emplace_back([this, engine] { WorkerLoop(engine); });
+Scheduler::Scheduler(std::vector<Engine*> engines, int64_t max_queued, double throttle_tokens_per_s,
+                     int64_t pool_idle_bytes, HostAllocator host_allocator)
+    : pool_(pool_idle_bytes, std::move(host_allocator)),
+      max_queued_(max_queued),
+      throttle_tokens_per_s_(throttle_tokens_per_s) {
+  lanes_.reserve(engines.size());
+  for (Engine* engine : engines) {
+    lanes_.push_back(std::make_unique<Lane>());
+    lanes_.back()->engine = engine;
+  }
+  for (auto& lane : lanes_) {
+    Lane* l = lane.get();
+    l->completer = std::thread([this, l] { CompletionLoop(*l); });
+    l->worker = std::thread([this, l] { WorkerLoop(*l); });
+  }
 }
 
 Scheduler::~Scheduler() { Stop(); }
@@ -39,63 +49,126 @@ absl::Status Scheduler::Submit(WorkItem item) {
 void Scheduler::Stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_ && workers_.empty()) return;
+    if (joined_) return;
+    joined_ = true;
     stopping_ = true;
   }
   cv_.notify_all();
-  for (std::thread& t : workers_) t.join();
-  workers_.clear();
+  // Workers drain the queue; each completion thread then delivers what its
+  // worker left and exits.
+  for (auto& lane : lanes_) lane->worker.join();
+  for (auto& lane : lanes_) lane->completer.join();
 }
 
-void Scheduler::WorkerLoop(Engine* engine) {
+void Scheduler::FinishHalves(Lane& lane, Completion& c, absl::Status status, int halves) {
+  {
+    std::lock_guard<std::mutex> lock(lane.mu);
+    if (c.status.ok()) c.status = std::move(status);
+    c.halves_left -= halves;
+  }
+  lane.cv.notify_all();
+}
+
+void Scheduler::WorkerLoop(Lane& lane) {
   for (;;) {
     Entry entry;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping and drained
+      if (queue_.empty()) break;  // stopping and drained
       entry = std::move(queue_.front());
       queue_.pop_front();
       ++running_;
     }
-    WorkItem& item = entry.item;
-    if (item.cancelled && item.cancelled()) {
-      item.done(absl::CancelledError("stream closed before the batch ran"));
+    auto c = std::make_shared<Completion>();
+    c->done = std::move(entry.item.done);
+    c->tokens = static_cast<int64_t>(entry.item.token_ids.size());
+    {
+      // A slot in the lane's FIFO before the forward: results leave in the
+      // order the forwards ran, whichever copy finishes first.
+      std::unique_lock<std::mutex> lock(lane.mu);
+      lane.cv.wait(lock, [&] { return lane.fifo.size() < kMaxUndelivered; });
+      lane.fifo.push_back(c);
+    }
+    if (entry.item.cancelled && entry.item.cancelled()) {
+      FinishHalves(lane, *c, absl::CancelledError("stream closed before the batch ran"), 2);
+      continue;
+    }
+    const int halves = RunItem(lane, entry, c);
+    FinishHalves(lane, *c, absl::OkStatus(), halves);
+  }
+  {
+    std::lock_guard<std::mutex> lock(lane.mu);
+    lane.worker_exited = true;
+  }
+  lane.cv.notify_all();
+}
+
+int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completion>& c) {
+  const WorkItem& item = entry.item;
+  Engine* engine = lane.engine;
+  ForwardResult& result = c->result;
+  result.queue_ms = MsSince(entry.enqueued);
+  result.tokens = c->tokens;
+  result.hidden_size = static_cast<size_t>(c->tokens * static_cast<int64_t>(item.layers.size()) *
+                                           engine->model().config.hidden_size);
+  const ForwardInput input{item.token_ids, item.seq_lens, item.layers};
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status status;
+  bool copy_pending = false;
+  if (item.device_sink) {
+    status = engine->ForwardToDevice(input, item.device_sink);
+  } else {
+    result.hidden = pool_.Acquire(result.hidden_size);
+    if (result.hidden == nullptr) {
+      status = absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", (result.hidden_size * 2) >> 20,
+                       " MiB of host memory for the batch's capture"));
     } else {
-      ForwardResult result;
-      result.queue_ms = MsSince(entry.enqueued);
-      const int64_t tokens = static_cast<int64_t>(item.token_ids.size());
-      const int64_t width = engine->model().config.hidden_size;
-      result.hidden_size =
-          static_cast<size_t>(tokens * static_cast<int64_t>(item.layers.size()) * width);
-      result.tokens = tokens;
-      const ForwardInput input{item.token_ids, item.seq_lens, item.layers};
-      const auto t0 = std::chrono::steady_clock::now();
-      absl::Status status;
-      if (item.device_sink) {
-        status = engine->ForwardToDevice(input, item.device_sink);
-      } else {
-        result.hidden = pool_.Acquire(result.hidden_size);
-        status = engine->Forward(input,
-                                 std::span<uint16_t>(result.hidden.get(), result.hidden_size));
-      }
-      if (throttle_tokens_per_s_ > 0) {
-        std::this_thread::sleep_until(
-            t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                     std::chrono::duration<double>(static_cast<double>(tokens) /
-                                                   throttle_tokens_per_s_)));
-      }
-      result.forward_ms = MsSince(t0);
-      if (status.ok()) {
-        item.done(std::move(result));
-      } else {
-        item.done(std::move(status));
-      }
+      // The copy's half arrives from the engine (its copy thread, or inline);
+      // it touches only `status`, which the lane's mutex guards.
+      Completion* raw = c.get();
+      status = engine->ForwardAsync(
+          input, std::span<uint16_t>(result.hidden.get(), result.hidden_size),
+          [&lane, raw](absl::Status copied) { FinishHalves(lane, *raw, std::move(copied), 1); });
+      copy_pending = status.ok();
+    }
+  }
+  if (throttle_tokens_per_s_ > 0) {
+    std::this_thread::sleep_until(
+        t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                 std::chrono::duration<double>(static_cast<double>(c->tokens) /
+                                               throttle_tokens_per_s_)));
+  }
+  result.forward_ms = MsSince(t0);
+  if (!status.ok()) FinishHalves(lane, *c, std::move(status), 0);
+  return copy_pending ? 1 : 2;
+}
+
+void Scheduler::CompletionLoop(Lane& lane) {
+  for (;;) {
+    std::shared_ptr<Completion> c;
+    {
+      std::unique_lock<std::mutex> lock(lane.mu);
+      lane.cv.wait(lock, [&] {
+        return (!lane.fifo.empty() && lane.fifo.front()->halves_left == 0) ||
+               (lane.worker_exited && lane.fifo.empty());
+      });
+      if (lane.fifo.empty()) return;
+      c = std::move(lane.fifo.front());
+      lane.fifo.pop_front();
+    }
+    lane.cv.notify_all();  // the worker may be waiting for room
+    if (c->status.ok()) {
+      c->done(std::move(c->result));
+    } else {
+      c->result.hidden.reset();  // back to the pool before the error is handled
+      c->done(std::move(c->status));
     }
     std::lock_guard<std::mutex> lock(mu_);
     --running_;
     ++completed_batches_;
-    completed_tokens_ += static_cast<int64_t>(item.token_ids.size());
+    completed_tokens_ += c->tokens;
   }
 }
 

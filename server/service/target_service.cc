@@ -168,7 +168,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Pump();
   }
 
-  // Called on a scheduler worker thread.
+  // Called on the scheduler's completion thread (the engine has moved on to
+  // the next batch), so the checksum's pass over the payload costs no GPU time.
   static void DeliverResult(const std::shared_ptr<ReactorLink>& link, uint64_t batch_id,
                             absl::StatusOr<ForwardResult> result) {
     uint64_t checksum = 0;
@@ -252,6 +253,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       FailStream(std::move(s));
       return;
     }
+    if (absl::Status s = service_->CheckCaptureLayers(layers.size()); !s.ok()) {
+      FailStream(std::move(s));
+      return;
+    }
     const ServiceOptions& opt = service_->options();
     credits_ = open.max_inflight_batches() <= 0
                    ? opt.default_credits
@@ -306,6 +311,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         ValidateForwardInput(service_->model().config,
                              ForwardInput{item.token_ids, item.seq_lens, item.layers},
                              service_->options().max_batch_tokens);
+    if (valid.ok()) valid = service_->CheckCaptureLayers(item.layers.size());
     if (!valid.ok()) {
       PushError(batch_id,
                 absl::Status(valid.code(), absl::StrCat("batch ", batch_id, ": ", valid.message())),
@@ -435,7 +441,7 @@ TargetService::TargetService(std::vector<Engine*> engines, ServiceOptions option
     : engines_(std::move(engines)),
       options_(options),
       scheduler_(engines_, options.max_queued_batches, options.throttle_tokens_per_s,
-                 options.host_pool_bytes) {}
+                 options.host_pool_bytes, options.host_allocator) {}
 
 TargetService::~TargetService() { scheduler_.Stop(); }
 
@@ -458,7 +464,26 @@ v1::TargetInfo TargetService::Info() const {
     info.add_layer_types(k == LayerKind::kFullAttention ? "full_attention" : "linear_attention");
   }
   info.set_max_credits(options_.max_credits);
+  info.set_max_capture_layers(static_cast<int32_t>(max_capture_layers()));
   return info;
+}
+
+int64_t TargetService::max_capture_layers() const {
+  int64_t most = 0;
+  for (Engine* e : engines_) {
+    const int64_t m = e->max_capture_layers();
+    if (m > 0) most = most == 0 ? m : std::min(most, m);
+  }
+  return most;
+}
+
+absl::Status TargetService::CheckCaptureLayers(size_t asked) const {
+  const int64_t most = max_capture_layers();
+  if (most == 0 || static_cast<int64_t>(asked) <= most) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      asked, " capture layers asked; this target captures at most ", most,
+      " per batch (TargetInfo.max_capture_layers; start it with a larger "
+      "--max_capture_layers)"));
 }
 
 grpc::ServerUnaryReactor* TargetService::GetTargetInfo(grpc::CallbackServerContext* ctx,

@@ -24,6 +24,8 @@ struct ServiceOptions {
   int64_t max_queued_batches = 256;  // scheduler backstop
   double throttle_tokens_per_s = 0;  // > 0: cap the engine's rate (benchmarks)
   int64_t host_pool_bytes = int64_t{2} << 30;  // idle capture buffers kept for reuse
+  // Capture buffers' memory: pinned (PinnedHostAllocator) for GPU engines.
+  HostAllocator host_allocator = HostAllocator::Heap();
 };
 
 class StreamReactor;
@@ -55,6 +57,10 @@ class TargetService final
   const ServiceOptions& options() const { return options_; }
   const Model& model() const { return engines_.front()->model(); }
   v1::TargetInfo Info() const;
+  // Most layers one batch may capture on every engine (0 = no limit), and
+  // the error for a stream or batch that asks for more.
+  int64_t max_capture_layers() const;
+  absl::Status CheckCaptureLayers(size_t asked) const;
   Scheduler& scheduler() { return scheduler_; }
   bool draining() const { return draining_.load(); }
 

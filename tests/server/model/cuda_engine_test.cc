@@ -2,7 +2,11 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <mutex>
 #include <random>
 
 #include "server/model/cpu_engine.h"
@@ -141,6 +145,152 @@ TEST(CudaEngineErrors, RefusesBadInputWithoutCrashing) {
   absl::Status s = (*gpu)->Forward({ids, lens, layers}, out);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("token budget"), absl::string_view::npos) << s;
+}
+
+// Batches of different sizes for the double-buffering tests.
+struct Batch {
+  std::vector<int32_t> ids, lens;
+};
+
+std::vector<Batch> MixedBatches(int64_t vocab) {
+  const std::vector<std::vector<int32_t>> shapes = {{300, 17}, {1024}, {1}, {64, 64, 65}, {777}};
+  std::vector<Batch> out;
+  std::mt19937_64 rng(11);
+  for (const auto& lens : shapes) {
+    Batch b;
+    b.lens = lens;
+    for (int32_t l : lens) {
+      for (int32_t i = 0; i < l; ++i) b.ids.push_back(static_cast<int32_t>(rng() % vocab));
+    }
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+// Collects ForwardAsync callbacks (they run on the engine's copy thread).
+class CopyLog {
+ public:
+  Engine::CopiedCallback For(int batch) {
+    return [this, batch](absl::Status s) {
+      std::lock_guard<std::mutex> lock(mu_);
+      order_.push_back(batch);
+      statuses_.push_back(std::move(s));
+      cv_.notify_all();
+    };
+  }
+  bool WaitFor(size_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(60), [&] { return order_.size() >= n; });
+  }
+  std::vector<int> order() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return order_;
+  }
+  bool all_ok() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const absl::Status& s : statuses_) {
+      if (!s.ok()) return false;
+    }
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int> order_;
+  std::vector<absl::Status> statuses_;
+};
+
+// A small model on a 3-slot engine, and what Forward gives for each batch.
+class CudaEngineAsync : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HasGpu()) GTEST_SKIP() << "no CUDA device";
+    auto model = OpenModel("small-random");
+    ASSERT_TRUE(model.ok());
+    model_ = *std::move(model);
+    CudaEngineOptions opt;
+    opt.max_tokens = 1024;
+    opt.max_layers = 3;
+    auto gpu = CudaEngine::Create(model_.get(), opt);
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    gpu_ = *std::move(gpu);
+    batches_ = MixedBatches(model_->config.vocab_size);
+  }
+  std::vector<uint16_t> Forward(const Batch& b, const std::vector<int32_t>& layers) {
+    std::vector<uint16_t> out(b.ids.size() * layers.size() * model_->config.hidden_size);
+    absl::Status s = gpu_->Forward({b.ids, b.lens, layers}, out);
+    EXPECT_TRUE(s.ok()) << s;
+    return out;
+  }
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<CudaEngine> gpu_;
+  std::vector<Batch> batches_;
+};
+
+// Back-to-back ForwardAsync calls (the next forward runs while the previous
+// capture is copied) give exactly what Forward gives, in call order.
+TEST_F(CudaEngineAsync, DoubleBufferedCopiesMatchForward) {
+  EXPECT_EQ(gpu_->max_capture_layers(), 3);
+  const std::vector<int32_t> layers = {1, 3, kFinalLayerId};
+  const std::vector<Batch>& batches = batches_;
+  std::vector<std::vector<uint16_t>> want;
+  for (const Batch& b : batches) want.push_back(Forward(b, layers));
+  HostBufferPool pinned(0, PinnedHostAllocator());
+  std::vector<std::shared_ptr<uint16_t>> out;
+  CopyLog log;
+  for (size_t i = 0; i < batches.size(); ++i) {
+    out.push_back(pinned.Acquire(want[i].size()));
+    ASSERT_NE(out.back(), nullptr);
+    std::fill_n(out.back().get(), want[i].size(), uint16_t{0xffff});  // NaN: never a capture
+    absl::Status s = gpu_->ForwardAsync({batches[i].ids, batches[i].lens, layers},
+                                        {out.back().get(), want[i].size()}, log.For(i));
+    ASSERT_TRUE(s.ok()) << s;
+  }
+  ASSERT_TRUE(log.WaitFor(batches.size()));
+  EXPECT_TRUE(log.all_ok());
+  EXPECT_EQ(log.order(), (std::vector<int>{0, 1, 2, 3, 4}));
+  for (size_t i = 0; i < batches.size(); ++i) {
+    EXPECT_TRUE(std::equal(want[i].begin(), want[i].end(), out[i].get())) << "batch " << i;
+  }
+  // Bad input fails at once, and the callback is never called.
+  std::vector<int32_t> too_many = {0, 1, 2, 3};
+  absl::Status s = gpu_->ForwardAsync({batches[0].ids, batches[0].lens, too_many},
+                                      {out[0].get(), want[0].size()}, log.For(99));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(log.order().size(), batches.size());
+}
+
+// ForwardToDevice right after ForwardAsync: the sink sees its own batch, and
+// a forward that reuses the buffer still being copied waits for that copy.
+TEST_F(CudaEngineAsync, ForwardToDeviceAfterForwardAsyncSeesItsOwnBatch) {
+  const std::vector<int32_t> layers = {0, 2, kFinalLayerId};
+  const std::vector<Batch>& batches = batches_;
+  std::vector<std::vector<uint16_t>> want;
+  for (int i = 0; i < 3; ++i) want.push_back(Forward(batches[i + 1], layers));
+  HostBufferPool pinned(0, PinnedHostAllocator());
+  std::shared_ptr<uint16_t> first = pinned.Acquire(want[0].size());
+  CopyLog log;
+  ASSERT_TRUE(gpu_->ForwardAsync({batches[1].ids, batches[1].lens, layers},
+                                 {first.get(), want[0].size()}, log.For(0))
+                  .ok());
+  for (int i = 1; i < 3; ++i) {  // the second of these writes the buffer of the first
+    std::vector<uint16_t> seen(want[i].size());
+    absl::Status s = gpu_->ForwardToDevice(
+        {batches[i + 1].ids, batches[i + 1].lens, layers}, [&](const Engine::DeviceView& v) {
+          EXPECT_EQ(v.bytes, seen.size() * 2);
+          cudaStream_t stream = static_cast<cudaStream_t>(v.stream);
+          cudaError_t e =
+              cudaMemcpyAsync(seen.data(), v.data, v.bytes, cudaMemcpyDeviceToHost, stream);
+          if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+          return e == cudaSuccess ? absl::OkStatus() : absl::InternalError(cudaGetErrorString(e));
+        });
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(seen, want[i]) << "ForwardToDevice batch " << i;
+  }
+  ASSERT_TRUE(log.WaitFor(1));
+  EXPECT_TRUE(log.all_ok());
+  EXPECT_TRUE(std::equal(want[0].begin(), want[0].end(), first.get()));
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, CudaEngineTest,

@@ -331,6 +331,55 @@ TEST(ServiceTest, StreamLevelRefusals) {
   EXPECT_TRUE(s.Receive(1).ok());
 }
 
+// A CPU engine with capture slots, as a GPU engine started with
+// --max_capture_layers=2 has.
+class TwoSlotEngine final : public Engine {
+ public:
+  explicit TwoSlotEngine(Engine* inner) : inner_(inner) {}
+  const Model& model() const override { return inner_->model(); }
+  std::string device_name() const override { return inner_->device_name(); }
+  absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) override {
+    return inner_->Forward(in, out);
+  }
+  int64_t max_capture_layers() const override { return 2; }
+
+ private:
+  Engine* inner_;
+};
+
+TEST(ServiceTest, CaptureLayerLimitIsAdvertisedAndEnforced) {
+  auto model = *OpenModel("tiny-random:0");
+  auto cpu = *CpuEngine::Create(model.get(), 2);
+  TwoSlotEngine engine(cpu.get());
+  TargetService service({&engine}, ServiceOptions{});
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  auto server = builder.BuildAndStart();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  EXPECT_EQ(service.Info().max_capture_layers(), 2);
+
+  RawStream refused(address, OpenFor({0, 1, -1}));
+  grpc::Status st = refused.Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("at most 2"), std::string::npos) << st.error_message();
+
+  RawStream s(address, OpenFor({1, -1}));
+  ASSERT_TRUE(s.ReadOpened());
+  s.Send(1, {1, 2, 3}, {3}, {0, 1, 2});  // this batch alone asks for three
+  absl::StatusOr<std::vector<uint16_t>> r = s.Receive(1);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("batch 1: 3 capture layers"), std::string::npos)
+      << r.status();
+  s.Send(2, {1, 2, 3}, {3});
+  EXPECT_TRUE(s.Receive(2).ok());
+  EXPECT_TRUE(s.Finish().ok());
+  service.BeginDrain();
+  server->Shutdown();
+  service.StopScheduler();
+}
+
 TEST(ServiceTest, ClientRefusesTargetWithAnotherModel) {
   Server a;
   Server b({}, "tiny-random:1");
@@ -496,6 +545,49 @@ TEST(HostBufferPoolTest, ReusesAndCapsIdleMemory) {
   EXPECT_EQ(pool.allocations(), 3);
   d.reset();  // 10000 bytes would pass the idle cap: freed
   EXPECT_LE(pool.idle_bytes(), 3000);
+}
+
+TEST(HostBufferPoolTest, UsesThePluggedAllocatorForEveryBuffer) {
+  struct Counts {
+    int allocated = 0, released = 0;
+    size_t bytes = 0;
+  };
+  auto counts = std::make_shared<Counts>();
+  HostAllocator counting{.allocate = [counts](size_t bytes) -> void* {
+                           ++counts->allocated;
+                           counts->bytes += bytes;
+                           return ::operator new(bytes);
+                         },
+                         .release = [counts](void* p) {
+                           ++counts->released;
+                           ::operator delete(p);
+                         }};
+  std::shared_ptr<uint16_t> outlives;
+  {
+    HostBufferPool pool(/*max_idle_bytes=*/3000, counting);
+    auto a = pool.Acquire(1000);
+    EXPECT_EQ(counts->allocated, 1);
+    EXPECT_EQ(counts->bytes, 2000u);
+    a.reset();  // idle, not released
+    EXPECT_EQ(counts->released, 0);
+    a = pool.Acquire(800);  // reused
+    EXPECT_EQ(counts->allocated, 1);
+    EXPECT_EQ(pool.allocations(), 1);
+    auto big = pool.Acquire(4000);  // 8000 bytes: past the idle cap when returned
+    big.reset();
+    EXPECT_EQ(counts->released, 1);
+    EXPECT_EQ(pool.live_bytes(), 2000);
+    outlives = std::move(a);
+  }
+  EXPECT_EQ(counts->released, 1);  // still out when the pool closed
+  outlives.reset();
+  EXPECT_EQ(counts->released, counts->allocated);
+
+  HostAllocator failing{.allocate = [](size_t) -> void* { return nullptr; },
+                        .release = [](void*) {}};
+  HostBufferPool pool(1 << 20, failing);
+  EXPECT_EQ(pool.Acquire(100), nullptr);
+  EXPECT_EQ(pool.live_bytes(), 0);
 }
 
 TEST(ServiceTest, VanishedClientsReturnEveryBuffer) {

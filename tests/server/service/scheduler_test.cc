@@ -1,0 +1,180 @@
+// The scheduler's completion path: deliveries leave each engine in the order
+// its forwards ran, whatever order the copies finish in; a slow `done` does
+// not hold up the next forward (up to the undelivered bound); every item gets
+// exactly one `done`; every capture buffer returns to the pool.
+#include "server/service/scheduler.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "server/model/model.h"
+
+namespace draftfeed {
+namespace {
+
+using std::chrono::milliseconds;
+
+// An engine whose copies finish on their own threads after a delay that
+// shrinks from batch to batch, so later copies overtake earlier ones. Every
+// value of a batch's capture is its first token id. Token id 4000 fails the
+// forward; 4001 fails the copy.
+class OvertakingEngine final : public Engine {
+ public:
+  OvertakingEngine() : model_(*OpenModel("tiny-random")) {}
+  ~OvertakingEngine() override {
+    for (std::thread& t : copies_) t.join();
+  }
+  const Model& model() const override { return *model_; }
+  std::string device_name() const override { return "fake"; }
+  absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) override {
+    std::fill(out.begin(), out.end(), static_cast<uint16_t>(in.token_ids[0]));
+    return absl::OkStatus();
+  }
+  absl::Status ForwardAsync(const ForwardInput& in, std::span<uint16_t> out,
+                            CopiedCallback on_copied) override {
+    ++forwards_;
+    if (in.token_ids[0] == 4000) return absl::InvalidArgumentError("bad batch");
+    const auto delay = milliseconds(std::max(0, 60 - 20 * (forwards_ % 4)));
+    const bool fail = in.token_ids[0] == 4001;
+    const uint16_t value = static_cast<uint16_t>(in.token_ids[0]);
+    copies_.emplace_back([=] {
+      std::this_thread::sleep_for(delay);
+      std::fill(out.begin(), out.end(), value);
+      on_copied(fail ? absl::InternalError("copy failed") : absl::OkStatus());
+    });
+    return absl::OkStatus();
+  }
+  int forwards() const { return forwards_.load(); }
+
+ private:
+  std::unique_ptr<Model> model_;
+  std::atomic<int> forwards_{0};
+  std::vector<std::thread> copies_;  // only the worker thread appends
+};
+
+struct Delivery {
+  int32_t id = 0;
+  absl::StatusCode code = absl::StatusCode::kOk;
+  bool values_ok = false;
+};
+
+class Recorder {
+ public:
+  WorkItem Item(int32_t id, int32_t tokens = 64) {
+    WorkItem item;
+    item.token_ids.assign(static_cast<size_t>(tokens), id);
+    item.seq_lens = {tokens};
+    item.layers = {0, -1};
+    item.done = [this, id](absl::StatusOr<ForwardResult> r) {
+      Delivery d{id, r.status().code(), false};
+      if (r.ok()) {
+        d.values_ok = r->hidden_size > 0;
+        for (size_t i = 0; i < r->hidden_size; ++i) d.values_ok &= r->hidden.get()[i] == id;
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      got_.push_back(d);
+      cv_.notify_all();
+    };
+    return item;
+  }
+  std::vector<Delivery> WaitFor(size_t n, milliseconds timeout = milliseconds(10000)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, timeout, [&] { return got_.size() >= n; });
+    return got_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<Delivery> got_;
+};
+
+TEST(SchedulerTest, DeliversInForwardOrderWhenCopiesFinishOutOfOrder) {
+  OvertakingEngine engine;
+  Scheduler sched({&engine}, 64);
+  Recorder rec;
+  constexpr int kItems = 12;
+  for (int i = 0; i < kItems; ++i) ASSERT_TRUE(sched.Submit(rec.Item(100 + i)).ok());
+  const std::vector<Delivery> got = rec.WaitFor(kItems);
+  ASSERT_EQ(got.size(), kItems);
+  for (int i = 0; i < kItems; ++i) {
+    EXPECT_EQ(got[i].id, 100 + i);
+    EXPECT_EQ(got[i].code, absl::StatusCode::kOk);
+    EXPECT_TRUE(got[i].values_ok) << "batch " << i << " delivered before its copy finished";
+  }
+  sched.Stop();
+  EXPECT_EQ(sched.completed_batches(), kItems);
+  EXPECT_EQ(sched.running(), 0);
+  EXPECT_EQ(sched.pool().live_bytes(), 0);  // the recorder kept no buffer
+}
+
+TEST(SchedulerTest, SlowDeliveryDoesNotHoldUpTheNextForward) {
+  OvertakingEngine engine;
+  Scheduler sched({&engine}, 64);
+  Recorder rec;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool release = false;
+  WorkItem first = rec.Item(7);
+  first.done = [&, inner = std::move(first.done)](absl::StatusOr<ForwardResult> r) {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return release; });  // a checksum that takes forever
+    inner(std::move(r));
+  };
+  ASSERT_TRUE(sched.Submit(std::move(first)).ok());
+  for (int i = 1; i < 8; ++i) ASSERT_TRUE(sched.Submit(rec.Item(7 + i)).ok());
+  // While batch 0 is being delivered the worker runs on, up to the bound.
+  const int bound = 1 + static_cast<int>(Scheduler::kMaxUndelivered);
+  for (int i = 0; i < 500 && engine.forwards() < bound; ++i) {
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_EQ(engine.forwards(), bound) << "the worker waited for delivery, or ran past its bound";
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  const std::vector<Delivery> got = rec.WaitFor(8);
+  ASSERT_EQ(got.size(), 8u);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(got[i].id, 7 + i);
+}
+
+TEST(SchedulerTest, EveryItemGetsExactlyOneDone) {
+  OvertakingEngine engine;
+  Recorder rec;
+  std::vector<Delivery> got;
+  {
+    Scheduler sched({&engine}, 64);
+    const std::vector<int32_t> ids = {1, 4000, 2, 4001, 3, 5, 4000, 6};
+    for (int32_t id : ids) {
+      WorkItem item = rec.Item(id);
+      if (id == 5) item.cancelled = [] { return true; };
+      ASSERT_TRUE(sched.Submit(std::move(item)).ok());
+    }
+    sched.Stop();  // delivers everything accepted before returning
+    got = rec.WaitFor(ids.size());
+    ASSERT_EQ(got.size(), ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      EXPECT_EQ(got[i].id, ids[i]);
+      const absl::StatusCode want = ids[i] == 4000   ? absl::StatusCode::kInvalidArgument
+                                    : ids[i] == 4001 ? absl::StatusCode::kInternal
+                                    : ids[i] == 5    ? absl::StatusCode::kCancelled
+                                                     : absl::StatusCode::kOk;
+      EXPECT_EQ(got[i].code, want) << "item " << i;
+    }
+    EXPECT_EQ(sched.pool().live_bytes(), 0);
+    EXPECT_EQ(sched.completed_batches(), static_cast<int64_t>(ids.size()));
+    EXPECT_FALSE(sched.Submit(rec.Item(9)).ok());
+  }
+  EXPECT_EQ(rec.WaitFor(9, milliseconds(200)).size(), got.size());  // no late or second call
+}
+
+}  // namespace
+}  // namespace draftfeed
