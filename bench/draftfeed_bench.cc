@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -19,6 +18,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_batches.h"
 #include "server/model/cuda_engine.h"
 #include "server/model/cuda_gemm.h"
 #include "server/model/model.h"
@@ -35,25 +35,8 @@ ABSL_FLAG(uint64_t, seed, 0, "Sequence-length and token seed.");
 namespace draftfeed {
 namespace {
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Sequence lengths uniform in [min_len, max_len] until the budget is full.
-std::vector<int32_t> MixedLengths(int64_t tokens, int32_t lo, int32_t hi, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> d(lo, hi);
-  std::vector<int32_t> lens;
-  int64_t left = tokens;
-  while (left > 0) {
-    int32_t n = static_cast<int32_t>(std::min<int64_t>(d(rng), left));
-    if (left - n > 0 && left - n < lo) n = static_cast<int32_t>(left);  // no tiny tail
-    lens.push_back(n);
-    left -= n;
-  }
-  return lens;
-}
+using bench::Median;
+using bench::MixedLengths;
 
 // FLOPs of one forward: 2·T·(matmul params) + causal attention 2·Σ L²·hd·Hq.
 double ForwardFlops(const ModelConfig& c, const std::vector<int32_t>& lens) {
@@ -88,15 +71,10 @@ int RunEngineBench() {
   const std::vector<int32_t> lens = MixedLengths(tokens, absl::GetFlag(FLAGS_min_len),
                                                  absl::GetFlag(FLAGS_max_len),
                                                  absl::GetFlag(FLAGS_seed));
-  std::vector<int32_t> ids(static_cast<size_t>(tokens));
-  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed) + 1);
-  for (auto& t : ids) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(c.vocab_size));
-  std::vector<int32_t> layers;
-  const int32_t k = std::max(1, absl::GetFlag(FLAGS_capture));
-  for (int32_t i = 0; i + 1 < k; ++i) {
-    layers.push_back(static_cast<int32_t>(1 + i * (c.num_layers - 3) / std::max(1, k - 1)));
-  }
-  layers.push_back(kFinalLayerId);
+  const std::vector<int32_t> ids =
+      bench::RandomTokens(tokens, c.vocab_size, absl::GetFlag(FLAGS_seed) + 1);
+  const std::vector<int32_t> layers = bench::SpacedLayers(c, absl::GetFlag(FLAGS_capture));
+  const int32_t k = static_cast<int32_t>(layers.size());
 
   size_t free0 = 0, total = 0;
   cudaSetDevice(absl::GetFlag(FLAGS_device));
