@@ -1,6 +1,7 @@
 // gRPC data-plane throughput vs a raw TCP socket moving the same bytes.
 //
-//   draftfeed-grpc-bench [--tokens 4096 --layers 5 --hidden 5120 --batches 40 --streams 1]
+//   draftfeed-grpc-bench [--tokens 4096 --layers 5 --hidden 5120 --batches 40 --streams 1
+//                         --connections 1]
 //
 // The target side runs a real TargetService whose engine only fills its
 // output (a memset), so what is timed is the data plane: serialisation,
@@ -33,6 +34,9 @@ ABSL_FLAG(int64_t, layers, 5, "Captured layers per token.");
 ABSL_FLAG(int64_t, hidden, 5120, "Hidden size (bytes per value: 2).");
 ABSL_FLAG(int32_t, batches, 40, "Batches per measurement.");
 ABSL_FLAG(int32_t, streams, 1, "Concurrent client streams (one Feed each).");
+ABSL_FLAG(int32_t, connections, 1,
+          "FeedOptions.connections_per_target of each Feed (streams x connections TCP "
+          "connections in all; the TCP baseline uses as many socket pairs).");
 ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "Payload bytes per HiddenChunk / TCP write.");
 ABSL_FLAG(int32_t, repeats, 3, "Measurements per mode (median reported).");
 
@@ -148,6 +152,7 @@ int Run() {
         fo.layers = layers;
         fo.prefetch = 4;
         fo.credits_per_target = 4;
+        fo.connections_per_target = absl::GetFlag(FLAGS_connections);
         auto feed = Feed::Open(fo);
         if (!feed.ok()) return;
         std::vector<int32_t> ids(static_cast<size_t>(T), 1), lens = {static_cast<int32_t>(T)};
@@ -163,13 +168,14 @@ int Run() {
     const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     grpc_gbps.push_back(static_cast<double>(batch_bytes) * batches * streams / secs / 1e9);
     tcp_gbps.push_back(RawTcpGBps(batch_bytes * batches * streams,
-                                  absl::GetFlag(FLAGS_chunk_bytes), streams));
+                                  absl::GetFlag(FLAGS_chunk_bytes),
+                                  streams * absl::GetFlag(FLAGS_connections)));
   }
   const double g = Median(grpc_gbps), t = Median(tcp_gbps);
-  std::printf("payload %lld x %lld x %lld bf16 = %.1f MB per batch, %d batches x %d stream(s), "
-              "chunks of %lld KiB\n",
+  std::printf("payload %lld x %lld x %lld bf16 = %.1f MB per batch, %d batches x %d stream(s) "
+              "x %d connection(s), chunks of %lld KiB\n",
               static_cast<long long>(T), static_cast<long long>(K), static_cast<long long>(H),
-              batch_bytes / 1e6, batches, streams,
+              batch_bytes / 1e6, batches, streams, absl::GetFlag(FLAGS_connections),
               static_cast<long long>(absl::GetFlag(FLAGS_chunk_bytes) >> 10));
   std::printf("gRPC %.2f GB/s, raw TCP %.2f GB/s: gRPC = %.0f%% of TCP (medians of %zu)\n", g, t,
               100 * g / t, grpc_gbps.size());

@@ -16,7 +16,7 @@ namespace {
 
 // DLPack ABI (v0.x, the layout every framework's from_dlpack reads).
 struct DLDevice {
-  int32_t device_type;  // 1 = CPU
+  int32_t device_type;  // 1 = CPU, 2 = CUDA
   int32_t device_id;
 };
 struct DLDataType {
@@ -73,8 +73,15 @@ class PyResult {
 
   py::array token_ids() const { return View(batch_->token_ids.data(), {batch_->token_ids.size()}); }
   py::array seq_lens() const { return View(batch_->seq_lens.data(), {batch_->seq_lens.size()}); }
-  // bf16 bit patterns [T, K, H] as uint16, no copy.
+  // -1 when the values are in host memory, else the CUDA device holding them.
+  int device() const { return batch_->device; }
+  // bf16 bit patterns [T, K, H] as uint16, no copy (host results only).
   py::array hidden_bits() const {
+    if (batch_->device >= 0) {
+      throw py::value_error("this result is in GPU memory (cuda:" +
+                            std::to_string(batch_->device) +
+                            "; transport nccl): use .torch() or DLPack, not numpy");
+    }
     return View(static_cast<const uint16_t*>(batch_->buffer.get()),
                 {static_cast<size_t>(batch_->num_tokens), static_cast<size_t>(batch_->num_layers),
                  static_cast<size_t>(batch_->hidden_size)});
@@ -87,8 +94,13 @@ class PyResult {
     h->shape[1] = batch_->num_layers;
     h->shape[2] = batch_->hidden_size;
     DLTensor& t = h->managed.dl_tensor;
-    t.data = batch_->buffer.get();
-    t.device = DLDevice{1, 0};
+    if (batch_->device >= 0) {
+      t.data = batch_->device_buffer.get();
+      t.device = DLDevice{2, batch_->device};
+    } else {
+      t.data = batch_->buffer.get();
+      t.device = DLDevice{1, 0};
+    }
     t.ndim = 3;
     t.dtype = DLDataType{4, 16, 1};
     t.shape = h->shape;
@@ -158,6 +170,7 @@ class PyFeed {
       else if (k == "prefetch_bytes") o.prefetch_bytes = py::cast<int64_t>(value);
       else if (k == "ordered") o.ordered = py::cast<bool>(value);
       else if (k == "credits_per_target") o.credits_per_target = py::cast<int32_t>(value);
+      else if (k == "connections_per_target") o.connections_per_target = py::cast<int32_t>(value);
       else if (k == "expected_fingerprint") o.expected_fingerprint = py::cast<std::string>(value);
       else if (k == "verify_checksum") o.verify_checksum = py::cast<bool>(value);
       else if (k == "connect_timeout_s") o.connect_timeout_s = py::cast<double>(value);
@@ -167,6 +180,15 @@ class PyFeed {
       else if (k == "reconnect_backoff_max_s") o.reconnect_backoff_max_s = py::cast<double>(value);
       else if (k == "dns_refresh_s") o.dns_refresh_s = py::cast<double>(value);
       else if (k == "client_name") o.client_name = py::cast<std::string>(value);
+      else if (k == "cuda_device") o.cuda_device = py::cast<int>(value);
+      else if (k == "nccl_timeout_s") o.nccl_timeout_s = py::cast<double>(value);
+      else if (k == "transport") {
+        const std::string t = py::cast<std::string>(value);
+        if (t == "grpc") o.transport = Transport::kGrpc;
+        else if (t == "nccl") o.transport = Transport::kNccl;
+        else if (t == "auto") o.transport = Transport::kAuto;
+        else throw py::value_error("transport must be 'grpc', 'nccl' or 'auto', got '" + t + "'");
+      }
       else throw py::value_error("unknown Feed option: " + k);
     }
     absl::StatusOr<std::unique_ptr<Feed>> feed;
@@ -246,6 +268,8 @@ class PyFeed {
       td["delivered_tokens"] = t.delivered_tokens;
       td["failures"] = t.failures;
       td["last_error"] = t.last_error;
+      td["transport"] = t.transport;
+      td["transport_note"] = t.transport_note;
       targets.append(td);
     }
     d["targets"] = targets;
@@ -276,6 +300,7 @@ PYBIND11_MODULE(_draftfeed, m) {
       .def_property_readonly("token_ids", &PyResult::token_ids)
       .def_property_readonly("seq_lens", &PyResult::seq_lens)
       .def_property_readonly("hidden_bits", &PyResult::hidden_bits)
+      .def_property_readonly("device", &PyResult::device)
       .def("dlpack_capsule", &PyResult::Dlpack);
   py::class_<PyFeed>(m, "Feed")
       .def_static("open", &PyFeed::Open)

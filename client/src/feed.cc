@@ -6,6 +6,7 @@
 #include <arpa/inet.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <chrono>
 #include <condition_variable>
@@ -23,6 +24,11 @@
 #include "draftfeed/v1/checksum.h"
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 #include "server/common/host_buffer_pool.h"
+#if DRAFTFEED_HAVE_NCCL
+#include <cuda_runtime.h>
+
+#include "server/nccl/nccl_peer.h"
+#endif
 
 namespace draftfeed {
 
@@ -150,6 +156,21 @@ struct Feed::Impl {
     std::deque<grpc::ByteBuffer> wq;
     bool wclosed = false;  // writer: send what is queued, then WritesDone
     bool finished = false;  // reader is done (guarded by Impl::mu)
+#if DRAFTFEED_HAVE_NCCL
+    std::unique_ptr<NcclPeer> nccl;  // TRANSPORT_NCCL streams
+    cudaStream_t cuda_stream = nullptr;
+    ~Conn() {
+      nccl.reset();
+      if (cuda_stream != nullptr) cudaStreamDestroy(cuda_stream);
+    }
+#endif
+    bool uses_nccl() const {
+#if DRAFTFEED_HAVE_NCCL
+      return nccl != nullptr;
+#else
+      return false;
+#endif
+    }
   };
 
   enum class State { kConnecting, kLive, kDown, kRefused };
@@ -174,7 +195,9 @@ struct Feed::Impl {
   struct Pending {
     std::vector<int32_t> token_ids;
     std::vector<int32_t> seq_lens;
-    std::shared_ptr<uint16_t> hidden;  // from the pool, T*K*H values
+    std::shared_ptr<uint16_t> hidden;  // from the pool, T*K*H values (gRPC streams)
+    std::shared_ptr<uint16_t> device;  // from the device pool (NCCL streams)
+    uint64_t device_checksum = 0;      // computed on the GPU as it arrived
     size_t values = 0;
     // Checksum fed chunk by chunk while the bytes are in cache; valid while
     // chunks arrive in order (otherwise the batch is re-hashed whole).
@@ -193,6 +216,7 @@ struct Feed::Impl {
   // Result buffers: reused across batches (a fresh 200 MB buffer per batch
   // would cost a page fault per 4 KiB); idle memory capped at 2x prefetch_bytes.
   std::unique_ptr<HostBufferPool> pool;
+  std::unique_ptr<HostBufferPool> device_pool;  // NCCL results, on options.cuda_device
   std::string fingerprint;  // every target must serve this
   std::string fingerprint_source;
   int32_t hidden_size = 0;
@@ -212,26 +236,31 @@ struct Feed::Impl {
   absl::Status fatal;  // sticky: no target for unavailable_timeout_s
   std::optional<Clock::time_point> no_target_since;
   bool closing = false;
+  std::atomic<bool> closing_flag{false};  // `closing`, readable without mu
   std::thread supervisor;
 
   int64_t K() const { return static_cast<int64_t>(options.layers.size()); }
 
   // ---- connecting ----------------------------------------------------------
 
-  Target* AddTargetLocked(const std::string& address) {
+  // One Target per (address, connection): with connections_per_target > 1
+  // each connection is its own stream, TCP connection and credits, and the
+  // dispatcher spreads batches over them like over separate targets.
+  void AddTargetLocked(const std::string& address) {
     for (auto& t : targets) {
-      if (t->address == address) return nullptr;
+      if (t->address == address) return;
     }
-    auto t = std::make_unique<Target>();
-    t->address = address;
-    t->stats.address = address;
-    t->channel = MakeChannel(address);
-    t->stub = v1::TargetService::NewStub(t->channel);
-    t->backoff_s = options.reconnect_backoff_min_s;
-    Target* raw = t.get();
-    targets.push_back(std::move(t));
-    raw->connector = std::thread([this, raw] { ConnectLoop(raw); });
-    return raw;
+    for (int32_t i = 0; i < options.connections_per_target; ++i) {
+      auto t = std::make_unique<Target>();
+      t->address = address;
+      t->stats.address = i == 0 ? address : absl::StrCat(address, " #", i + 1);
+      t->channel = MakeChannel(address);  // local subchannel pool: a connection of its own
+      t->stub = v1::TargetService::NewStub(t->channel);
+      t->backoff_s = options.reconnect_backoff_min_s;
+      Target* raw = t.get();
+      targets.push_back(std::move(t));
+      raw->connector = std::thread([this, raw] { ConnectLoop(raw); });
+    }
   }
 
   void ConnectLoop(Target* t) {
@@ -302,9 +331,41 @@ struct Feed::Impl {
     open->set_expected_fingerprint(info->fingerprint);
     open->set_max_inflight_batches(options.credits_per_target);
     open->set_client_name(options.client_name);
+#if DRAFTFEED_HAVE_NCCL
+    std::unique_ptr<NcclPeer> peer;
+    std::string unique_id;
+    if (options.transport != Transport::kGrpc) {
+      auto id = NcclPeer::NewUniqueId();
+      if (!id.ok()) {
+        if (options.transport == Transport::kNccl) return id.status();
+      } else {
+        unique_id = *std::move(id);
+        open->set_transport(options.transport == Transport::kNccl ? v1::TRANSPORT_NCCL
+                                                                  : v1::TRANSPORT_AUTO);
+        open->set_nccl_unique_id(unique_id);
+        open->set_host_id(LocalHostId());
+        open->set_gpu_uuid(CudaDeviceUuid(options.cuda_device));
+      }
+    }
+#endif
     v1::StreamResponse resp;
     grpc::ByteBuffer raw;
-    if (!conn->stream->Write(ToBuffer(req)) || !conn->stream->Read(&raw)) {
+    if (!conn->stream->Write(ToBuffer(req))) {
+      return FromGrpc(conn->stream->Finish(), absl::StrCat("target ", t->address, ": open stream"));
+    }
+#if DRAFTFEED_HAVE_NCCL
+    // Join as rank 1 now: the target joins as rank 0 before it answers Opened.
+    if (!unique_id.empty()) {
+      auto started = NcclPeer::Start(unique_id, NcclPeer::kReceiverRank, options.cuda_device);
+      if (!started.ok()) {
+        conn->ctx.TryCancel();
+        conn->stream->Finish();
+        return started.status();
+      }
+      peer = *std::move(started);
+    }
+#endif
+    if (!conn->stream->Read(&raw)) {
       return FromGrpc(conn->stream->Finish(), absl::StrCat("target ", t->address, ": open stream"));
     }
     if (!ParseBuffer(raw, &resp) || resp.msg_case() != v1::StreamResponse::kOpened) {
@@ -312,6 +373,33 @@ struct Feed::Impl {
       conn->stream->Finish();
       return absl::InternalError(absl::StrCat("target ", t->address, ": expected Opened"));
     }
+    std::string transport = "grpc";
+#if DRAFTFEED_HAVE_NCCL
+    if (resp.opened().transport() == v1::TRANSPORT_NCCL) {
+      if (peer == nullptr) {
+        conn->ctx.TryCancel();
+        conn->stream->Finish();
+        return absl::InternalError(
+            absl::StrCat("target ", t->address, " chose nccl, which this feed did not offer"));
+      }
+      if (absl::Status s = peer->Wait(options.nccl_timeout_s); !s.ok()) {
+        conn->ctx.TryCancel();
+        conn->stream->Finish();
+        return absl::UnavailableError(
+            absl::StrCat("target ", t->address, ": nccl setup: ", s.message()));
+      }
+      if (cudaError_t e = cudaStreamCreateWithFlags(&conn->cuda_stream, cudaStreamNonBlocking);
+          e != cudaSuccess) {
+        conn->ctx.TryCancel();
+        conn->stream->Finish();
+        return absl::InternalError(absl::StrCat("cudaStreamCreate: ", cudaGetErrorString(e)));
+      }
+      conn->nccl = std::move(peer);
+      transport = "nccl";
+    } else if (peer != nullptr) {
+      peer->Abort();  // the target chose gRPC: leave the half-made communicator
+    }
+#endif
     std::lock_guard<std::mutex> lock(mu);
     if (closing) {
       conn->ctx.TryCancel();
@@ -324,6 +412,8 @@ struct Feed::Impl {
     t->state = State::kLive;
     t->backoff_s = options.reconnect_backoff_min_s;
     t->stats.last_error.clear();
+    t->stats.transport = transport;
+    t->stats.transport_note = resp.opened().transport_note();
     Conn* c = conn.get();
     c->writer = std::thread([c] { WriteLoop(c); });
     c->reader = std::thread([this, t, conn] { ReadLoop(t, conn); });
@@ -364,12 +454,24 @@ struct Feed::Impl {
   void ReadLoop(Target* t, std::shared_ptr<Conn> conn) {
     v1::StreamResponse resp;
     grpc::ByteBuffer raw;
+#if DRAFTFEED_HAVE_NCCL
+    if (conn->uses_nccl()) cudaSetDevice(options.cuda_device);
+#endif
     while (conn->stream->Read(&raw)) {
-      if (ReadChunkInPlace(t, conn.get(), raw)) continue;
+      if (!conn->uses_nccl() && ReadChunkInPlace(t, conn.get(), raw)) continue;
       if (!ParseBuffer(raw, &resp)) {
         conn->ctx.TryCancel();  // a target that sends garbage is treated as lost
         break;
       }
+#if DRAFTFEED_HAVE_NCCL
+      if (conn->uses_nccl() && resp.msg_case() == v1::StreamResponse::kChunk) {
+        if (!ReceiveNccl(t, conn.get(), resp.chunk())) {
+          conn->ctx.TryCancel();  // the communicator is gone: treat the target as lost
+          break;
+        }
+        continue;
+      }
+#endif
       HandleResponse(t, conn.get(), resp);
     }
     // Finish must not race a Write: stop the writer first.
@@ -382,6 +484,61 @@ struct Feed::Impl {
     dead_conns.push_back(conn);
     cv.notify_all();
   }
+
+#if DRAFTFEED_HAVE_NCCL
+  // The target announced a batch and is sending it by NCCL now: receive it
+  // (every announcement, even of a batch no longer wanted, or the two sides'
+  // operation order would part), checksum it on the GPU, attach it.
+  bool ReceiveNccl(Target* t, Conn* conn, const v1::HiddenChunk& c) {
+    const int64_t stride = K() * hidden_size;
+    if (c.token_offset() != 0 || c.token_count() < 1 || !c.data().empty()) {
+      std::lock_guard<std::mutex> lock(mu);
+      t->stats.last_error = absl::StrCat("malformed nccl announcement for batch ", c.batch_id());
+      return false;
+    }
+    const size_t values = static_cast<size_t>(c.token_count() * stride);
+    std::shared_ptr<uint16_t> buffer = device_pool->Acquire(values);
+    absl::Status s;
+    uint64_t checksum = 0;
+    if (buffer == nullptr) {
+      s = absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", values * 2,
+                                                    " bytes on cuda:", options.cuda_device));
+    } else {
+      s = conn->nccl->Recv(buffer.get(), values * 2, conn->cuda_stream, options.nccl_timeout_s,
+                           [this] { return closing_flag.load(); });
+    }
+    if (s.ok() && options.verify_checksum) {
+      auto sum = conn->nccl->Checksum(buffer.get(), values * 2, conn->cuda_stream);
+      if (sum.ok()) {
+        checksum = *sum;
+      } else {
+        s = sum.status();
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    if (!s.ok()) {
+      t->stats.last_error = absl::StrCat("nccl receive: ", s.message());
+      return false;
+    }
+    stats.bytes_received += static_cast<int64_t>(values * 2);
+    auto it = pending.find(c.batch_id());
+    if (it == pending.end() || it->second.complete || it->second.conn != conn) return true;
+    Pending& p = it->second;
+    if (c.token_count() != static_cast<int64_t>(p.token_ids.size())) {
+      Fail(c.batch_id(), p,
+           absl::DataLossError(absl::StrCat("target ", t->address, " announced ",
+                                            c.token_count(), " tokens for batch ", c.batch_id(),
+                                            " of ", p.token_ids.size())));
+      cv.notify_all();
+      return true;
+    }
+    p.device = std::move(buffer);
+    p.device_checksum = checksum;
+    p.tokens_received = c.token_count();
+    p.last_progress = Clock::now();
+    return true;
+  }
+#endif
 
   void OnConnEnd(Target* t, const std::shared_ptr<Conn>& conn, const grpc::Status& status) {
     if (t->conn == conn) {
@@ -426,6 +583,7 @@ struct Feed::Impl {
     p.complete = true;
     p.error = std::move(status);
     p.hidden.reset();
+    p.device.reset();
     ++stats.failed;
   }
 
@@ -533,7 +691,8 @@ struct Feed::Impl {
            absl::DataLossError(absl::StrCat("batch ", id, " from ", t->address, ": received ",
                                             p.tokens_received, " of ", T, " tokens")));
     } else if (options.verify_checksum &&
-               (p.hashed_in_order && p.hasher.bytes_seen() == p.values * 2
+               (p.device != nullptr ? p.device_checksum
+                : p.hashed_in_order && p.hasher.bytes_seen() == p.values * 2
                     ? p.hasher.Finish()
                     : v1::PayloadChecksum(p.hidden.get(), p.values * 2)) != d.checksum()) {
       Fail(id, p,
@@ -554,6 +713,11 @@ struct Feed::Impl {
       r.num_layers = K();
       r.hidden_size = hidden_size;
       r.buffer = std::move(p.hidden);
+      if (p.device != nullptr) {
+        r.buffer.reset();
+        r.device_buffer = std::move(p.device);
+        r.device = options.cuda_device;
+      }
       r.num_values = p.values;
       r.token_ids = std::move(p.token_ids);
       r.seq_lens = std::move(p.seq_lens);
@@ -602,6 +766,13 @@ struct Feed::Impl {
       unassigned.erase(unassigned.begin());
       p.target = best;
       p.conn = best->conn.get();
+      // Host memory only for streams that deliver into it.
+      p.device.reset();
+      if (p.conn->uses_nccl()) {
+        p.hidden.reset();
+      } else if (p.hidden == nullptr) {
+        p.hidden = pool->Acquire(p.values);
+      }
       p.tokens_received = 0;
       p.last_progress = Clock::now();
       ++best->stats.outstanding_batches;
@@ -717,10 +888,51 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
   if (options.credits_per_target < 1) {
     return absl::InvalidArgumentError("FeedOptions.credits_per_target must be >= 1");
   }
+  if (options.connections_per_target < 1 || options.connections_per_target > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FeedOptions.connections_per_target must be in [1, 64], got ",
+                     options.connections_per_target));
+  }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   // Idle cap: the prefetch window plus one batch in the trainer's hands.
   impl->pool = std::make_unique<HostBufferPool>(2 * options.prefetch_bytes);
+  if (options.transport != Transport::kGrpc) {
+#if DRAFTFEED_HAVE_NCCL
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+    if (options.cuda_device < 0 || options.cuda_device >= devices) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "transport ", options.transport == Transport::kNccl ? "nccl" : "auto",
+          " needs FeedOptions.cuda_device, the GPU that receives: got ", options.cuda_device,
+          "; this process sees ", devices, " CUDA device(s)"));
+    }
+    const int device = options.cuda_device;
+    HostAllocator on_gpu;
+    // Buffers are released on whichever thread drops the last reference (the
+    // trainer's): leave that thread's current device as it was.
+    on_gpu.allocate = [device](size_t bytes) -> void* {
+      int prev = 0;
+      cudaGetDevice(&prev);
+      cudaSetDevice(device);
+      void* p = nullptr;
+      if (cudaMalloc(&p, bytes) != cudaSuccess) p = nullptr;
+      cudaSetDevice(prev);
+      return p;
+    };
+    on_gpu.release = [device](void* p) {
+      int prev = 0;
+      cudaGetDevice(&prev);
+      cudaSetDevice(device);
+      cudaFree(p);
+      cudaSetDevice(prev);
+    };
+    impl->device_pool = std::make_unique<HostBufferPool>(2 * options.prefetch_bytes, on_gpu);
+#else
+    return absl::UnimplementedError(
+        "this client was built without NCCL (DRAFTFEED_ENABLE_NCCL=OFF): use transport grpc");
+#endif
+  }
   impl->fingerprint = options.expected_fingerprint;
   if (!impl->fingerprint.empty()) impl->fingerprint_source = "FeedOptions.expected_fingerprint";
   Impl& m = *impl;
@@ -808,7 +1020,6 @@ absl::StatusOr<uint64_t> Feed::Submit(std::vector<int32_t> token_ids,
   // Pooled and uninitialised: every value is overwritten by a chunk before
   // the batch completes (tokens_received must reach T).
   p.values = static_cast<size_t>(bytes / 2);
-  p.hidden = m.pool->Acquire(p.values);
   p.hasher.Reset(p.values * 2);
   p.token_ids = std::move(token_ids);
   p.seq_lens = std::move(seq_lens);
@@ -857,6 +1068,7 @@ absl::Status Feed::Close() {
     std::lock_guard<std::mutex> lock(m.mu);
     if (m.closing) return absl::OkStatus();
     m.closing = true;
+    m.closing_flag = true;
     for (auto& t : m.targets) {
       if (t->conn) conns.push_back(t->conn);
     }

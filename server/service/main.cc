@@ -55,6 +55,12 @@ ABSL_FLAG(int32_t, drain_timeout_s, 60,
 ABSL_FLAG(double, throttle_tokens_per_s, 0,
           "Cap the engine at this many tokens/s (0 = off): emulates a slower device in "
           "balancing and split benchmarks.");
+ABSL_FLAG(bool, nccl, true,
+          "Offer the NCCL transport (trainers on this host with their own GPU receive hidden "
+          "states GPU to GPU). Needs a target with exactly one GPU.");
+ABSL_FLAG(double, nccl_timeout_s, 120,
+          "An NCCL stream's setup, and each batch's send, must finish within this many "
+          "seconds; otherwise the communicator is aborted and the stream ends.");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written there once serving.");
 
 namespace draftfeed {
@@ -153,6 +159,9 @@ int Run() {
   if (!gpus.empty()) options.host_allocator = PinnedHostAllocator();
 #endif
   if (options.throttle_tokens_per_s < 0) return Fail("--throttle_tokens_per_s must be >= 0");
+  options.enable_nccl = absl::GetFlag(FLAGS_nccl);
+  options.nccl_timeout_s = absl::GetFlag(FLAGS_nccl_timeout_s);
+  if (options.nccl_timeout_s <= 0) return Fail("--nccl_timeout_s must be > 0");
   TargetService service(engine_ptrs, options);
 
   grpc::EnableDefaultHealthCheckService(true);

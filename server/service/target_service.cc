@@ -1,6 +1,8 @@
 #include "server/service/target_service.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <thread>
 #include <chrono>
 #include <deque>
 #include <optional>
@@ -13,6 +15,9 @@
 #include "draftfeed/v1/checksum.h"
 #include "server/service/status_util.h"
 #include "server/service/version.h"
+#if DRAFTFEED_HAVE_NCCL
+#include "server/nccl/nccl_peer.h"
+#endif
 
 namespace draftfeed {
 
@@ -34,6 +39,12 @@ const char* EncodingName(v1::Encoding e) {
 double MsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
+
+// What the NCCL sink of one batch hands to its done callback.
+struct NcclBatch {
+  uint64_t checksum = 0;
+  double send_ms = 0;  // checksum + announcement + ncclSend, on the worker
+};
 
 // Lets scheduler callbacks reach a reactor that may already be gone: OnDone
 // clears `reactor` under `mu` before the reactor deletes itself.
@@ -171,9 +182,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // Called on the scheduler's completion thread (the engine has moved on to
   // the next batch), so the checksum's pass over the payload costs no GPU time.
   static void DeliverResult(const std::shared_ptr<ReactorLink>& link, uint64_t batch_id,
-                            absl::StatusOr<ForwardResult> result) {
-    uint64_t checksum = 0;
-    if (result.ok()) {
+                            absl::StatusOr<ForwardResult> result,
+                            std::optional<uint64_t> device_checksum = std::nullopt) {
+    uint64_t checksum = device_checksum.value_or(0);
+    if (result.ok() && !device_checksum.has_value()) {
       checksum = v1::PayloadChecksum(result->hidden.get(), result->hidden_size * 2);
     }
     std::lock_guard<std::mutex> link_lock(link->mu);
@@ -200,6 +212,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (finished_ || broken_) return;
     if (!result.ok()) {
       PushError(batch_id, result.status(), /*releases_credit=*/true);
+    } else if (result->hidden == nullptr) {
+      // The payload went by NCCL; only BatchDone follows the announcement.
+      outbox_.push_back(Outgoing{.message = DoneMessage(batch_id, *result, checksum, result->send_ms),
+                                 .releases_credit = true});
     } else {
       Outgoing out;
       out.batch_id = batch_id;
@@ -236,14 +252,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                        " is not served by this target; offered: bf16")));
       return;
     }
-    if (open.transport() == v1::TRANSPORT_NCCL) {
-      FailStream(absl::UnimplementedError(
-          "transport nccl is not served by this target (built without a GPU engine); "
-          "offered: grpc. Use transport=auto to fall back to grpc."));
-      return;
-    }
     if (open.transport() != v1::TRANSPORT_UNSPECIFIED && open.transport() != v1::TRANSPORT_GRPC &&
-        open.transport() != v1::TRANSPORT_AUTO) {
+        open.transport() != v1::TRANSPORT_AUTO && open.transport() != v1::TRANSPORT_NCCL) {
       FailStream(absl::UnimplementedError(absl::StrCat("unknown transport value ",
                                                        static_cast<int>(open.transport()))));
       return;
@@ -262,18 +272,130 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                    ? opt.default_credits
                    : std::min(open.max_inflight_batches(), opt.max_credits);
     layers_ = std::move(layers);
-    opened_ = true;
 
+    if (open.transport() == v1::TRANSPORT_NCCL || open.transport() == v1::TRANSPORT_AUTO) {
+      const bool asked_nccl = open.transport() == v1::TRANSPORT_NCCL;
+      const std::string why_not = service_->NcclUnavailableReason(open);
+      if (why_not.empty()) {
+        StartNccl(open.nccl_unique_id(), asked_nccl);
+        return;  // Opened follows once the communicator is up (OnNcclReady)
+      }
+      if (asked_nccl) {
+        FailStream(absl::FailedPreconditionError(absl::StrCat(
+            "transport nccl refused: ", why_not, ". Use transport=auto to fall back to grpc.")));
+        return;
+      }
+      transport_note_ = absl::StrCat("auto chose grpc: ", why_not);
+    }
+    SendOpened(v1::TRANSPORT_GRPC);
+  }
+
+  void SendOpened(v1::Transport transport) {
+    const ServiceOptions& opt = service_->options();
+    opened_ = true;
     StreamResponse resp;
     v1::Opened* opened = resp.mutable_opened();
     *opened->mutable_info() = service_->Info();
     for (int32_t l : layers_) opened->add_layers(l);
     opened->set_encoding(v1::ENCODING_BF16);
-    opened->set_transport(v1::TRANSPORT_GRPC);
+    opened->set_transport(transport);
     opened->set_max_inflight_batches(credits_);
     opened->set_chunk_bytes(opt.chunk_bytes);
+    opened->set_transport_note(transport_note_);
     outbox_.push_back(Outgoing{.message = std::move(resp)});
   }
+
+#if DRAFTFEED_HAVE_NCCL
+  // Joins the trainer's communicator off the reactor thread; the stream reads
+  // nothing more until OnNcclReady answers Opened (or fails the stream).
+  void StartNccl(const std::string& unique_id, bool asked_nccl) {
+    opening_ = true;
+    std::shared_ptr<ReactorLink> link = link_;
+    const int device = service_->nccl_device();
+    const double timeout_s = service_->options().nccl_timeout_s;
+    std::thread([link, unique_id, device, timeout_s, asked_nccl] {
+      absl::StatusOr<std::unique_ptr<NcclPeer>> peer =
+          NcclPeer::Start(unique_id, NcclPeer::kSenderRank, device);
+      absl::Status status = peer.status();
+      if (status.ok()) {
+        status = (*peer)->Wait(timeout_s, [link] { return link->cancelled.load(); });
+      }
+      std::shared_ptr<NcclPeer> ready;
+      if (status.ok()) ready = *std::move(peer);
+      std::lock_guard<std::mutex> lock(link->mu);
+      if (link->reactor != nullptr) link->reactor->OnNcclReady(std::move(status), ready, asked_nccl);
+    }).detach();
+  }
+
+  void OnNcclReady(absl::Status status, std::shared_ptr<NcclPeer> peer, bool asked_nccl) {
+    std::lock_guard<std::mutex> lock(mu_);
+    opening_ = false;
+    if (finished_ || broken_) {
+      Pump();
+      return;
+    }
+    if (status.ok()) {
+      nccl_ = std::move(peer);
+      SendOpened(v1::TRANSPORT_NCCL);
+    } else if (asked_nccl) {
+      FailStream(absl::Status(status.code(),
+                              absl::StrCat("transport nccl setup failed: ", status.message())));
+    } else {
+      transport_note_ = absl::StrCat("auto fell back to grpc: nccl setup failed: ",
+                                     status.message());
+      SendOpened(v1::TRANSPORT_GRPC);
+    }
+    Pump();
+  }
+
+  // Runs on the scheduler worker with the capture still on the GPU: checksum
+  // it there, announce it on the stream, then ncclSend it and wait (the next
+  // forward overwrites the buffer).
+  static absl::Status SendOverNccl(const std::shared_ptr<ReactorLink>& link,
+                                   const std::shared_ptr<NcclPeer>& peer, uint64_t batch_id,
+                                   int64_t tokens, double timeout_s, NcclBatch* state,
+                                   const Engine::DeviceView& view) {
+    const auto t0 = std::chrono::steady_clock::now();
+    absl::StatusOr<uint64_t> sum = peer->Checksum(view.data, view.bytes, view.stream);
+    if (!sum.ok()) return sum.status();
+    state->checksum = *sum;
+    {
+      std::lock_guard<std::mutex> lock(link->mu);
+      if (link->reactor == nullptr) return absl::CancelledError("stream closed");
+      link->reactor->Announce(batch_id, tokens);
+    }
+    absl::Status s = peer->Send(view.data, view.bytes, view.stream, timeout_s,
+                                [link] { return link->cancelled.load(); });
+    state->send_ms = MsSince(t0);
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lock(link->mu);
+      if (link->reactor != nullptr) link->reactor->OnNcclBroken(s);
+    }
+    return s;
+  }
+
+  void Announce(uint64_t batch_id, int64_t tokens) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_ || broken_) return;
+    StreamResponse msg;
+    v1::HiddenChunk* c = msg.mutable_chunk();
+    c->set_batch_id(batch_id);
+    c->set_token_offset(0);
+    c->set_token_count(tokens);
+    outbox_.push_back(Outgoing{.message = std::move(msg)});
+    Pump();
+  }
+
+  // The trainer's side of the communicator is in an unknown state: end the
+  // stream (UNAVAILABLE: the client re-sends its batches on a new stream).
+  void OnNcclBroken(const absl::Status& s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    FailStream(absl::UnavailableError(absl::StrCat("nccl transfer failed: ", s.message())));
+    Pump();
+  }
+#else
+  void StartNccl(const std::string&, bool) {}
+#endif
 
   static absl::Status ValidateLayers(const ModelConfig& config, std::span<const int32_t> layers) {
     // Token checks need a batch; reuse the shared validator with one token.
@@ -320,9 +442,30 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     }
     std::shared_ptr<ReactorLink> link = link_;
     item.cancelled = [link] { return link->cancelled.load(); };
-    item.done = [link, batch_id](absl::StatusOr<ForwardResult> r) {
-      DeliverResult(link, batch_id, std::move(r));
-    };
+#if DRAFTFEED_HAVE_NCCL
+    if (nccl_ != nullptr) {
+      auto state = std::make_shared<NcclBatch>();
+      const int64_t tokens = static_cast<int64_t>(item.token_ids.size());
+      item.device_sink = [link, peer = nccl_, batch_id, tokens, state,
+                          timeout_s = service_->options().nccl_timeout_s](
+                             const Engine::DeviceView& view) {
+        return SendOverNccl(link, peer, batch_id, tokens, timeout_s, state.get(), view);
+      };
+      item.done = [link, batch_id, state](absl::StatusOr<ForwardResult> r) {
+        if (r.ok()) {
+          // forward_ms covered the send too; report the two apart.
+          r->forward_ms -= state->send_ms;
+          r->send_ms = state->send_ms;
+        }
+        DeliverResult(link, batch_id, std::move(r), state->checksum);
+      };
+    }
+#endif
+    if (!item.done) {
+      item.done = [link, batch_id](absl::StatusOr<ForwardResult> r) {
+        DeliverResult(link, batch_id, std::move(r));
+      };
+    }
     ++inflight_;
     if (absl::Status s = service_->scheduler().Submit(std::move(item)); !s.ok()) {
       --inflight_;
@@ -367,17 +510,22 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       out.next_token += count;
       return;
     }
-    StreamResponse done_msg;
-    v1::BatchDone* done = done_msg.mutable_done();
-    done->set_batch_id(out.batch_id);
-    done->set_tokens(r.tokens);
-    done->set_checksum(out.checksum);
-    done->mutable_timings()->set_queue_ms(r.queue_ms);
-    done->mutable_timings()->set_forward_ms(r.forward_ms);
-    done->mutable_timings()->set_send_ms(MsSince(out.send_start));
-    raw_resp_ = Serialize(done_msg);
+    raw_resp_ = Serialize(DoneMessage(out.batch_id, r, out.checksum, MsSince(out.send_start)));
     if (out.releases_credit) --inflight_;
     outbox_.pop_front();
+  }
+
+  static StreamResponse DoneMessage(uint64_t batch_id, const ForwardResult& r, uint64_t checksum,
+                                    double send_ms) {
+    StreamResponse msg;
+    v1::BatchDone* done = msg.mutable_done();
+    done->set_batch_id(batch_id);
+    done->set_tokens(r.tokens);
+    done->set_checksum(checksum);
+    done->mutable_timings()->set_queue_ms(r.queue_ms);
+    done->mutable_timings()->set_forward_ms(r.forward_ms);
+    done->mutable_timings()->set_send_ms(send_ms);
+    return msg;
   }
 
   // Advances the stream: next write, next read, or Finish. Called with mu_ held.
@@ -396,7 +544,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       StartWrite(&raw_resp_);
     }
     const bool draining = draining_ || service_->draining();
-    if (!read_pending_ && !reads_done_ && !draining && (!opened_ || inflight_ < credits_)) {
+    if (!read_pending_ && !reads_done_ && !draining && !opening_ &&
+        (!opened_ || inflight_ < credits_)) {
       read_pending_ = true;
       StartRead(&raw_req_);
     }
@@ -418,6 +567,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   TargetService* const service_;
   grpc::CallbackServerContext* const ctx_;
   const std::shared_ptr<ReactorLink> link_;
+#if DRAFTFEED_HAVE_NCCL
+  std::shared_ptr<NcclPeer> nccl_;  // TRANSPORT_NCCL streams
+#endif
+  std::string transport_note_;
+  bool opening_ = false;  // waiting for the NCCL communicator before Opened
 
   std::mutex mu_;
   grpc::ByteBuffer raw_req_;
@@ -458,6 +612,7 @@ v1::TargetInfo TargetService::Info() const {
   for (Engine* e : engines_) info.add_devices(e->device_name());
   info.set_max_batch_tokens(options_.max_batch_tokens);
   info.add_transports(v1::TRANSPORT_GRPC);
+  if (nccl_device() >= 0) info.add_transports(v1::TRANSPORT_NCCL);
   info.add_encodings(v1::ENCODING_BF16);
   info.set_server_version(std::string(kDraftfeedVersion));
   for (LayerKind k : m.config.layer_types) {
@@ -514,6 +669,45 @@ void TargetService::BeginDrain() {
   draining_ = true;
   std::lock_guard<std::mutex> lock(mu_);
   for (StreamReactor* r : streams_) r->Drain();
+}
+
+int TargetService::nccl_device() const {
+#if DRAFTFEED_HAVE_NCCL
+  if (!options_.enable_nccl || engines_.size() != 1 || !engines_.front()->has_device_capture()) {
+    return -1;
+  }
+  const std::string name = engines_.front()->device_name();  // "cuda:N"
+  const size_t colon = name.find(':');
+  return colon == std::string::npos ? 0 : std::atoi(name.c_str() + colon + 1);
+#else
+  return -1;
+#endif
+}
+
+std::string TargetService::NcclUnavailableReason(const v1::Open& open) const {
+#if DRAFTFEED_HAVE_NCCL
+  if (!options_.enable_nccl) return "this target was started with --nccl=false";
+  if (engines_.size() != 1 || !engines_.front()->has_device_capture()) {
+    return absl::StrCat("this target runs on ", engines_.front()->device_name(),
+                        engines_.size() > 1 ? " and other devices" : "",
+                        "; NCCL needs a target with exactly one GPU");
+  }
+  if (open.nccl_unique_id().size() != 128) {
+    return absl::StrCat("Open.nccl_unique_id has ", open.nccl_unique_id().size(),
+                        " bytes, an ncclUniqueId has 128");
+  }
+  if (open.transport() == v1::TRANSPORT_AUTO && open.host_id() != LocalHostId()) {
+    return "the trainer runs on another host (or did not say which)";
+  }
+  const int device = nccl_device();
+  if (!open.gpu_uuid().empty() && open.gpu_uuid() == CudaDeviceUuid(device)) {
+    return absl::StrCat("the trainer uses this target's own GPU (cuda:", device,
+                        "); NCCL needs two GPUs");
+  }
+  return "";
+#else
+  return "this target was built without NCCL";
+#endif
 }
 
 int64_t TargetService::open_streams() const {

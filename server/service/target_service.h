@@ -26,6 +26,8 @@ struct ServiceOptions {
   int64_t host_pool_bytes = int64_t{2} << 30;  // idle capture buffers kept for reuse
   // Capture buffers' memory: pinned (PinnedHostAllocator) for GPU engines.
   HostAllocator host_allocator = HostAllocator::Heap();
+  bool enable_nccl = true;        // offer TRANSPORT_NCCL (one GPU engine, NCCL built in)
+  double nccl_timeout_s = 120.0;  // NCCL setup, and one batch's send, must finish in this
 };
 
 class StreamReactor;
@@ -61,6 +63,10 @@ class TargetService final
   // the error for a stream or batch that asks for more.
   int64_t max_capture_layers() const;
   absl::Status CheckCaptureLayers(size_t asked) const;
+  // The GPU that NCCL streams send from, or -1 when NCCL is not offered.
+  int nccl_device() const;
+  // Empty when this Open may use NCCL; otherwise why not (for errors and notes).
+  std::string NcclUnavailableReason(const v1::Open& open) const;
   Scheduler& scheduler() { return scheduler_; }
   bool draining() const { return draining_.load(); }
 

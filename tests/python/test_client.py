@@ -96,6 +96,27 @@ def test_unknown_layer_is_refused_at_open(target):
     assert "9" in str(e.value)
 
 
+def test_transport_is_checked_before_anything_connects(target):
+    with pytest.raises(ValueError) as e:
+        draftfeed.Feed(targets=[target.address], layers=[0], transport="carrier-pigeon")
+    assert "grpc" in str(e.value) and "nccl" in str(e.value)
+    # NCCL needs the receiving GPU; without it (or without a GPU) the error says so.
+    with pytest.raises(draftfeed.DraftfeedError) as e:
+        draftfeed.Feed(targets=[target.address], layers=[0], transport="nccl")
+    assert e.value.code_name in ("INVALID_ARGUMENT", "UNIMPLEMENTED")
+    assert "cuda_device" in str(e.value) or "without NCCL" in str(e.value)
+
+
+def test_grpc_results_say_they_are_in_host_memory(target):
+    with draftfeed.Feed(targets=[target.address], layers=[0], transport="grpc") as feed:
+        feed.submit(tokens(9, 1), [9])
+        r = feed.next()
+        assert r.device == -1
+        assert r.__dlpack_device__() == (1, 0)
+        s = feed.stats()["targets"][0]
+        assert s["transport"] == "grpc" and s["transport_note"] == ""
+
+
 def test_unreachable_target_errors_quickly():
     with pytest.raises(draftfeed.DraftfeedError) as e:
         draftfeed.Feed(targets=["127.0.0.1:1"], layers=[0], connect_timeout_s=1.0)

@@ -26,6 +26,12 @@
 
 namespace draftfeed {
 
+enum class Transport {
+  kGrpc,  // payload in gRPC messages, into host memory
+  kNccl,  // payload by NCCL straight into `cuda_device`'s memory (same host, other GPU)
+  kAuto,  // NCCL with targets where it works, gRPC with the others (each says why)
+};
+
 struct FeedOptions {
   // "host:port" or any gRPC target string (e.g. "dns:///targets.ns.svc:50051").
   std::vector<std::string> targets;
@@ -41,6 +47,10 @@ struct FeedOptions {
   bool ordered = true;
   // Credits asked of each target (its in-flight batches for this stream).
   int32_t credits_per_target = 4;
+  // Streams (each on its own TCP connection, with its own credits) per
+  // target address; more than one spreads gRPC's per-connection work over
+  // cores when one target's output outruns one connection.
+  int32_t connections_per_target = 1;
   // Refuse targets whose fingerprint differs. Empty: the first target's is
   // taken and every other target must match it.
   std::string expected_fingerprint;
@@ -60,6 +70,12 @@ struct FeedOptions {
   // "dns:///name:port" targets are re-resolved this often; new addresses join.
   double dns_refresh_s = 10.0;
   std::string client_name;
+  // kNccl / kAuto need the GPU that receives (`cuda_device`); results then
+  // live in its memory (HiddenBatch::device_buffer) instead of host memory.
+  Transport transport = Transport::kGrpc;
+  int cuda_device = -1;
+  // NCCL setup with a target, and each batch's receive, must finish in this.
+  double nccl_timeout_s = 120.0;
 };
 
 struct TargetDescription {
@@ -87,7 +103,13 @@ struct HiddenBatch {
   // back there when the last copy of `buffer` is released.
   std::shared_ptr<uint16_t> buffer;
   size_t num_values = 0;  // T*K*H
-  std::span<const uint16_t> hidden() const { return {buffer.get(), num_values}; }
+  std::span<const uint16_t> hidden() const {
+    return {buffer.get(), buffer ? num_values : 0};
+  }
+  // NCCL transport: the same [T, K, H] bf16 values in GPU memory of `device`
+  // (pooled like `buffer`); `buffer` is then empty.
+  std::shared_ptr<uint16_t> device_buffer;
+  int device = -1;  // -1: the values are in host memory
   uint64_t checksum = 0;  // as sent in BatchDone (verified when asked)
   std::string target;     // address that computed it
   double queue_ms = 0, forward_ms = 0, send_ms = 0;
@@ -102,6 +124,8 @@ struct TargetStats {
   int64_t delivered_tokens = 0;
   int64_t failures = 0;  // streams lost (crash, hang, shutdown)
   std::string last_error;
+  std::string transport;       // of the live stream: "grpc" or "nccl"
+  std::string transport_note;  // why not NCCL, when auto chose gRPC
 };
 
 struct FeedStats {

@@ -74,16 +74,28 @@ class Result:
     hidden_bits = property(lambda self: self._r.hidden_bits,
                            doc="uint16 [T, K, H]: the bf16 bit patterns, no copy")
 
+    device = property(lambda self: self._r.device,
+                      doc="-1: host memory (gRPC); else the CUDA device holding it (NCCL)")
+
     @property
-    def hidden(self) -> np.ndarray:
-        """float32 numpy [T, K, H]; exact (bf16 widens losslessly). numpy has no bf16."""
+    def hidden(self):
+        """float32 numpy [T, K, H] for host results; exact (bf16 widens losslessly).
+
+        Results that came by NCCL are already on the GPU: `hidden` is then the
+        bf16 torch tensor on that device (no copy), as `torch()` returns.
+        """
+        if self._r.device >= 0:
+            return self.torch()
         return (self._r.hidden_bits.astype(np.uint32) << 16).view(np.float32)
 
     def __dlpack__(self, stream=None):
+        # NCCL results are complete before they are returned (the receive was
+        # waited for), so no stream ordering is needed by the consumer.
         return self._r.dlpack_capsule()
 
     def __dlpack_device__(self):
-        return (1, 0)  # kDLCPU
+        d = self._r.device
+        return (2, d) if d >= 0 else (1, 0)  # kDLCUDA / kDLCPU
 
     def torch(self, device=None, non_blocking: bool = True):
         """bf16 torch tensor [T, K, H] through DLPack (no copy on CPU).
@@ -96,6 +108,8 @@ class Result:
         try:
             t = torch.utils.dlpack.from_dlpack(self)
         except (TypeError, RuntimeError, BufferError):
+            if self._r.device >= 0:
+                raise
             # Older torch without bf16 DLPack import: same bytes, reinterpreted.
             t = torch.from_numpy(self._r.hidden_bits.view(np.int16)).view(torch.bfloat16)
         if device is not None:
@@ -121,7 +135,9 @@ class Feed:
       prefetch: batches in flight before `submit` blocks.
       prefetch_bytes: the same bound in hidden-state bytes.
       ordered: results in submission order (default) or as they complete.
-      credits_per_target: batches each target may hold for this feed.
+      credits_per_target: batches each target may hold for this feed (per connection).
+      connections_per_target: streams, each on its own TCP connection, per target
+        address (advanced keyword; default 1).
       expected_fingerprint: refuse targets serving another model; default: the
         first target's fingerprint, which every other target must match.
       verify_checksum: check every batch against the target's checksum.
@@ -130,6 +146,12 @@ class Feed:
       unavailable_timeout_s: with no live target this long, calls raise
         UNAVAILABLE instead of waiting forever.
       progress_every_s: when > 0, `map` prints a progress line this often.
+      transport: "grpc" (default; results in host memory), "nccl" (results land
+        GPU to GPU in `cuda_device`'s memory; the targets must run on this host,
+        each on one GPU other than `cuda_device`) or "auto" (NCCL with the
+        targets where it works, gRPC with the others; `stats()` says which and
+        why per target).
+      cuda_device: the GPU index that receives, for "nccl" and "auto".
 
     A batch whose target dies, hangs or shuts down is re-sent to another target;
     duplicates are dropped by batch id, so each batch comes back exactly once.
@@ -140,7 +162,8 @@ class Feed:
                  credits_per_target: int = 4, expected_fingerprint: str = "",
                  verify_checksum: bool = True, connect_timeout_s: float = 30.0,
                  batch_timeout_s: float = 120.0, unavailable_timeout_s: float = 60.0,
-                 client_name: str = "", progress_every_s: float = 0.0, **advanced):
+                 client_name: str = "", progress_every_s: float = 0.0,
+                 transport: str = "grpc", cuda_device: int = -1, **advanced):
         if isinstance(targets, str):
             targets = [targets]
         opts = dict(prefetch=int(prefetch), prefetch_bytes=int(prefetch_bytes),
@@ -149,7 +172,8 @@ class Feed:
                     verify_checksum=bool(verify_checksum),
                     connect_timeout_s=float(connect_timeout_s),
                     batch_timeout_s=float(batch_timeout_s),
-                    unavailable_timeout_s=float(unavailable_timeout_s), client_name=client_name)
+                    unavailable_timeout_s=float(unavailable_timeout_s), client_name=client_name,
+                    transport=str(transport), cuda_device=int(cuda_device))
         opts.update(advanced)  # reconnect_backoff_min_s, reconnect_backoff_max_s, dns_refresh_s
         self._feed = _check(_draftfeed.Feed.open(list(targets), [int(l) for l in layers], opts))
         self.prefetch = int(prefetch)

@@ -176,8 +176,10 @@ class HiddenStateDataset(torch.utils.data.IterableDataset):
         return len(self.loader)  # TypeError when the loader has no length, as len() should
 
     def _hidden(self, result) -> torch.Tensor:
-        t = result.torch()  # bf16 [T, K, H] on the CPU, sharing the result's memory
-        if self._pin and not t.is_pinned():
+        # bf16 [T, K, H] sharing the result's memory: on the CPU (gRPC), or
+        # already on the receiving GPU (transport="nccl").
+        t = result.torch()
+        if self._pin and not t.is_cuda and not t.is_pinned():
             t = t.pin_memory()
         if self.device is not None and self.device.type != "cpu":
             t = t.to(self.device, non_blocking=self.non_blocking)

@@ -16,6 +16,7 @@
 #include "server/model/cuda_engine.h"
 #endif
 #include "server/service/target_service.h"
+#include "tests/server/service/test_tokens.h"
 
 namespace draftfeed {
 namespace {
@@ -56,13 +57,7 @@ std::vector<uint16_t> Values(const HiddenBatch& b) {
   return std::vector<uint16_t>(b.hidden().begin(), b.hidden().end());
 }
 
-std::vector<int32_t> RandomTokens(int n, int vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int32_t> d(0, vocab - 1);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = d(rng);
-  return t;
-}
+using testing::RandomTokens;
 
 std::vector<uint16_t> Direct(CpuEngine& e, const std::vector<int32_t>& tokens,
                              const std::vector<int32_t>& lens, const std::vector<int32_t>& layers) {
@@ -314,7 +309,7 @@ TEST(ServiceTest, StreamLevelRefusals) {
   {
     v1::Open o = OpenFor({1});
     o.set_transport(v1::TRANSPORT_NCCL);
-    cases.push_back({o, grpc::StatusCode::UNIMPLEMENTED, "transport nccl"});
+    cases.push_back({o, grpc::StatusCode::FAILED_PRECONDITION, "transport nccl refused"});
   }
   cases.push_back({OpenFor({4}), grpc::StatusCode::INVALID_ARGUMENT, "layer"});
   cases.push_back({OpenFor({}), grpc::StatusCode::INVALID_ARGUMENT, "layer"});

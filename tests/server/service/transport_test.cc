@@ -1,0 +1,382 @@
+// The NCCL transport: negotiation and refusals on any machine (CPU targets),
+// the GPU checksum against its CPU reference, and NCCL delivery against the
+// gRPC path on GPUs (those tests skip cleanly without enough GPUs).
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "draftfeed/client.h"
+#include "draftfeed/v1/checksum.h"
+#include "draftfeed/v1/draftfeed.grpc.pb.h"
+#include "server/model/cpu_engine.h"
+#include "server/service/target_service.h"
+#include "tests/server/service/test_tokens.h"
+#if DRAFTFEED_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "kernels/checksum.cuh"
+#include "server/model/cuda_engine.h"
+#endif
+
+namespace draftfeed {
+namespace {
+
+int GpuCount() {
+#if DRAFTFEED_HAVE_CUDA
+  return CudaDeviceCount();
+#else
+  return 0;
+#endif
+}
+
+// A TargetService on `engine`, served on a loopback port.
+class Serving {
+ public:
+  Serving(Engine* engine, ServiceOptions options = {}) : service_({engine}, options) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+  }
+  ~Serving() {
+    service_.BeginDrain();
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    service_.StopScheduler();
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  TargetService service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+using testing::RandomTokens;
+
+// Opens a raw stream with `open` and returns the first response (or the
+// status the stream ended with).
+struct OpenResult {
+  grpc::Status status;
+  std::optional<v1::StreamResponse> first;
+};
+OpenResult RawOpen(const std::string& address, const v1::Open& open) {
+  auto stub = v1::TargetService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  auto stream = stub->StreamHiddenStates(&ctx);
+  v1::StreamRequest req;
+  *req.mutable_open() = open;
+  stream->Write(req);
+  OpenResult r;
+  v1::StreamResponse resp;
+  if (stream->Read(&resp)) {
+    r.first = resp;
+    ctx.TryCancel();
+  }
+  stream->WritesDone();
+  r.status = stream->Finish();
+  return r;
+}
+
+class CpuTarget : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = *OpenModel("tiny-random:0");
+    engine_ = *CpuEngine::Create(model_.get(), 2);
+    serving_ = std::make_unique<Serving>(engine_.get());
+  }
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<CpuEngine> engine_;
+  std::unique_ptr<Serving> serving_;
+};
+
+TEST_F(CpuTarget, OffersOnlyGrpc) {
+  auto stub = v1::TargetService::NewStub(
+      grpc::CreateChannel(serving_->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::TargetInfo info;
+  ASSERT_TRUE(stub->GetTargetInfo(&ctx, {}, &info).ok());
+  ASSERT_EQ(info.transports_size(), 1);
+  EXPECT_EQ(info.transports(0), v1::TRANSPORT_GRPC);
+}
+
+TEST_F(CpuTarget, NcclIsRefusedNamingWhy) {
+  v1::Open open;
+  open.add_layers(0);
+  open.set_transport(v1::TRANSPORT_NCCL);
+  open.set_nccl_unique_id(std::string(128, '\x01'));
+  OpenResult r = RawOpen(serving_->address(), open);
+  EXPECT_FALSE(r.first.has_value());
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_NE(r.status.error_message().find("transport nccl refused"), std::string::npos)
+      << r.status.error_message();
+  // The reason names the cause: a CPU target (or a build without NCCL).
+  EXPECT_TRUE(r.status.error_message().find("cpu") != std::string::npos ||
+              r.status.error_message().find("without NCCL") != std::string::npos)
+      << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("transport=auto"), std::string::npos);
+}
+
+TEST_F(CpuTarget, AutoFallsBackToGrpcAndSaysWhy) {
+  v1::Open open;
+  open.add_layers(0);
+  open.set_transport(v1::TRANSPORT_AUTO);
+  open.set_nccl_unique_id(std::string(128, '\x01'));
+  OpenResult r = RawOpen(serving_->address(), open);
+  ASSERT_TRUE(r.first.has_value()) << r.status.error_message();
+  ASSERT_EQ(r.first->msg_case(), v1::StreamResponse::kOpened);
+  EXPECT_EQ(r.first->opened().transport(), v1::TRANSPORT_GRPC);
+  EXPECT_NE(r.first->opened().transport_note().find("auto chose grpc"), std::string::npos)
+      << r.first->opened().transport_note();
+}
+
+TEST_F(CpuTarget, PlainGrpcOpenHasNoTransportNote) {
+  v1::Open open;
+  open.add_layers(0);
+  OpenResult r = RawOpen(serving_->address(), open);
+  ASSERT_TRUE(r.first.has_value());
+  EXPECT_EQ(r.first->opened().transport(), v1::TRANSPORT_GRPC);
+  EXPECT_TRUE(r.first->opened().transport_note().empty());
+}
+
+TEST_F(CpuTarget, FeedAskingForNcclWithoutAGpuFailsClearly) {
+  FeedOptions opt;
+  opt.targets = {serving_->address()};
+  opt.layers = {0};
+  opt.transport = Transport::kNccl;  // cuda_device left at -1
+  auto feed = Feed::Open(opt);
+  ASSERT_FALSE(feed.ok());
+#if DRAFTFEED_HAVE_NCCL
+  EXPECT_EQ(feed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(feed.status().message().find("cuda_device"), std::string::npos) << feed.status();
+#else
+  EXPECT_EQ(feed.status().code(), absl::StatusCode::kUnimplemented);
+#endif
+}
+
+TEST_F(CpuTarget, SeveralConnectionsPerTargetShareTheWorkExactly) {
+  FeedOptions opt;
+  opt.targets = {serving_->address()};
+  opt.layers = {0, -1};
+  opt.connections_per_target = 3;
+  opt.credits_per_target = 1;  // so that 6 batches in flight need every connection
+  opt.prefetch = 6;
+  auto feed = Feed::Open(opt);
+  ASSERT_TRUE(feed.ok()) << feed.status();
+  std::vector<std::vector<int32_t>> toks;
+  for (int i = 0; i < 12; ++i) {
+    toks.push_back(RandomTokens(20 + i, 4096, 40 + i));
+    ASSERT_TRUE((*feed)->Submit(toks.back(), {20 + i}).ok());
+    if (i >= 5) {
+      auto b = (*feed)->Next();
+      ASSERT_TRUE(b.ok()) << b.status();
+    }
+  }
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE((*feed)->Next().ok());
+  FeedStats st = (*feed)->Stats();
+  ASSERT_EQ(st.targets.size(), 3u);
+  EXPECT_EQ(st.targets[0].address, serving_->address());
+  EXPECT_EQ(st.targets[2].address, serving_->address() + " #3");
+  int64_t delivered = 0;
+  for (const TargetStats& t : st.targets) {
+    EXPECT_EQ(t.state, "live");
+    EXPECT_GT(t.delivered_batches, 0) << t.address;
+    delivered += t.delivered_batches;
+  }
+  EXPECT_EQ(delivered, 12);
+  // Same bytes as one connection gives.
+  FeedOptions one = opt;
+  one.connections_per_target = 1;
+  auto single = *Feed::Open(one);
+  auto multi = *Feed::Open(opt);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(single->Submit(toks[i], {20 + i}).ok());
+    ASSERT_TRUE(multi->Submit(toks[i], {20 + i}).ok());
+  }
+  for (int i = 0; i < 4; ++i) {
+    auto a = single->Next();
+    auto b = multi->Next();
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_TRUE(std::equal(a->hidden().begin(), a->hidden().end(), b->hidden().begin(),
+                           b->hidden().end()));
+  }
+  opt.connections_per_target = 0;
+  EXPECT_EQ(Feed::Open(opt).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// ---- the NCCL checksum ------------------------------------------------------
+
+std::vector<unsigned char> RandomBytes(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<unsigned char> b(n);
+  for (auto& x : b) x = static_cast<unsigned char>(rng());
+  return b;
+}
+
+TEST(PositionalChecksum, PinnedValue) {
+  // Part of the protocol: a change here breaks every older client.
+  std::vector<unsigned char> b(1000);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<unsigned char>(i * 7 + 3);
+  EXPECT_EQ(v1::PositionalChecksum(b.data(), b.size()), 0x4da644108aeb8f7eULL);
+}
+
+TEST(PositionalChecksum, EveryBitFlipAndWordSwapChangesIt) {
+  std::vector<unsigned char> b = RandomBytes(4096 + 5, 1);
+  const uint64_t base = v1::PositionalChecksum(b.data(), b.size());
+  for (size_t byte : {size_t{0}, size_t{7}, size_t{8}, size_t{2048}, b.size() - 1}) {
+    for (int bit = 0; bit < 8; ++bit) {
+      b[byte] ^= static_cast<unsigned char>(1u << bit);
+      EXPECT_NE(v1::PositionalChecksum(b.data(), b.size()), base) << byte << ":" << bit;
+      b[byte] ^= static_cast<unsigned char>(1u << bit);
+    }
+  }
+  std::vector<unsigned char> swapped = b;
+  std::memcpy(swapped.data(), b.data() + 8, 8);
+  std::memcpy(swapped.data() + 8, b.data(), 8);
+  EXPECT_NE(v1::PositionalChecksum(swapped.data(), swapped.size()), base);
+  // The length is part of it: trailing zeros are not free.
+  std::vector<unsigned char> longer = b;
+  longer.push_back(0);
+  EXPECT_NE(v1::PositionalChecksum(longer.data(), longer.size()), base);
+}
+
+#if DRAFTFEED_HAVE_CUDA
+TEST(PositionalChecksum, GpuKernelEqualsCpuReference) {
+  if (GpuCount() == 0) GTEST_SKIP() << "no CUDA device";
+  unsigned long long* scratch = nullptr;
+  uint64_t* host = nullptr;
+  ASSERT_EQ(cudaMalloc(&scratch, 8), cudaSuccess);
+  ASSERT_EQ(cudaMallocHost(&host, 8), cudaSuccess);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{16},
+                   size_t{17}, size_t{4096}, size_t{1000003}, (size_t{64} << 20) + 5}) {
+    std::vector<unsigned char> b = RandomBytes(n, n);
+    void* d = nullptr;
+    ASSERT_EQ(cudaMalloc(&d, std::max<size_t>(n, 1)), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(d, b.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cuda::PositionalChecksum(d, n, scratch, host, nullptr), cudaSuccess);
+    EXPECT_EQ(*host, v1::PositionalChecksum(b.data(), n)) << n << " bytes";
+    cudaFree(d);
+  }
+  cudaFree(scratch);
+  cudaFreeHost(host);
+}
+
+// ---- NCCL delivery on GPUs -----------------------------------------------------
+
+class GpuTarget : public ::testing::Test {
+ protected:
+  void Start(int min_gpus) {
+    if (GpuCount() < min_gpus) GTEST_SKIP() << "needs " << min_gpus << " CUDA devices";
+    model_ = *OpenModel("small-random");
+    CudaEngineOptions copt;
+    copt.device = 0;
+    copt.max_tokens = 4096;
+    auto engine = CudaEngine::Create(model_.get(), copt);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = *std::move(engine);
+    ServiceOptions options;
+    options.max_batch_tokens = 4096;
+    options.nccl_timeout_s = 30;
+    serving_ = std::make_unique<Serving>(engine_.get(), options);
+  }
+
+  // Runs the batches through a feed with `transport` and returns each result's
+  // values in host memory, plus the per-target transport it used.
+  std::vector<std::vector<uint16_t>> RunFeed(Transport transport, int cuda_device,
+                                             std::string* used, std::string* note) {
+    FeedOptions opt;
+    opt.targets = {serving_->address()};
+    opt.layers = layers_;
+    opt.transport = transport;
+    opt.cuda_device = cuda_device;
+    opt.nccl_timeout_s = 30;
+    auto feed = Feed::Open(opt);
+    EXPECT_TRUE(feed.ok()) << feed.status();
+    if (!feed.ok()) return {};
+    for (size_t i = 0; i < lens_.size(); ++i) EXPECT_TRUE((*feed)->Submit(toks_[i], lens_[i]).ok());
+    std::vector<std::vector<uint16_t>> out;
+    for (size_t i = 0; i < lens_.size(); ++i) {
+      auto b = (*feed)->Next();
+      EXPECT_TRUE(b.ok()) << b.status();
+      if (!b.ok()) return {};
+      std::vector<uint16_t> v(b->num_values);
+      if (b->device >= 0) {
+        EXPECT_EQ(b->device, cuda_device);
+        EXPECT_EQ(b->buffer, nullptr);
+        EXPECT_EQ(cudaMemcpy(v.data(), b->device_buffer.get(), v.size() * 2,
+                             cudaMemcpyDeviceToHost),
+                  cudaSuccess);
+        EXPECT_EQ(b->checksum, v1::PositionalChecksum(v.data(), v.size() * 2));
+      } else {
+        v.assign(b->hidden().begin(), b->hidden().end());
+      }
+      out.push_back(std::move(v));
+    }
+    FeedStats st = (*feed)->Stats();
+    *used = st.targets.at(0).transport;
+    *note = st.targets.at(0).transport_note;
+    EXPECT_TRUE((*feed)->Close().ok());
+    return out;
+  }
+
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<CudaEngine> engine_;
+  std::unique_ptr<Serving> serving_;
+  const std::vector<int32_t> layers_ = {1, 3, -1};
+  // One token, a few sequences, and one whole-budget batch.
+  const std::vector<std::vector<int32_t>> lens_ = {{1}, {300, 17, 5}, {4096}};
+  std::vector<std::vector<int32_t>> toks_ = {RandomTokens(1, 4096, 1),
+                                             RandomTokens(322, 4096, 2),
+                                             RandomTokens(4096, 4096, 3)};
+};
+
+TEST_F(GpuTarget, NcclDeliversExactlyWhatGrpcDoes) {
+  Start(2);
+  if (IsSkipped()) return;
+  std::string used, note;
+  const auto by_grpc = RunFeed(Transport::kGrpc, -1, &used, &note);
+  EXPECT_EQ(used, "grpc");
+  const auto by_nccl = RunFeed(Transport::kNccl, 1, &used, &note);
+  EXPECT_EQ(used, "nccl");
+  ASSERT_EQ(by_nccl.size(), by_grpc.size());
+  for (size_t i = 0; i < by_grpc.size(); ++i) EXPECT_EQ(by_nccl[i], by_grpc[i]) << "batch " << i;
+  // auto picks NCCL on one host with two GPUs.
+  const auto by_auto = RunFeed(Transport::kAuto, 1, &used, &note);
+  EXPECT_EQ(used, "nccl") << note;
+  ASSERT_EQ(by_auto.size(), by_grpc.size());
+  for (size_t i = 0; i < by_grpc.size(); ++i) EXPECT_EQ(by_auto[i], by_grpc[i]) << "batch " << i;
+}
+
+TEST_F(GpuTarget, AutoOnTheTargetsOwnGpuFallsBackToGrpc) {
+  Start(1);
+  if (IsSkipped()) return;
+  std::string used, note;
+  const auto by_grpc = RunFeed(Transport::kGrpc, -1, &used, &note);
+  const auto by_auto = RunFeed(Transport::kAuto, 0, &used, &note);
+  EXPECT_EQ(used, "grpc");
+  EXPECT_NE(note.find("own GPU"), std::string::npos) << note;
+  EXPECT_EQ(by_auto, by_grpc);
+}
+
+TEST_F(GpuTarget, NcclOnTheTargetsOwnGpuIsRefused) {
+  Start(1);
+  if (IsSkipped()) return;
+  FeedOptions opt;
+  opt.targets = {serving_->address()};
+  opt.layers = layers_;
+  opt.transport = Transport::kNccl;
+  opt.cuda_device = 0;
+  auto feed = Feed::Open(opt);
+  ASSERT_FALSE(feed.ok());
+  EXPECT_NE(feed.status().message().find("own GPU"), std::string::npos) << feed.status();
+}
+#endif  // DRAFTFEED_HAVE_CUDA
+
+}  // namespace
+}  // namespace draftfeed
