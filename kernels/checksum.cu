@@ -52,6 +52,17 @@ __global__ void PositionalSumKernel(const uint64_t* __restrict__ words, size_t n
 
 cudaError_t PositionalChecksum(const void* data, size_t bytes, unsigned long long* scratch,
                                uint64_t* host_out, cudaStream_t stream) {
+  if (cudaError_t e = EnqueuePositionalSum(data, bytes, scratch, host_out, stream);
+      e != cudaSuccess) {
+    return e;
+  }
+  if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) return e;
+  *host_out = v1::PositionalFinish(*host_out, bytes);
+  return cudaSuccess;
+}
+
+cudaError_t EnqueuePositionalSum(const void* data, size_t bytes, unsigned long long* scratch,
+                                 uint64_t* host_sum, cudaStream_t stream) {
   if (cudaError_t e = cudaMemsetAsync(scratch, 0, sizeof(*scratch), stream); e != cudaSuccess) {
     return e;
   }
@@ -69,14 +80,7 @@ cudaError_t PositionalChecksum(const void* data, size_t bytes, unsigned long lon
       static_cast<const uint64_t*>(data), n_words,
       static_cast<const unsigned char*>(data) + n_words * 8, tail, scratch);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaMemcpyAsync(host_out, scratch, sizeof(*scratch),
-                                      cudaMemcpyDeviceToHost, stream);
-      e != cudaSuccess) {
-    return e;
-  }
-  if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) return e;
-  *host_out = v1::PositionalFinish(*host_out, bytes);
-  return cudaSuccess;
+  return cudaMemcpyAsync(host_sum, scratch, sizeof(*scratch), cudaMemcpyDeviceToHost, stream);
 }
 
 }  // namespace draftfeed::cuda

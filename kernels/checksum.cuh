@@ -15,4 +15,9 @@ namespace draftfeed::cuda {
 cudaError_t PositionalChecksum(const void* data, size_t bytes, unsigned long long* scratch,
                                uint64_t* host_out, cudaStream_t stream);
 
+// The same, enqueued only: once `stream` reaches this point, *host_sum holds
+// the raw sum; v1::PositionalFinish(*host_sum, bytes) is the checksum.
+cudaError_t EnqueuePositionalSum(const void* data, size_t bytes, unsigned long long* scratch,
+                                 uint64_t* host_sum, cudaStream_t stream);
+
 }  // namespace draftfeed::cuda

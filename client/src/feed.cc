@@ -159,6 +159,19 @@ struct Feed::Impl {
 #if DRAFTFEED_HAVE_NCCL
     std::unique_ptr<NcclPeer> nccl;  // TRANSPORT_NCCL streams
     cudaStream_t cuda_stream = nullptr;
+    // Receives posted by the reader as batches are announced, completed in
+    // order by `waiter` (so the reader keeps reading BatchDone meanwhile).
+    struct Posted {
+      uint64_t batch_id = 0;
+      int64_t tokens = 0;
+      std::shared_ptr<uint16_t> buffer;
+      NcclPeer::Op op;
+    };
+    std::mutex rmu;
+    std::condition_variable rcv;
+    std::deque<Posted> posted;
+    bool rclosed = false;
+    std::thread waiter;
     ~Conn() {
       nccl.reset();
       if (cuda_stream != nullptr) cudaStreamDestroy(cuda_stream);
@@ -198,6 +211,8 @@ struct Feed::Impl {
     std::shared_ptr<uint16_t> hidden;  // from the pool, T*K*H values (gRPC streams)
     std::shared_ptr<uint16_t> device;  // from the device pool (NCCL streams)
     uint64_t device_checksum = 0;      // computed on the GPU as it arrived
+    bool recv_pending = false;         // announced by NCCL, not yet received
+    std::optional<v1::BatchDone> early_done;  // BatchDone that beat its receive
     size_t values = 0;
     // Checksum fed chunk by chunk while the bytes are in cache; valid while
     // chunks arrive in order (otherwise the batch is re-hashed whole).
@@ -417,6 +432,9 @@ struct Feed::Impl {
     Conn* c = conn.get();
     c->writer = std::thread([c] { WriteLoop(c); });
     c->reader = std::thread([this, t, conn] { ReadLoop(t, conn); });
+#if DRAFTFEED_HAVE_NCCL
+    if (c->nccl != nullptr) c->waiter = std::thread([this, t, c] { WaitLoop(t, c); });
+#endif
     cv.notify_all();
     return absl::OkStatus();
   }
@@ -478,6 +496,18 @@ struct Feed::Impl {
     StopWriter(conn.get(), /*drop_queued=*/true);
     if (conn->writer.joinable()) conn->writer.join();
     const grpc::Status status = conn->stream->Finish();
+#if DRAFTFEED_HAVE_NCCL
+    if (conn->nccl != nullptr) {
+      // The stream is over: whatever was posted will never be matched.
+      conn->nccl->Abort();
+      {
+        std::lock_guard<std::mutex> rlock(conn->rmu);
+        conn->rclosed = true;
+      }
+      conn->rcv.notify_all();
+      if (conn->waiter.joinable()) conn->waiter.join();
+    }
+#endif
     std::lock_guard<std::mutex> lock(mu);
     OnConnEnd(t, conn, status);
     conn->finished = true;
@@ -486,9 +516,9 @@ struct Feed::Impl {
   }
 
 #if DRAFTFEED_HAVE_NCCL
-  // The target announced a batch and is sending it by NCCL now: receive it
-  // (every announcement, even of a batch no longer wanted, or the two sides'
-  // operation order would part), checksum it on the GPU, attach it.
+  // The target announced a batch and will ncclSend it when its forward ends:
+  // post the matching receive now (for every announcement, even of a batch no
+  // longer wanted, or the two sides' operation order would part).
   bool ReceiveNccl(Target* t, Conn* conn, const v1::HiddenChunk& c) {
     const int64_t stride = K() * hidden_size;
     if (c.token_offset() != 0 || c.token_count() < 1 || !c.data().empty()) {
@@ -497,46 +527,74 @@ struct Feed::Impl {
       return false;
     }
     const size_t values = static_cast<size_t>(c.token_count() * stride);
-    std::shared_ptr<uint16_t> buffer = device_pool->Acquire(values);
-    absl::Status s;
-    uint64_t checksum = 0;
-    if (buffer == nullptr) {
-      s = absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", values * 2,
-                                                    " bytes on cuda:", options.cuda_device));
-    } else {
-      s = conn->nccl->Recv(buffer.get(), values * 2, conn->cuda_stream, options.nccl_timeout_s,
-                           [this] { return closing_flag.load(); });
-    }
-    if (s.ok() && options.verify_checksum) {
-      auto sum = conn->nccl->Checksum(buffer.get(), values * 2, conn->cuda_stream);
-      if (sum.ok()) {
-        checksum = *sum;
-      } else {
-        s = sum.status();
-      }
-    }
+    Conn::Posted posted{c.batch_id(), c.token_count(), device_pool->Acquire(values), {}};
+    absl::StatusOr<NcclPeer::Op> op =
+        posted.buffer == nullptr
+            ? absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", values * 2,
+                                                        " bytes on cuda:", options.cuda_device))
+            : conn->nccl->PostRecv(posted.buffer.get(), values * 2, conn->cuda_stream);
     std::lock_guard<std::mutex> lock(mu);
-    if (!s.ok()) {
-      t->stats.last_error = absl::StrCat("nccl receive: ", s.message());
+    if (!op.ok()) {
+      t->stats.last_error = absl::StrCat("nccl receive: ", op.status().message());
       return false;
     }
-    stats.bytes_received += static_cast<int64_t>(values * 2);
+    posted.op = *op;
     auto it = pending.find(c.batch_id());
-    if (it == pending.end() || it->second.complete || it->second.conn != conn) return true;
-    Pending& p = it->second;
-    if (c.token_count() != static_cast<int64_t>(p.token_ids.size())) {
-      Fail(c.batch_id(), p,
-           absl::DataLossError(absl::StrCat("target ", t->address, " announced ",
-                                            c.token_count(), " tokens for batch ", c.batch_id(),
-                                            " of ", p.token_ids.size())));
-      cv.notify_all();
-      return true;
+    if (it != pending.end() && !it->second.complete && it->second.conn == conn) {
+      it->second.recv_pending = true;
+      it->second.last_progress = Clock::now();
     }
-    p.device = std::move(buffer);
-    p.device_checksum = checksum;
-    p.tokens_received = c.token_count();
-    p.last_progress = Clock::now();
+    {
+      std::lock_guard<std::mutex> rlock(conn->rmu);
+      conn->posted.push_back(std::move(posted));
+    }
+    conn->rcv.notify_one();
     return true;
+  }
+
+  // Completes posted receives in order and attaches each to its batch.
+  void WaitLoop(Target* t, Conn* conn) {
+    cudaSetDevice(options.cuda_device);
+    for (;;) {
+      Conn::Posted r;
+      {
+        std::unique_lock<std::mutex> rlock(conn->rmu);
+        conn->rcv.wait(rlock, [&] { return conn->rclosed || !conn->posted.empty(); });
+        if (conn->rclosed) return;
+        r = std::move(conn->posted.front());
+        conn->posted.pop_front();
+      }
+      absl::StatusOr<uint64_t> sum = conn->nccl->WaitOp(r.op, options.nccl_timeout_s,
+                                                       [this] { return closing_flag.load(); });
+      std::lock_guard<std::mutex> lock(mu);
+      if (!sum.ok()) {
+        if (!closing) t->stats.last_error = absl::StrCat("nccl receive: ", sum.status().message());
+        conn->ctx.TryCancel();  // the stream ends; its batches go elsewhere
+        return;
+      }
+      stats.bytes_received += static_cast<int64_t>(r.tokens * K() * hidden_size * 2);
+      auto it = pending.find(r.batch_id);
+      if (it == pending.end() || it->second.complete || it->second.conn != conn) continue;
+      Pending& p = it->second;
+      p.recv_pending = false;
+      p.last_progress = Clock::now();
+      if (r.tokens != static_cast<int64_t>(p.token_ids.size())) {
+        Fail(r.batch_id, p,
+             absl::DataLossError(absl::StrCat("target ", t->address, " announced ", r.tokens,
+                                              " tokens for batch ", r.batch_id, " of ",
+                                              p.token_ids.size())));
+        cv.notify_all();
+        continue;
+      }
+      p.device = std::move(r.buffer);
+      p.device_checksum = options.verify_checksum ? *sum : 0;
+      p.tokens_received = r.tokens;
+      if (p.early_done.has_value()) {
+        const v1::BatchDone d = *std::move(p.early_done);
+        p.early_done.reset();
+        FinishBatch(t, r.batch_id, p, d);
+      }
+    }
   }
 #endif
 
@@ -573,6 +631,8 @@ struct Feed::Impl {
     p.target = nullptr;
     p.conn = nullptr;
     p.tokens_received = 0;
+    p.recv_pending = false;
+    p.early_done.reset();
     p.hasher.Reset(p.values * 2);
     p.hashed_in_order = true;
   }
@@ -685,7 +745,16 @@ struct Feed::Impl {
       cv.notify_all();
       return;
     }
-    const v1::BatchDone& d = resp.done();
+    if (p.recv_pending) {
+      p.early_done = resp.done();  // the NCCL receive attaches it (WaitLoop)
+      return;
+    }
+    FinishBatch(t, id, p, resp.done());
+  }
+
+  // A batch's BatchDone with its payload in place: check it, hand it out.
+  void FinishBatch(Target* t, uint64_t id, Pending& p, const v1::BatchDone& d) {
+    const int64_t T = static_cast<int64_t>(p.token_ids.size());
     if (p.tokens_received != T || d.tokens() != T) {
       Fail(id, p,
            absl::DataLossError(absl::StrCat("batch ", id, " from ", t->address, ": received ",

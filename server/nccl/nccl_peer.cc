@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/checksum.cuh"
+#include "proto/draftfeed/v1/checksum.h"
 
 namespace draftfeed {
 
@@ -35,9 +36,12 @@ struct NcclPeer::Impl {
   ncclComm_t comm = nullptr;
   mutable std::mutex mu;  // Abort may come from another thread
   bool aborted = false;
-  cudaEvent_t done = nullptr;
-  unsigned long long* d_sum = nullptr;  // checksum scratch
-  uint64_t* h_sum = nullptr;            // pinned
+  // One slot per op in flight: its completion event and checksum words.
+  cudaEvent_t done[kMaxOps] = {};
+  unsigned long long* d_sum = nullptr;  // [kMaxOps] device scratch
+  uint64_t* h_sum = nullptr;            // [kMaxOps] pinned
+  int next_slot = 0;
+  int in_flight = 0;
   ~Impl();
 };
 
@@ -62,14 +66,16 @@ absl::StatusOr<std::unique_ptr<NcclPeer>> NcclPeer::Start(const std::string& uni
     return CudaError(e, absl::StrCat("cudaSetDevice(", device, ")").c_str());
   }
   auto impl = std::make_unique<Impl>();
-  if (cudaError_t e = cudaEventCreateWithFlags(&impl->done, cudaEventDisableTiming);
-      e != cudaSuccess) {
-    return CudaError(e, "cudaEventCreate");
+  for (cudaEvent_t& ev : impl->done) {
+    if (cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming); e != cudaSuccess) {
+      return CudaError(e, "cudaEventCreate");
+    }
   }
-  if (cudaError_t e = cudaMalloc(&impl->d_sum, sizeof(*impl->d_sum)); e != cudaSuccess) {
+  if (cudaError_t e = cudaMalloc(&impl->d_sum, kMaxOps * sizeof(*impl->d_sum)); e != cudaSuccess) {
     return CudaError(e, "cudaMalloc");
   }
-  if (cudaError_t e = cudaMallocHost(&impl->h_sum, sizeof(*impl->h_sum)); e != cudaSuccess) {
+  if (cudaError_t e = cudaMallocHost(&impl->h_sum, kMaxOps * sizeof(*impl->h_sum));
+      e != cudaSuccess) {
     return CudaError(e, "cudaMallocHost");
   }
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -91,7 +97,9 @@ NcclPeer::Impl::~Impl() {
   // Abort rather than destroy: it never waits for the other rank, which may be
   // gone (and the device is set by the caller's thread or here).
   if (comm != nullptr && !aborted) ncclCommAbort(comm);
-  if (done != nullptr) cudaEventDestroy(done);
+  for (cudaEvent_t ev : done) {
+    if (ev != nullptr) cudaEventDestroy(ev);
+  }
   if (d_sum != nullptr) cudaFree(d_sum);
   if (h_sum != nullptr) cudaFreeHost(h_sum);
 }
@@ -138,29 +146,65 @@ absl::Status NcclPeer::Wait(double timeout_s, const Cancelled& cancelled) {
   }
 }
 
-absl::Status NcclPeer::Transfer(bool send, void* data, size_t bytes, void* stream_ptr,
-                                double timeout_s, const Cancelled& cancelled) {
+absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
+                                            void* stream_ptr) {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
-    const int peer = send ? kReceiverRank : kSenderRank;
-    ncclResult_t r = send ? ncclSend(data, bytes, ncclUint8, peer, impl_->comm, stream)
-                          : ncclRecv(data, bytes, ncclUint8, peer, impl_->comm, stream);
-    // Nonblocking communicators may answer ncclInProgress while enqueueing.
-    while (r == ncclInProgress) {
-      ncclCommGetAsyncError(impl_->comm, &r);
-    }
-    if (r != ncclSuccess) return NcclError(r, send ? "ncclSend" : "ncclRecv");
-    if (cudaError_t e = cudaEventRecord(impl_->done, stream); e != cudaSuccess) {
-      return CudaError(e, "cudaEventRecord");
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
+  if (impl_->in_flight >= kMaxOps) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("more than ", kMaxOps, " nccl transfers in flight on one stream"));
+  }
+  Op op{impl_->next_slot, bytes};
+  unsigned long long* d_sum = impl_->d_sum + op.slot;
+  uint64_t* h_sum = impl_->h_sum + op.slot;
+  // The sender checksums what it is about to send; the receiver what arrived.
+  if (send) {
+    if (cudaError_t e = cuda::EnqueuePositionalSum(data, bytes, d_sum, h_sum, stream);
+        e != cudaSuccess) {
+      return CudaError(e, "payload checksum");
     }
   }
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(timeout_s));
-  for (int spin = 0;; ++spin) {
-    const cudaError_t q = cudaEventQuery(impl_->done);
-    if (q == cudaSuccess) return absl::OkStatus();
+  const int peer = send ? kReceiverRank : kSenderRank;
+  ncclResult_t r = send ? ncclSend(data, bytes, ncclUint8, peer, impl_->comm, stream)
+                        : ncclRecv(data, bytes, ncclUint8, peer, impl_->comm, stream);
+  // Nonblocking communicators may answer ncclInProgress while enqueueing.
+  while (r == ncclInProgress) ncclCommGetAsyncError(impl_->comm, &r);
+  if (r != ncclSuccess) return NcclError(r, send ? "ncclSend" : "ncclRecv");
+  if (!send) {
+    if (cudaError_t e = cuda::EnqueuePositionalSum(data, bytes, d_sum, h_sum, stream);
+        e != cudaSuccess) {
+      return CudaError(e, "payload checksum");
+    }
+  }
+  if (cudaError_t e = cudaEventRecord(impl_->done[op.slot], stream); e != cudaSuccess) {
+    return CudaError(e, "cudaEventRecord");
+  }
+  impl_->next_slot = (impl_->next_slot + 1) % kMaxOps;
+  ++impl_->in_flight;
+  return op;
+}
+
+absl::StatusOr<NcclPeer::Op> NcclPeer::PostSend(const void* data, size_t bytes, void* stream) {
+  return Post(true, const_cast<void*>(data), bytes, stream);
+}
+
+absl::StatusOr<NcclPeer::Op> NcclPeer::PostRecv(void* data, size_t bytes, void* stream) {
+  return Post(false, data, bytes, stream);
+}
+
+absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
+                                          const Cancelled& cancelled) {
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(timeout_s));
+  for (;;) {
+    const cudaError_t q = cudaEventQuery(impl_->done[op.slot]);
+    if (q == cudaSuccess) {
+      std::lock_guard<std::mutex> lock(impl_->mu);
+      --impl_->in_flight;
+      return v1::PositionalFinish(impl_->h_sum[op.slot], op.bytes);
+    }
     if (q != cudaErrorNotReady) return CudaError(q, "waiting for an nccl transfer");
     ncclResult_t async = ncclSuccess;
     {
@@ -170,39 +214,41 @@ absl::Status NcclPeer::Transfer(bool send, void* data, size_t bytes, void* strea
     }
     if (async != ncclSuccess && async != ncclInProgress) {
       Abort();
-      return NcclError(async, send ? "ncclSend" : "ncclRecv");
+      return NcclError(async, "transfer");
     }
     if (cancelled && cancelled()) {
       Abort();
       return absl::CancelledError("nccl transfer cancelled: the other side went away");
     }
-    if (Clock::now() > deadline) {
+    const auto now = Clock::now();
+    if (now > deadline) {
       Abort();
-      return absl::DeadlineExceededError(absl::StrCat(
-          "nccl ", send ? "send" : "receive", " of ", bytes, " bytes did not finish in ",
-          timeout_s, " s; the communicator was aborted"));
+      return absl::DeadlineExceededError(
+          absl::StrCat("nccl transfer of ", op.bytes, " bytes did not finish in ", timeout_s,
+                       " s; the communicator was aborted"));
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(spin < 200 ? 20 : 500));
+    // Spin (yielding) for the first 2 ms: a transfer of tens of MiB takes a
+    // fraction of that over NVLink, and a sleep's wake-up would dominate.
+    if (now - start < std::chrono::milliseconds(2)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
   }
 }
 
-absl::StatusOr<uint64_t> NcclPeer::Checksum(const void* data, size_t bytes, void* stream) {
-  if (cudaError_t e = cuda::PositionalChecksum(data, bytes, impl_->d_sum, impl_->h_sum,
-                                               static_cast<cudaStream_t>(stream));
-      e != cudaSuccess) {
-    return CudaError(e, "payload checksum");
-  }
-  return *impl_->h_sum;
+absl::StatusOr<uint64_t> NcclPeer::Send(const void* data, size_t bytes, void* stream,
+                                        double timeout_s, const Cancelled& cancelled) {
+  auto op = PostSend(data, bytes, stream);
+  if (!op.ok()) return op.status();
+  return WaitOp(*op, timeout_s, cancelled);
 }
 
-absl::Status NcclPeer::Send(const void* data, size_t bytes, void* stream, double timeout_s,
-                            const Cancelled& cancelled) {
-  return Transfer(true, const_cast<void*>(data), bytes, stream, timeout_s, cancelled);
-}
-
-absl::Status NcclPeer::Recv(void* data, size_t bytes, void* stream, double timeout_s,
-                            const Cancelled& cancelled) {
-  return Transfer(false, data, bytes, stream, timeout_s, cancelled);
+absl::StatusOr<uint64_t> NcclPeer::Recv(void* data, size_t bytes, void* stream, double timeout_s,
+                                        const Cancelled& cancelled) {
+  auto op = PostRecv(data, bytes, stream);
+  if (!op.ok()) return op.status();
+  return WaitOp(*op, timeout_s, cancelled);
 }
 
 std::string LocalHostId() {

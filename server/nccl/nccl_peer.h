@@ -35,15 +35,26 @@ class NcclPeer {
   // returns true, or `timeout_s` passes; on failure the communicator is aborted.
   absl::Status Wait(double timeout_s, const Cancelled& cancelled = nullptr);
 
-  // Moves `bytes` bytes from / into device memory in order on `stream`
-  // (a cudaStream_t) and waits for completion like Wait.
-  absl::Status Send(const void* data, size_t bytes, void* stream, double timeout_s,
-                    const Cancelled& cancelled = nullptr);
-  absl::Status Recv(void* data, size_t bytes, void* stream, double timeout_s,
-                    const Cancelled& cancelled = nullptr);
+  // A send or receive enqueued on a stream, with the payload's checksum
+  // (v1::PositionalChecksum, computed on the GPU) enqueued beside it. Ops
+  // complete in the order they were posted; at most kMaxOps are in flight.
+  static constexpr int kMaxOps = 64;
+  struct Op {
+    int slot = -1;
+    size_t bytes = 0;
+  };
+  // Send: the checksum is taken before the bytes leave. Receive: after they land.
+  absl::StatusOr<Op> PostSend(const void* data, size_t bytes, void* stream);
+  absl::StatusOr<Op> PostRecv(void* data, size_t bytes, void* stream);
+  // Waits for `op` like Wait; on success returns the payload's checksum.
+  absl::StatusOr<uint64_t> WaitOp(const Op& op, double timeout_s,
+                                  const Cancelled& cancelled = nullptr);
 
-  // v1::PositionalChecksum of `bytes` device bytes, computed on `stream`.
-  absl::StatusOr<uint64_t> Checksum(const void* data, size_t bytes, void* stream);
+  // Post + WaitOp.
+  absl::StatusOr<uint64_t> Send(const void* data, size_t bytes, void* stream, double timeout_s,
+                                const Cancelled& cancelled = nullptr);
+  absl::StatusOr<uint64_t> Recv(void* data, size_t bytes, void* stream, double timeout_s,
+                                const Cancelled& cancelled = nullptr);
 
   // Unblocks every operation of this communicator (from any thread); it is
   // unusable afterwards.
@@ -54,8 +65,7 @@ class NcclPeer {
  private:
   struct Impl;
   NcclPeer(std::unique_ptr<Impl> impl, int device);
-  absl::Status Transfer(bool send, void* data, size_t bytes, void* stream, double timeout_s,
-                        const Cancelled& cancelled);
+  absl::StatusOr<Op> Post(bool send, void* data, size_t bytes, void* stream);
   std::unique_ptr<Impl> impl_;
   int device_;
 };

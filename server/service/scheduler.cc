@@ -113,6 +113,7 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
   result.hidden_size = static_cast<size_t>(c->tokens * static_cast<int64_t>(item.layers.size()) *
                                            engine->model().config.hidden_size);
   const ForwardInput input{item.token_ids, item.seq_lens, item.layers};
+  if (item.on_start) item.on_start();
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status status;
   bool copy_pending = false;

@@ -49,6 +49,10 @@ struct WorkItem {
   // When set (NCCL transport), the capture is handed over while still on the
   // device and `done` gets a result without a host buffer (`hidden` null).
   Engine::DeviceSink device_sink;
+  // Called on the worker just before the forward starts (not for cancelled
+  // items): the NCCL transport announces the batch here, so the trainer has
+  // its receive posted by the time the capture is ready.
+  std::function<void()> on_start;
 };
 
 class Scheduler {

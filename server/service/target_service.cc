@@ -43,7 +43,9 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
 // What the NCCL sink of one batch hands to its done callback.
 struct NcclBatch {
   uint64_t checksum = 0;
-  double send_ms = 0;  // checksum + announcement + ncclSend, on the worker
+  double send_ms = 0;  // checksum + ncclSend until received, on the worker
+  bool announced = false;
+  bool sent = false;
 };
 
 // Lets scheduler callbacks reach a reactor that may already be gone: OnDone
@@ -348,30 +350,35 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Pump();
   }
 
+  // Runs on the scheduler worker as the forward starts: the trainer learns
+  // the batch's size and posts its receive while the forward runs.
+  static void AnnounceNccl(const std::shared_ptr<ReactorLink>& link, uint64_t batch_id,
+                           int64_t tokens, NcclBatch* state) {
+    std::lock_guard<std::mutex> lock(link->mu);
+    if (link->reactor == nullptr) return;
+    link->reactor->Announce(batch_id, tokens);
+    state->announced = true;
+  }
+
   // Runs on the scheduler worker with the capture still on the GPU: checksum
-  // it there, announce it on the stream, then ncclSend it and wait (the next
-  // forward overwrites the buffer).
+  // and ncclSend it there, and wait (the next forward overwrites the buffer).
   static absl::Status SendOverNccl(const std::shared_ptr<ReactorLink>& link,
-                                   const std::shared_ptr<NcclPeer>& peer, uint64_t batch_id,
-                                   int64_t tokens, double timeout_s, NcclBatch* state,
-                                   const Engine::DeviceView& view) {
+                                   const std::shared_ptr<NcclPeer>& peer, double timeout_s,
+                                   NcclBatch* state, const Engine::DeviceView& view) {
     const auto t0 = std::chrono::steady_clock::now();
-    absl::StatusOr<uint64_t> sum = peer->Checksum(view.data, view.bytes, view.stream);
-    if (!sum.ok()) return sum.status();
-    state->checksum = *sum;
-    {
-      std::lock_guard<std::mutex> lock(link->mu);
-      if (link->reactor == nullptr) return absl::CancelledError("stream closed");
-      link->reactor->Announce(batch_id, tokens);
-    }
-    absl::Status s = peer->Send(view.data, view.bytes, view.stream, timeout_s,
-                                [link] { return link->cancelled.load(); });
+    absl::StatusOr<uint64_t> sum =
+        state->announced ? peer->Send(view.data, view.bytes, view.stream, timeout_s,
+                                      [link] { return link->cancelled.load(); })
+                         : absl::StatusOr<uint64_t>(absl::CancelledError("stream closed"));
     state->send_ms = MsSince(t0);
-    if (!s.ok()) {
-      std::lock_guard<std::mutex> lock(link->mu);
-      if (link->reactor != nullptr) link->reactor->OnNcclBroken(s);
+    if (sum.ok()) {
+      state->checksum = *sum;
+      state->sent = true;
+      return absl::OkStatus();
     }
-    return s;
+    std::lock_guard<std::mutex> lock(link->mu);
+    if (link->reactor != nullptr) link->reactor->OnNcclBroken(sum.status());
+    return sum.status();
   }
 
   void Announce(uint64_t batch_id, int64_t tokens) {
@@ -446,12 +453,25 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (nccl_ != nullptr) {
       auto state = std::make_shared<NcclBatch>();
       const int64_t tokens = static_cast<int64_t>(item.token_ids.size());
-      item.device_sink = [link, peer = nccl_, batch_id, tokens, state,
+      item.on_start = [link, batch_id, tokens, state] {
+        AnnounceNccl(link, batch_id, tokens, state.get());
+      };
+      item.device_sink = [link, peer = nccl_, state,
                           timeout_s = service_->options().nccl_timeout_s](
                              const Engine::DeviceView& view) {
-        return SendOverNccl(link, peer, batch_id, tokens, timeout_s, state.get(), view);
+        return SendOverNccl(link, peer, timeout_s, state.get(), view);
       };
       item.done = [link, batch_id, state](absl::StatusOr<ForwardResult> r) {
+        if (state->announced && !state->sent) {
+          // The trainer posted a receive that no send will match: the stream's
+          // communicator is out of step, so the stream ends (its batches are
+          // re-sent by the client).
+          std::lock_guard<std::mutex> lock(link->mu);
+          if (link->reactor != nullptr) {
+            link->reactor->OnNcclBroken(
+                r.ok() ? absl::InternalError("batch announced but not sent") : r.status());
+          }
+        }
         if (r.ok()) {
           // forward_ms covered the send too; report the two apart.
           r->forward_ms -= state->send_ms;
