@@ -1,6 +1,8 @@
 #include "server/common/host_buffer_pool.h"
 
 #include <algorithm>
+#include <iterator>
+#include <vector>
 #include <utility>
 
 namespace draftfeed {
@@ -28,33 +30,56 @@ std::shared_ptr<uint16_t> HostBufferPool::Acquire(size_t elements) {
   std::shared_ptr<State> state = state_;
   uint16_t* p = nullptr;
   size_t cap = 0;
+  std::vector<uint16_t*> evicted;  // idle buffers dropped to stay under the cap
   {
-    std::lock_guard<std::mutex> lock(state->mu);
-    // Best fit, but not more than twice the size (a small batch must not pin
-    // a huge buffer).
-    auto it = state->idle.lower_bound(elements);
-    if (it != state->idle.end() && it->first <= 2 * elements + 4096) {
-      cap = it->first;
-      p = it->second;
-      state->idle.erase(it);
-      state->idle_bytes -= static_cast<int64_t>(cap * 2);
+    std::unique_lock<std::mutex> lock(state->mu);
+    for (;;) {
+      // Best fit, but not more than twice the size (a small batch must not
+      // pin a huge buffer).
+      auto it = state->idle.lower_bound(elements);
+      const bool reuse = it != state->idle.end() && it->first <= 2 * elements + 4096;
+      cap = reuse ? it->first : elements;
+      const int64_t need = static_cast<int64_t>(cap * 2);
+      const int64_t limit = state->max_total_bytes;
+      if (limit > 0 && state->live_bytes > 0 && state->live_bytes + need > limit) {
+        state->returned.wait(lock);  // a live buffer must come back first
+        continue;
+      }
+      if (reuse) {
+        p = it->second;
+        state->idle.erase(it);
+        state->idle_bytes -= need;
+      }
+      // Drop idle buffers (largest first) until live + idle fits the cap.
+      while (limit > 0 && !state->idle.empty() &&
+             state->live_bytes + state->idle_bytes + need > limit) {
+        auto last = std::prev(state->idle.end());
+        state->idle_bytes -= static_cast<int64_t>(last->first * 2);
+        evicted.push_back(last->second);
+        state->idle.erase(last);
+      }
+      state->live_bytes += need;  // reserved before a fresh allocation
+      state->peak_total_bytes =
+          std::max(state->peak_total_bytes, state->live_bytes + state->idle_bytes);
+      break;
     }
   }
+  for (uint16_t* q : evicted) state->allocator.release(q);
   if (p == nullptr) {
-    cap = elements;
     p = static_cast<uint16_t*>(state->allocator.allocate(std::max<size_t>(cap, 1) * 2));
-    if (p == nullptr) return nullptr;
     std::lock_guard<std::mutex> lock(state->mu);
+    if (p == nullptr) {
+      state->live_bytes -= static_cast<int64_t>(cap * 2);
+      state->returned.notify_all();
+      return nullptr;
+    }
     ++state->allocations;
-  }
-  {
-    std::lock_guard<std::mutex> lock(state->mu);
-    state->live_bytes += static_cast<int64_t>(cap * 2);
   }
   return std::shared_ptr<uint16_t>(p, [state, cap](uint16_t* q) {
     {
       std::lock_guard<std::mutex> lock(state->mu);
       state->live_bytes -= static_cast<int64_t>(cap * 2);
+      state->returned.notify_all();
       if (!state->closed &&
           state->idle_bytes + static_cast<int64_t>(cap * 2) <= state->max_idle_bytes) {
         state->idle.emplace(cap, q);
@@ -65,6 +90,17 @@ std::shared_ptr<uint16_t> HostBufferPool::Acquire(size_t elements) {
     // Outside the lock: freeing pinned memory is slow (and synchronises the GPU).
     state->allocator.release(q);
   });
+}
+
+void HostBufferPool::set_max_total_bytes(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->max_total_bytes = std::max<int64_t>(0, bytes);
+  state_->returned.notify_all();
+}
+
+int64_t HostBufferPool::peak_total_bytes() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->peak_total_bytes;
 }
 
 int64_t HostBufferPool::live_bytes() const {

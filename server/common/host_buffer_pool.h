@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -35,9 +36,15 @@ class HostBufferPool {
   // copy of the pointer drops; buffers may outlive the pool.
   std::shared_ptr<uint16_t> Acquire(size_t elements);
 
+  // Caps live + idle bytes (0: no cap). Acquire then waits until its buffer
+  // fits, dropping idle buffers first; a buffer larger than the cap alone is
+  // still handed out when nothing else is live, so one batch always runs.
+  void set_max_total_bytes(int64_t bytes);
+
   int64_t live_bytes() const;  // handed out, not yet returned
   int64_t idle_bytes() const;  // kept for reuse
   int64_t allocations() const;  // fresh allocations so far
+  int64_t peak_total_bytes() const;  // highest live + idle so far
 
  private:
   struct State {
@@ -47,6 +54,9 @@ class HostBufferPool {
     int64_t live_bytes = 0;
     int64_t allocations = 0;
     int64_t max_idle_bytes = 0;
+    int64_t max_total_bytes = 0;
+    int64_t peak_total_bytes = 0;  // live + idle, highest seen
+    std::condition_variable returned;
     bool closed = false;
     HostAllocator allocator;
   };

@@ -55,6 +55,10 @@ ABSL_FLAG(int32_t, drain_timeout_s, 60,
 ABSL_FLAG(double, throttle_tokens_per_s, 0,
           "Cap the engine at this many tokens/s (0 = off): emulates a slower device in "
           "balancing and split benchmarks.");
+ABSL_FLAG(double, host_memory_cap_gib, 0,
+          "Cap on the host memory of captured hidden states (batches being sent plus buffers "
+          "kept for reuse), GiB; a forward waits for buffers to come back rather than exceed "
+          "it (one batch always runs). 0 = no cap beyond the streams' credits.");
 ABSL_FLAG(bool, nccl, true,
           "Offer the NCCL transport (trainers on this host with their own GPU receive hidden "
           "states GPU to GPU). Needs a target with exactly one GPU.");
@@ -159,6 +163,9 @@ int Run() {
   if (!gpus.empty()) options.host_allocator = PinnedHostAllocator();
 #endif
   if (options.throttle_tokens_per_s < 0) return Fail("--throttle_tokens_per_s must be >= 0");
+  if (absl::GetFlag(FLAGS_host_memory_cap_gib) < 0) return Fail("--host_memory_cap_gib must be >= 0");
+  options.host_memory_cap_bytes =
+      static_cast<int64_t>(absl::GetFlag(FLAGS_host_memory_cap_gib) * (int64_t{1} << 30));
   options.enable_nccl = absl::GetFlag(FLAGS_nccl);
   options.nccl_timeout_s = absl::GetFlag(FLAGS_nccl_timeout_s);
   if (options.nccl_timeout_s <= 0) return Fail("--nccl_timeout_s must be > 0");

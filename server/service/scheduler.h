@@ -84,6 +84,9 @@ class Scheduler {
   int64_t completed_batches() const;
   int64_t completed_tokens() const;
   const HostBufferPool& pool() const { return pool_; }
+  // Caps the capture buffers' host memory, live + idle (0: no cap): a
+  // forward waits for buffers to come back rather than exceed it.
+  void set_host_memory_cap(int64_t bytes) { pool_.set_max_total_bytes(bytes); }
 
  private:
   struct Entry {

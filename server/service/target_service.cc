@@ -615,7 +615,9 @@ TargetService::TargetService(std::vector<Engine*> engines, ServiceOptions option
     : engines_(std::move(engines)),
       options_(options),
       scheduler_(engines_, options.max_queued_batches, options.throttle_tokens_per_s,
-                 options.host_pool_bytes, options.host_allocator) {}
+                 options.host_pool_bytes, options.host_allocator) {
+  scheduler_.set_host_memory_cap(options.host_memory_cap_bytes);
+}
 
 TargetService::~TargetService() { scheduler_.Stop(); }
 

@@ -24,6 +24,7 @@ struct ServiceOptions {
   int64_t max_queued_batches = 256;  // scheduler backstop
   double throttle_tokens_per_s = 0;  // > 0: cap the engine's rate (benchmarks)
   int64_t host_pool_bytes = int64_t{2} << 30;  // idle capture buffers kept for reuse
+  int64_t host_memory_cap_bytes = 0;  // capture buffers live + idle; 0 = no cap
   // Capture buffers' memory: pinned (PinnedHostAllocator) for GPU engines.
   HostAllocator host_allocator = HostAllocator::Heap();
   bool enable_nccl = true;        // offer TRANSPORT_NCCL (one GPU engine, NCCL built in)

@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <memory>
 #include <random>
 #include <thread>
@@ -540,6 +541,98 @@ TEST(HostBufferPoolTest, ReusesAndCapsIdleMemory) {
   EXPECT_EQ(pool.allocations(), 3);
   d.reset();  // 10000 bytes would pass the idle cap: freed
   EXPECT_LE(pool.idle_bytes(), 3000);
+}
+
+TEST(HostBufferPoolTest, TotalCapMakesAcquireWaitAndDropsIdleBuffersFirst) {
+  HostBufferPool pool(/*max_idle_bytes=*/1 << 20);
+  pool.set_max_total_bytes(6000);
+  auto a = pool.Acquire(1000);  // 2000 bytes each
+  auto b = pool.Acquire(1000);
+  auto c = pool.Acquire(1000);
+  std::atomic<bool> got{false};
+  std::thread waiter([&] {
+    auto d = pool.Acquire(1000);  // would make 8000 bytes: waits
+    got = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  EXPECT_FALSE(got.load()) << "Acquire went past the cap";
+  b.reset();  // a buffer comes back (to the idle list): the waiter reuses it
+  waiter.join();
+  EXPECT_TRUE(got.load());
+  EXPECT_LE(pool.peak_total_bytes(), 6000);
+  // Idle buffers are dropped, not counted on, to make room: 2 live (4000) +
+  // 1 idle (2000) leaves no room for 1500 more bytes until the idle one goes.
+  auto e = pool.Acquire(750);
+  EXPECT_LE(pool.live_bytes() + pool.idle_bytes(), 6000);
+  EXPECT_LE(pool.peak_total_bytes(), 6000);
+  a.reset();
+  c.reset();
+  e.reset();
+  // A buffer larger than the cap alone still runs when nothing else is live.
+  auto big = pool.Acquire(5000);
+  EXPECT_NE(big, nullptr);
+  EXPECT_EQ(pool.live_bytes(), 10000);
+}
+
+// Three trainers stop reading: without a cap the target would hold each
+// one's credits' worth of captures (2 x 3 batches plus what fits the transport
+// buffers); with a cap of 3 batches' bytes it holds no more, and once the
+// trainers read again every batch arrives.
+void StalledStreamsUnderCap(int64_t cap_batches, int64_t* peak_bytes, int64_t batch_bytes,
+                            int* delivered) {
+  ServiceOptions options;
+  options.host_memory_cap_bytes = cap_batches * batch_bytes;
+  Server server(options);
+  constexpr int kStreams = 3, kBatches = 3, kTokens = 8000;
+  auto stub = v1::TargetService::NewStub(
+      grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  std::vector<std::unique_ptr<grpc::ClientContext>> ctxs;
+  std::vector<std::unique_ptr<grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>>>
+      streams;
+  for (int s = 0; s < kStreams; ++s) {
+    ctxs.push_back(std::make_unique<grpc::ClientContext>());
+    streams.push_back(stub->StreamHiddenStates(ctxs.back().get()));
+    v1::StreamRequest req;
+    *req.mutable_open() = OpenFor({0, 1, 2, 3, -1});
+    req.mutable_open()->set_max_inflight_batches(2);
+    ASSERT_TRUE(streams.back()->Write(req));
+  }
+  std::vector<std::thread> writers;
+  for (int s = 0; s < kStreams; ++s) {
+    writers.emplace_back([&, s] {
+      for (uint64_t id = 1; id <= kBatches; ++id) {
+        v1::StreamRequest b;
+        b.mutable_batch()->set_batch_id(id);
+        for (int i = 0; i < kTokens; ++i) b.mutable_batch()->add_token_ids(i % 4096);
+        for (int q = 0; q < kTokens / 500; ++q) b.mutable_batch()->add_seq_lens(500);
+        if (!streams[s]->Write(b)) return;
+      }
+      streams[s]->WritesDone();
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(3));  // nobody reads
+  *peak_bytes = server.service().scheduler().pool().peak_total_bytes();
+  *delivered = 0;
+  for (int s = 0; s < kStreams; ++s) {
+    v1::StreamResponse r;
+    while (streams[s]->Read(&r)) {
+      if (r.has_done()) ++*delivered;
+    }
+    EXPECT_TRUE(streams[s]->Finish().ok());
+  }
+  for (auto& w : writers) w.join();
+}
+
+TEST(ServiceTest, HostMemoryStaysUnderTheConfiguredCap) {
+  const int64_t batch_bytes = int64_t{8000} * 5 * 128 * 2;  // 10 MB
+  int64_t peak = 0;
+  int delivered = 0;
+  StalledStreamsUnderCap(/*cap_batches=*/0, &peak, batch_bytes, &delivered);
+  EXPECT_GT(peak, 3 * batch_bytes) << "without a cap the stalled streams should hold more";
+  EXPECT_EQ(delivered, 9);
+  StalledStreamsUnderCap(/*cap_batches=*/3, &peak, batch_bytes, &delivered);
+  EXPECT_LE(peak, 3 * batch_bytes);
+  EXPECT_EQ(delivered, 9);
 }
 
 TEST(HostBufferPoolTest, UsesThePluggedAllocatorForEveryBuffer) {
