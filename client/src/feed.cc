@@ -212,6 +212,7 @@ struct Feed::Impl {
     std::shared_ptr<uint16_t> device;  // from the device pool (NCCL streams)
     uint64_t device_checksum = 0;      // computed on the GPU as it arrived
     bool recv_pending = false;         // announced by NCCL, not yet received
+    uint64_t epoch = 0;                // bumped whenever the batch is unassigned
     std::optional<v1::BatchDone> early_done;  // BatchDone that beat its receive
     size_t values = 0;
     // Checksum fed chunk by chunk while the bytes are in cache; valid while
@@ -631,6 +632,7 @@ struct Feed::Impl {
     p.target = nullptr;
     p.conn = nullptr;
     p.tokens_received = 0;
+    ++p.epoch;  // a reader still copying a chunk of the old assignment drops it
     p.recv_pending = false;
     p.early_done.reset();
     p.hasher.Reset(p.values * 2);
@@ -663,27 +665,52 @@ struct Feed::Impl {
         !in.ReadVarint32(&data_len)) {
       return false;
     }
+    // The copy and the hash run without `mu`, so the connections of one feed
+    // (and its several targets) receive in parallel. The batch's buffer is
+    // held by a reference of our own; `epoch` tells whether the batch was
+    // re-assigned meanwhile (then this chunk is dropped).
+    std::shared_ptr<uint16_t> buffer;
+    uint16_t* dst = nullptr;
+    v1::PayloadHasher hasher(0);
+    bool hash = false;
+    uint64_t epoch = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = pending.find(id);
+      if (it == pending.end() || it->second.complete || it->second.conn != conn) return true;
+      Pending& p = it->second;
+      const int64_t T = static_cast<int64_t>(p.token_ids.size());
+      const int64_t stride = K() * hidden_size;
+      p.last_progress = Clock::now();
+      if (static_cast<int64_t>(offset) + static_cast<int64_t>(count) > T ||
+          static_cast<int64_t>(data_len) != static_cast<int64_t>(count) * stride * 2 ||
+          p.hidden == nullptr) {
+        FailMalformedChunk(t, id, p, offset, count, data_len);
+        return true;
+      }
+      buffer = p.hidden;
+      dst = p.hidden.get() + static_cast<int64_t>(offset) * stride;
+      hash = options.verify_checksum && p.hashed_in_order &&
+             static_cast<int64_t>(offset) == p.tokens_received;
+      if (hash) hasher = p.hasher;
+      epoch = p.epoch;
+    }
+    const bool read = in.ReadRaw(dst, static_cast<int>(data_len));
+    if (read && hash) hasher.Update(dst, data_len);
     std::lock_guard<std::mutex> lock(mu);
     auto it = pending.find(id);
-    if (it == pending.end() || it->second.complete || it->second.conn != conn) return true;
+    if (it == pending.end() || it->second.complete || it->second.conn != conn ||
+        it->second.epoch != epoch) {
+      return true;
+    }
     Pending& p = it->second;
-    const int64_t T = static_cast<int64_t>(p.token_ids.size());
-    const int64_t stride = K() * hidden_size;
-    p.last_progress = Clock::now();
-    if (static_cast<int64_t>(offset) + static_cast<int64_t>(count) > T ||
-        static_cast<int64_t>(data_len) != static_cast<int64_t>(count) * stride * 2 ||
-        !in.ReadRaw(p.hidden.get() + static_cast<int64_t>(offset) * stride, static_cast<int>(data_len))) {
-      Fail(id, p,
-           absl::DataLossError(absl::StrCat("target ", t->address,
-                                            " sent a malformed chunk for batch ", id, ": tokens [",
-                                            offset, ", +", count, ") of ", T, ", ", data_len,
-                                            " bytes")));
-      cv.notify_all();
+    if (!read) {
+      FailMalformedChunk(t, id, p, offset, count, data_len);
       return true;
     }
     if (options.verify_checksum) {
-      if (p.hashed_in_order && static_cast<int64_t>(offset) == p.tokens_received) {
-        p.hasher.Update(p.hidden.get() + static_cast<int64_t>(offset) * stride, data_len);
+      if (hash) {
+        p.hasher = hasher;
       } else {
         p.hashed_in_order = false;
       }
@@ -691,6 +718,16 @@ struct Feed::Impl {
     p.tokens_received += static_cast<int64_t>(count);
     stats.bytes_received += data_len;
     return true;
+  }
+
+  void FailMalformedChunk(Target* t, uint64_t id, Pending& p, uint64_t offset, uint64_t count,
+                          uint32_t data_len) {
+    Fail(id, p,
+         absl::DataLossError(absl::StrCat("target ", t->address,
+                                          " sent a malformed chunk for batch ", id, ": tokens [",
+                                          offset, ", +", count, ") of ", p.token_ids.size(), ", ",
+                                          data_len, " bytes")));
+    cv.notify_all();
   }
 
   void HandleResponse(Target* t, Conn* conn, v1::StreamResponse& resp) {
