@@ -4,6 +4,8 @@
 //   draftfeed-nccl-bench --sizes_mib 64,256 --repeats 5
 //
 // Baseline: two threads, one 2-rank communicator, plain send/recv loops.
+// NcclPeer column: the same loop through the transport's peer (nonblocking
+// communicator, checksums, polled waits), to split its cost from the service's.
 // draftfeed: a TargetService on cuda:0 (random:qwen3-8b weights made on the
 // GPU) and a Feed with transport=nccl receiving into cuda:1. Each batch is
 // sized to the payload asked (8 layers × T tokens × 4096 × 2 bytes); its
@@ -31,6 +33,7 @@
 #include "draftfeed/client.h"
 #include "server/model/cuda_engine.h"
 #include "server/model/model.h"
+#include "server/nccl/nccl_peer.h"
 #include "server/service/target_service.h"
 
 ABSL_FLAG(std::string, sizes_mib, "64,256", "Payload sizes per transfer, MiB.");
@@ -101,6 +104,43 @@ std::vector<double> RawNccl(size_t bytes, int repeats, int transfers) {
   return rates;
 }
 
+// The same loop through draftfeed's NcclPeer (nonblocking communicator,
+// payload checksum enqueued beside each transfer, polled waits): what the
+// transport's own machinery costs, without the service around it.
+std::vector<double> PeerLoop(size_t bytes, int repeats, int transfers) {
+  auto id = NcclPeer::NewUniqueId();
+  if (!id.ok()) return {};
+  std::vector<double> rates;
+  auto rank = [&](int r) {
+    auto peer = NcclPeer::Start(*id, r, r);
+    if (!peer.ok() || !(*peer)->Wait(60).ok()) {
+      std::fprintf(stderr, "NcclPeer setup failed\n");
+      std::exit(1);
+    }
+    void* buf = nullptr;
+    CHECK_CUDA(cudaMalloc(&buf, bytes));
+    CHECK_CUDA(cudaMemset(buf, r, bytes));
+    cudaStream_t s;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    for (int rep = -1; rep < repeats; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < transfers; ++i) {
+        auto sum = r == 0 ? (*peer)->Send(buf, bytes, s, 60) : (*peer)->Recv(buf, bytes, s, 60);
+        if (!sum.ok()) std::exit(1);
+      }
+      const double secs =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (r == 1 && rep >= 0) rates.push_back(static_cast<double>(bytes) * transfers / secs / 1e9);
+    }
+    CHECK_CUDA(cudaStreamDestroy(s));
+    CHECK_CUDA(cudaFree(buf));
+  };
+  std::thread a(rank, 0), b(rank, 1);
+  a.join();
+  b.join();
+  return rates;
+}
+
 int Main() {
   if (CudaDeviceCount() < 2) {
     std::fprintf(stderr, "draftfeed-nccl-bench needs two CUDA devices; this host has %d\n",
@@ -152,12 +192,13 @@ int Main() {
   const int64_t L = (*model)->config.num_layers;
   for (int i = 0; i < K; ++i) layers.push_back(static_cast<int32_t>((i + 1) * L / (K + 1)));
 
-  std::printf("%10s %14s %16s %8s %18s\n", "size MiB", "raw GB/s", "draftfeed GB/s", "ratio",
-              "batch e2e GB/s");
+  std::printf("%10s %10s %16s %16s %8s %16s\n", "size MiB", "raw GB/s", "NcclPeer GB/s",
+              "draftfeed GB/s", "ratio", "batch e2e GB/s");
   for (int64_t mib : sizes) {
     const int64_t T = (mib << 20) / (K * H * 2);
     const size_t bytes = static_cast<size_t>(T * K * H * 2);
     const std::vector<double> raw = RawNccl(bytes, repeats, transfers);
+    const std::vector<double> peer = PeerLoop(bytes, repeats, transfers);
 
     FeedOptions opt;
     opt.targets = {"127.0.0.1:" + std::to_string(port)};
@@ -196,8 +237,8 @@ int Main() {
     }
     (void)(*feed)->Close();
     const double r = Median(raw), d = Median(send_rates);
-    std::printf("%10lld %14.1f %16.1f %8.3f %18.1f\n", static_cast<long long>(mib), r, d,
-                r > 0 ? d / r : 0, Median(e2e_rates));
+    std::printf("%10lld %10.1f %16.1f %16.1f %8.3f %16.1f\n", static_cast<long long>(mib), r,
+                Median(peer), d, r > 0 ? d / r : 0, Median(e2e_rates));
     std::fflush(stdout);
   }
   service.BeginDrain();

@@ -533,7 +533,9 @@ struct Feed::Impl {
         posted.buffer == nullptr
             ? absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", values * 2,
                                                         " bytes on cuda:", options.cuda_device))
-            : conn->nccl->PostRecv(posted.buffer.get(), values * 2, conn->cuda_stream);
+            : conn->nccl->PostRecv(posted.buffer.get(), values * 2, conn->cuda_stream,
+                                   options.nccl_timeout_s,
+                                   [this] { return closing_flag.load(); });
     std::lock_guard<std::mutex> lock(mu);
     if (!op.ok()) {
       t->stats.last_error = absl::StrCat("nccl receive: ", op.status().message());

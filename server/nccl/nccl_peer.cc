@@ -112,6 +112,14 @@ void NcclPeer::Abort() {
   impl_->comm = nullptr;
 }
 
+absl::Status NcclPeer::AbortWith(absl::Status why) {
+  // A log line: a failed wait means the peer vanished, hung or broke.
+  std::fprintf(stderr, "draftfeed: aborting the nccl communicator on cuda:%d: %s\n", device_,
+               std::string(why.message()).c_str());
+  Abort();
+  return why;
+}
+
 bool NcclPeer::aborted() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->aborted;
@@ -129,50 +137,57 @@ absl::Status NcclPeer::Wait(double timeout_s, const Cancelled& cancelled) {
     }
     if (async == ncclSuccess) return absl::OkStatus();
     if (async != ncclInProgress) {
-      Abort();
-      return NcclError(async, "communicator setup");
+      return AbortWith(NcclError(async, "communicator setup"));
     }
     if (cancelled && cancelled()) {
-      Abort();
-      return absl::CancelledError("nccl setup cancelled: the other side went away");
+      return AbortWith(absl::CancelledError("nccl setup cancelled: the other side went away"));
     }
     if (Clock::now() > deadline) {
-      Abort();
-      return absl::DeadlineExceededError(absl::StrCat(
+      return AbortWith(absl::DeadlineExceededError(absl::StrCat(
           "nccl setup did not finish in ", timeout_s,
-          " s: the other process never joined (different hosts? firewall? NCCL_SOCKET_IFNAME?)"));
+          " s: the other process never joined (different hosts? firewall? NCCL_SOCKET_IFNAME?)")));
     }
     std::this_thread::sleep_for(std::chrono::microseconds(spin < 100 ? 50 : 1000));
   }
 }
 
 absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
-                                            void* stream_ptr) {
+                                            void* stream_ptr, double timeout_s,
+                                            const Cancelled& cancelled) {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
-  if (impl_->in_flight >= kMaxOps) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("more than ", kMaxOps, " nccl transfers in flight on one stream"));
-  }
-  Op op{impl_->next_slot, bytes};
-  unsigned long long* d_sum = impl_->d_sum + op.slot;
-  uint64_t* h_sum = impl_->h_sum + op.slot;
-  // The sender checksums what it is about to send; the receiver what arrived.
-  if (send) {
-    if (cudaError_t e = cuda::EnqueuePositionalSum(data, bytes, d_sum, h_sum, stream);
-        e != cudaSuccess) {
-      return CudaError(e, "payload checksum");
+  Op op;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
+    if (impl_->in_flight >= kMaxOps) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("more than ", kMaxOps, " nccl transfers in flight on one stream"));
+    }
+    op = Op{impl_->next_slot, bytes};
+    // The sender checksums what it is about to send; the receiver what arrived.
+    if (send) {
+      if (cudaError_t e = cuda::EnqueuePositionalSum(data, bytes, impl_->d_sum + op.slot,
+                                                     impl_->h_sum + op.slot, stream);
+          e != cudaSuccess) {
+        return CudaError(e, "payload checksum");
+      }
+    }
+    const int peer = send ? kReceiverRank : kSenderRank;
+    const ncclResult_t r = send ? ncclSend(data, bytes, ncclUint8, peer, impl_->comm, stream)
+                                : ncclRecv(data, bytes, ncclUint8, peer, impl_->comm, stream);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      return NcclError(r, send ? "ncclSend" : "ncclRecv");
     }
   }
-  const int peer = send ? kReceiverRank : kSenderRank;
-  ncclResult_t r = send ? ncclSend(data, bytes, ncclUint8, peer, impl_->comm, stream)
-                        : ncclRecv(data, bytes, ncclUint8, peer, impl_->comm, stream);
-  // Nonblocking communicators may answer ncclInProgress while enqueueing.
-  while (r == ncclInProgress) ncclCommGetAsyncError(impl_->comm, &r);
-  if (r != ncclSuccess) return NcclError(r, send ? "ncclSend" : "ncclRecv");
+  // A nonblocking communicator may still be enqueueing (the first transfer
+  // also connects the two GPUs, which needs the other side): poll, so that a
+  // peer that never posts its half costs a timeout, not a stuck thread.
+  if (absl::Status s = Wait(timeout_s, cancelled); !s.ok()) return s;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
   if (!send) {
-    if (cudaError_t e = cuda::EnqueuePositionalSum(data, bytes, d_sum, h_sum, stream);
+    if (cudaError_t e = cuda::EnqueuePositionalSum(data, bytes, impl_->d_sum + op.slot,
+                                                   impl_->h_sum + op.slot, stream);
         e != cudaSuccess) {
       return CudaError(e, "payload checksum");
     }
@@ -185,12 +200,14 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
   return op;
 }
 
-absl::StatusOr<NcclPeer::Op> NcclPeer::PostSend(const void* data, size_t bytes, void* stream) {
-  return Post(true, const_cast<void*>(data), bytes, stream);
+absl::StatusOr<NcclPeer::Op> NcclPeer::PostSend(const void* data, size_t bytes, void* stream,
+                                                double timeout_s, const Cancelled& cancelled) {
+  return Post(true, const_cast<void*>(data), bytes, stream, timeout_s, cancelled);
 }
 
-absl::StatusOr<NcclPeer::Op> NcclPeer::PostRecv(void* data, size_t bytes, void* stream) {
-  return Post(false, data, bytes, stream);
+absl::StatusOr<NcclPeer::Op> NcclPeer::PostRecv(void* data, size_t bytes, void* stream,
+                                                double timeout_s, const Cancelled& cancelled) {
+  return Post(false, data, bytes, stream, timeout_s, cancelled);
 }
 
 absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
@@ -213,19 +230,16 @@ absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
       ncclCommGetAsyncError(impl_->comm, &async);
     }
     if (async != ncclSuccess && async != ncclInProgress) {
-      Abort();
-      return NcclError(async, "transfer");
+      return AbortWith(NcclError(async, "transfer"));
     }
     if (cancelled && cancelled()) {
-      Abort();
-      return absl::CancelledError("nccl transfer cancelled: the other side went away");
+      return AbortWith(absl::CancelledError("nccl transfer cancelled: the other side went away"));
     }
     const auto now = Clock::now();
     if (now > deadline) {
-      Abort();
-      return absl::DeadlineExceededError(
+      return AbortWith(absl::DeadlineExceededError(
           absl::StrCat("nccl transfer of ", op.bytes, " bytes did not finish in ", timeout_s,
-                       " s; the communicator was aborted"));
+                       " s; the communicator was aborted")));
     }
     // Spin (yielding) for the first 2 ms: a transfer of tens of MiB takes a
     // fraction of that over NVLink, and a sleep's wake-up would dominate.
@@ -239,14 +253,14 @@ absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
 
 absl::StatusOr<uint64_t> NcclPeer::Send(const void* data, size_t bytes, void* stream,
                                         double timeout_s, const Cancelled& cancelled) {
-  auto op = PostSend(data, bytes, stream);
+  auto op = PostSend(data, bytes, stream, timeout_s, cancelled);
   if (!op.ok()) return op.status();
   return WaitOp(*op, timeout_s, cancelled);
 }
 
 absl::StatusOr<uint64_t> NcclPeer::Recv(void* data, size_t bytes, void* stream, double timeout_s,
                                         const Cancelled& cancelled) {
-  auto op = PostRecv(data, bytes, stream);
+  auto op = PostRecv(data, bytes, stream, timeout_s, cancelled);
   if (!op.ok()) return op.status();
   return WaitOp(*op, timeout_s, cancelled);
 }

@@ -44,8 +44,12 @@ class NcclPeer {
     size_t bytes = 0;
   };
   // Send: the checksum is taken before the bytes leave. Receive: after they land.
-  absl::StatusOr<Op> PostSend(const void* data, size_t bytes, void* stream);
-  absl::StatusOr<Op> PostRecv(void* data, size_t bytes, void* stream);
+  // Posting can itself wait (the first transfer connects the two GPUs, which
+  // needs the other side's matching call): bounded like Wait.
+  absl::StatusOr<Op> PostSend(const void* data, size_t bytes, void* stream, double timeout_s,
+                              const Cancelled& cancelled = nullptr);
+  absl::StatusOr<Op> PostRecv(void* data, size_t bytes, void* stream, double timeout_s,
+                              const Cancelled& cancelled = nullptr);
   // Waits for `op` like Wait; on success returns the payload's checksum.
   absl::StatusOr<uint64_t> WaitOp(const Op& op, double timeout_s,
                                   const Cancelled& cancelled = nullptr);
@@ -65,7 +69,9 @@ class NcclPeer {
  private:
   struct Impl;
   NcclPeer(std::unique_ptr<Impl> impl, int device);
-  absl::StatusOr<Op> Post(bool send, void* data, size_t bytes, void* stream);
+  absl::Status AbortWith(absl::Status why);  // logs why, aborts, returns why
+  absl::StatusOr<Op> Post(bool send, void* data, size_t bytes, void* stream, double timeout_s,
+                          const Cancelled& cancelled);
   std::unique_ptr<Impl> impl_;
   int device_;
 };

@@ -610,17 +610,35 @@ void StalledStreamsUnderCap(int64_t cap_batches, int64_t* peak_bytes, int64_t ba
       streams[s]->WritesDone();
     });
   }
-  std::this_thread::sleep_for(std::chrono::seconds(3));  // nobody reads
-  *peak_bytes = server.service().scheduler().pool().peak_total_bytes();
-  *delivered = 0;
-  for (int s = 0; s < kStreams; ++s) {
-    v1::StreamResponse r;
-    while (streams[s]->Read(&r)) {
-      if (r.has_done()) ++*delivered;
-    }
-    EXPECT_TRUE(streams[s]->Finish().ok());
+  // Nobody reads. Wait (on a loaded machine forwards are slow) until the
+  // captures held pass 3 batches, or, with the cap, reach it; then give the
+  // target time for two more forwards it must not run.
+  const HostBufferPool& pool = server.service().scheduler().pool();
+  const int64_t goal = cap_batches > 0 ? cap_batches * batch_bytes : 3 * batch_bytes + 1;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (pool.peak_total_bytes() < goal &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  const auto per_batch = (std::chrono::steady_clock::now() - t0) / 3;
+  std::this_thread::sleep_for(2 * per_batch + std::chrono::milliseconds(500));
+  *peak_bytes = pool.peak_total_bytes();
+  // All trainers read again at once (one reading alone could wait for memory
+  // that the others' unread batches hold: the cap is target-wide).
+  std::atomic<int> done{0};
+  std::vector<std::thread> readers;
+  for (int s = 0; s < kStreams; ++s) {
+    readers.emplace_back([&, s] {
+      v1::StreamResponse r;
+      while (streams[s]->Read(&r)) {
+        if (r.has_done()) ++done;
+      }
+      EXPECT_TRUE(streams[s]->Finish().ok());
+    });
+  }
+  for (auto& r : readers) r.join();
   for (auto& w : writers) w.join();
+  *delivered = done.load();
 }
 
 TEST(ServiceTest, HostMemoryStaysUnderTheConfiguredCap) {

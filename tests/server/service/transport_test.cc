@@ -9,6 +9,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "draftfeed/client.h"
@@ -22,6 +23,9 @@
 
 #include "kernels/checksum.cuh"
 #include "server/model/cuda_engine.h"
+#if DRAFTFEED_HAVE_NCCL
+#include "server/nccl/nccl_peer.h"
+#endif
 #endif
 
 namespace draftfeed {
@@ -363,6 +367,55 @@ TEST_F(GpuTarget, AutoOnTheTargetsOwnGpuFallsBackToGrpc) {
   EXPECT_NE(note.find("own GPU"), std::string::npos) << note;
   EXPECT_EQ(by_auto, by_grpc);
 }
+
+#if DRAFTFEED_HAVE_NCCL
+// A trainer that joins the communicator, gets a batch announced and then
+// vanishes without receiving it: the target's send is aborted (not stuck on
+// the GPU), the stream ends, and the target goes on serving exact results to
+// the next trainers, by NCCL and by gRPC.
+TEST_F(GpuTarget, TrainerVanishingMidTransferLeavesTheTargetServing) {
+  Start(2);
+  if (IsSkipped()) return;
+  {
+    auto stub = v1::TargetService::NewStub(
+        grpc::CreateChannel(serving_->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    auto stream = stub->StreamHiddenStates(&ctx);
+    auto id = NcclPeer::NewUniqueId();
+    ASSERT_TRUE(id.ok()) << id.status();
+    v1::StreamRequest req;
+    v1::Open* open = req.mutable_open();
+    for (int32_t l : layers_) open->add_layers(l);
+    open->set_transport(v1::TRANSPORT_NCCL);
+    open->set_nccl_unique_id(*id);
+    open->set_gpu_uuid(CudaDeviceUuid(1));
+    ASSERT_TRUE(stream->Write(req));
+    auto peer = NcclPeer::Start(*id, NcclPeer::kReceiverRank, 1);
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    v1::StreamResponse resp;
+    ASSERT_TRUE(stream->Read(&resp));
+    ASSERT_EQ(resp.opened().transport(), v1::TRANSPORT_NCCL);
+    ASSERT_TRUE((*peer)->Wait(30).ok());
+    v1::StreamRequest batch;
+    batch.mutable_batch()->set_batch_id(1);
+    for (int32_t t : toks_[2]) batch.mutable_batch()->add_token_ids(t);
+    batch.mutable_batch()->add_seq_lens(static_cast<int32_t>(toks_[2].size()));
+    ASSERT_TRUE(stream->Write(batch));
+    ASSERT_TRUE(stream->Read(&resp));  // the announcement; no receive is posted
+    ASSERT_TRUE(resp.has_chunk());
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the send is waiting
+    (*peer)->Abort();
+    ctx.TryCancel();
+    stream->Finish();
+  }
+  std::string used, note;
+  const auto by_grpc = RunFeed(Transport::kGrpc, -1, &used, &note);
+  ASSERT_EQ(by_grpc.size(), lens_.size());
+  const auto by_nccl = RunFeed(Transport::kNccl, 1, &used, &note);
+  EXPECT_EQ(used, "nccl");
+  EXPECT_EQ(by_nccl, by_grpc);
+}
+#endif
 
 TEST_F(GpuTarget, NcclOnTheTargetsOwnGpuIsRefused) {
   Start(1);
