@@ -146,12 +146,7 @@ int Run() {
   opt.max_batch_tokens = T;
   opt.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   TargetService service({&engine}, opt);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  auto server = builder.BuildAndStart();
-  const std::string address = "127.0.0.1:" + std::to_string(port);
+  auto [server, address] = ServeOnLoopback(&service);
 
   std::vector<int32_t> layers;
   for (int64_t k = 0; k + 1 < K; ++k) layers.push_back(static_cast<int32_t>(k));

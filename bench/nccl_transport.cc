@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -66,42 +67,56 @@ double Median(std::vector<double> v) {
     }                                                                              \
   } while (0)
 
-// GB/s of plain ncclSend (cuda:0) -> ncclRecv (cuda:1), one value per repeat.
-std::vector<double> RawNccl(size_t bytes, int repeats, int transfers) {
-  ncclUniqueId id;
-  CHECK_NCCL(ncclGetUniqueId(&id));
+// One transfer of a rank's buffer on its stream, waited for.
+using Transfer = std::function<void(void* buf, cudaStream_t stream)>;
+
+// Two threads, rank r on cuda:r, each moving `transfers` buffers of `bytes`
+// per repeat with what `setup(r)` returns (rank 0 sends, rank 1 receives);
+// rank 1's GB/s per repeat. Repeat -1 warms up (and connects the GPUs).
+std::vector<double> TwoRankRates(size_t bytes, int repeats, int transfers,
+                                 const std::function<Transfer(int rank)>& setup) {
   std::vector<double> rates;
   auto rank = [&](int r) {
     CHECK_CUDA(cudaSetDevice(r));
-    ncclComm_t comm;
-    CHECK_NCCL(ncclCommInitRank(&comm, 2, id, r));
+    const Transfer transfer = setup(r);
     void* buf = nullptr;
     CHECK_CUDA(cudaMalloc(&buf, bytes));
     CHECK_CUDA(cudaMemset(buf, r, bytes));
     cudaStream_t s;
-    CHECK_CUDA(cudaStreamCreate(&s));
-    for (int rep = -1; rep < repeats; ++rep) {  // rep -1 warms up
+    CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    for (int rep = -1; rep < repeats; ++rep) {
       const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < transfers; ++i) {
-        if (r == 0) {
-          CHECK_NCCL(ncclSend(buf, bytes, ncclUint8, 1, comm, s));
-        } else {
-          CHECK_NCCL(ncclRecv(buf, bytes, ncclUint8, 0, comm, s));
-        }
-        CHECK_CUDA(cudaStreamSynchronize(s));
-      }
+      for (int i = 0; i < transfers; ++i) transfer(buf, s);
       const double secs =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (r == 1 && rep >= 0) rates.push_back(static_cast<double>(bytes) * transfers / secs / 1e9);
     }
     CHECK_CUDA(cudaStreamDestroy(s));
     CHECK_CUDA(cudaFree(buf));
-    ncclCommDestroy(comm);
   };
   std::thread a(rank, 0), b(rank, 1);
   a.join();
   b.join();
   return rates;
+}
+
+// Plain ncclSend (cuda:0) -> ncclRecv (cuda:1) on a blocking communicator.
+std::vector<double> RawNccl(size_t bytes, int repeats, int transfers) {
+  ncclUniqueId id;
+  CHECK_NCCL(ncclGetUniqueId(&id));
+  return TwoRankRates(bytes, repeats, transfers, [&](int r) -> Transfer {
+    ncclComm_t raw;
+    CHECK_NCCL(ncclCommInitRank(&raw, 2, id, r));
+    std::shared_ptr<ncclComm> comm(raw, [](ncclComm_t c) { ncclCommDestroy(c); });
+    return [comm, bytes, r](void* buf, cudaStream_t s) {
+      if (r == 0) {
+        CHECK_NCCL(ncclSend(buf, bytes, ncclUint8, 1, comm.get(), s));
+      } else {
+        CHECK_NCCL(ncclRecv(buf, bytes, ncclUint8, 0, comm.get(), s));
+      }
+      CHECK_CUDA(cudaStreamSynchronize(s));
+    };
+  });
 }
 
 // The same loop through draftfeed's NcclPeer (nonblocking communicator,
@@ -110,35 +125,18 @@ std::vector<double> RawNccl(size_t bytes, int repeats, int transfers) {
 std::vector<double> PeerLoop(size_t bytes, int repeats, int transfers) {
   auto id = NcclPeer::NewUniqueId();
   if (!id.ok()) return {};
-  std::vector<double> rates;
-  auto rank = [&](int r) {
-    auto peer = NcclPeer::Start(*id, r, r);
-    if (!peer.ok() || !(*peer)->Wait(60).ok()) {
+  return TwoRankRates(bytes, repeats, transfers, [&](int r) -> Transfer {
+    auto started = NcclPeer::Start(*id, r, r);
+    if (!started.ok() || !(*started)->Wait(60).ok()) {
       std::fprintf(stderr, "NcclPeer setup failed\n");
       std::exit(1);
     }
-    void* buf = nullptr;
-    CHECK_CUDA(cudaMalloc(&buf, bytes));
-    CHECK_CUDA(cudaMemset(buf, r, bytes));
-    cudaStream_t s;
-    CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    for (int rep = -1; rep < repeats; ++rep) {
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < transfers; ++i) {
-        auto sum = r == 0 ? (*peer)->Send(buf, bytes, s, 60) : (*peer)->Recv(buf, bytes, s, 60);
-        if (!sum.ok()) std::exit(1);
-      }
-      const double secs =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (r == 1 && rep >= 0) rates.push_back(static_cast<double>(bytes) * transfers / secs / 1e9);
-    }
-    CHECK_CUDA(cudaStreamDestroy(s));
-    CHECK_CUDA(cudaFree(buf));
-  };
-  std::thread a(rank, 0), b(rank, 1);
-  a.join();
-  b.join();
-  return rates;
+    std::shared_ptr<NcclPeer> peer = *std::move(started);
+    return [peer, bytes, r](void* buf, cudaStream_t s) {
+      auto sum = r == 0 ? peer->Send(buf, bytes, s, 60) : peer->Recv(buf, bytes, s, 60);
+      if (!sum.ok()) std::exit(1);
+    };
+  });
 }
 
 int Main() {
@@ -182,11 +180,7 @@ int Main() {
   ServiceOptions options;
   options.max_batch_tokens = max_tokens;
   TargetService service({engine->get()}, options);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  auto server = builder.BuildAndStart();
+  auto [server, address] = ServeOnLoopback(&service);
 
   std::vector<int32_t> layers;
   const int64_t L = (*model)->config.num_layers;
@@ -201,7 +195,7 @@ int Main() {
     const std::vector<double> peer = PeerLoop(bytes, repeats, transfers);
 
     FeedOptions opt;
-    opt.targets = {"127.0.0.1:" + std::to_string(port)};
+    opt.targets = {address};
     opt.layers = layers;
     opt.transport = Transport::kNccl;
     opt.cuda_device = 1;

@@ -7,12 +7,7 @@
 namespace draftfeed::cuda {
 namespace {
 
-__device__ __forceinline__ uint64_t Mix(uint64_t w) {
-  w ^= w >> 31;
-  w *= 0x9e3779b97f4a7c15ULL;
-  w ^= w >> 29;
-  return w;
-}
+using v1::PositionalMix;
 
 // Grid-stride over 16-byte loads (two words); integer adds mod 2^64 commute,
 // so the block order cannot change the result.
@@ -26,14 +21,14 @@ __global__ void PositionalSumKernel(const uint64_t* __restrict__ words, size_t n
   for (size_t p = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < pairs;
        p += stride) {
     const ulonglong2 v = w2[p];
-    acc += Mix(v.x) * (4 * p + 1) + Mix(v.y) * (4 * p + 3);
+    acc += PositionalMix(v.x) * (4 * p + 1) + PositionalMix(v.y) * (4 * p + 3);
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    if (n_words % 2 == 1) acc += Mix(words[n_words - 1]) * (2 * (n_words - 1) + 1);
+    if (n_words % 2 == 1) acc += PositionalMix(words[n_words - 1]) * (2 * (n_words - 1) + 1);
     if (tail_bytes > 0) {
       uint64_t w = 0;
       for (size_t b = 0; b < tail_bytes; ++b) w |= static_cast<uint64_t>(tail[b]) << (8 * b);
-      acc += Mix(w) * (2 * n_words + 1);
+      acc += PositionalMix(w) * (2 * n_words + 1);
     }
   }
   for (int off = 16; off > 0; off /= 2) acc += __shfl_down_sync(0xffffffffu, acc, off);

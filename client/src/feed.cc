@@ -251,8 +251,7 @@ struct Feed::Impl {
   FeedStats stats;
   absl::Status fatal;  // sticky: no target for unavailable_timeout_s
   std::optional<Clock::time_point> no_target_since;
-  bool closing = false;
-  std::atomic<bool> closing_flag{false};  // `closing`, readable without mu
+  std::atomic<bool> closing{false};  // set under mu; NCCL waits read it without
   std::thread supervisor;
 
   int64_t K() const { return static_cast<int64_t>(options.layers.size()); }
@@ -535,7 +534,7 @@ struct Feed::Impl {
                                                         " bytes on cuda:", options.cuda_device))
             : conn->nccl->PostRecv(posted.buffer.get(), values * 2, conn->cuda_stream,
                                    options.nccl_timeout_s,
-                                   [this] { return closing_flag.load(); });
+                                   [this] { return closing.load(); });
     std::lock_guard<std::mutex> lock(mu);
     if (!op.ok()) {
       t->stats.last_error = absl::StrCat("nccl receive: ", op.status().message());
@@ -568,7 +567,7 @@ struct Feed::Impl {
         conn->posted.pop_front();
       }
       absl::StatusOr<uint64_t> sum = conn->nccl->WaitOp(r.op, options.nccl_timeout_s,
-                                                       [this] { return closing_flag.load(); });
+                                                       [this] { return closing.load(); });
       std::lock_guard<std::mutex> lock(mu);
       if (!sum.ok()) {
         if (!closing) t->stats.last_error = absl::StrCat("nccl receive: ", sum.status().message());
@@ -1176,7 +1175,6 @@ absl::Status Feed::Close() {
     std::lock_guard<std::mutex> lock(m.mu);
     if (m.closing) return absl::OkStatus();
     m.closing = true;
-    m.closing_flag = true;
     for (auto& t : m.targets) {
       if (t->conn) conns.push_back(t->conn);
     }

@@ -120,35 +120,57 @@ absl::Status NcclPeer::AbortWith(absl::Status why) {
   return why;
 }
 
-bool NcclPeer::aborted() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->aborted;
-}
-
-absl::Status NcclPeer::Wait(double timeout_s, const Cancelled& cancelled) {
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(timeout_s));
-  for (int spin = 0;; ++spin) {
+absl::Status NcclPeer::Poll(const char* what, const std::function<absl::StatusOr<bool>()>& done,
+                           double timeout_s, const Cancelled& cancelled) {
+  const auto start = Clock::now();
+  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(timeout_s));
+  for (;;) {
+    absl::StatusOr<bool> finished = done();
+    if (!finished.ok()) return finished.status();
+    if (*finished) return absl::OkStatus();
     ncclResult_t async = ncclSuccess;
     {
       std::lock_guard<std::mutex> lock(impl_->mu);
       if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
       if (ncclResult_t r = ncclCommGetAsyncError(impl_->comm, &async); r != ncclSuccess) async = r;
     }
-    if (async == ncclSuccess) return absl::OkStatus();
-    if (async != ncclInProgress) {
-      return AbortWith(NcclError(async, "communicator setup"));
-    }
+    if (async != ncclSuccess && async != ncclInProgress) return AbortWith(NcclError(async, what));
     if (cancelled && cancelled()) {
-      return AbortWith(absl::CancelledError("nccl setup cancelled: the other side went away"));
+      return AbortWith(
+          absl::CancelledError(absl::StrCat("nccl ", what, " cancelled: the other side went away")));
     }
-    if (Clock::now() > deadline) {
+    const auto now = Clock::now();
+    if (now > deadline) {
       return AbortWith(absl::DeadlineExceededError(absl::StrCat(
-          "nccl setup did not finish in ", timeout_s,
-          " s: the other process never joined (different hosts? firewall? NCCL_SOCKET_IFNAME?)")));
+          "nccl ", what, " did not finish in ", timeout_s,
+          " s (the other process never joined or stopped: different hosts? firewall? "
+          "NCCL_SOCKET_IFNAME?); the communicator was aborted")));
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(spin < 100 ? 50 : 1000));
+    // Spin (yielding) for the first 2 ms: a transfer of tens of MiB takes a
+    // fraction of that over NVLink, and a sleep's wake-up would dominate.
+    if (now - start < std::chrono::milliseconds(2)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
   }
+}
+
+absl::Status NcclPeer::Wait(double timeout_s, const Cancelled& cancelled) {
+  // Done once the communicator reports no operation in progress.
+  return Poll(
+      "setup",
+      [this]() -> absl::StatusOr<bool> {
+        std::lock_guard<std::mutex> lock(impl_->mu);
+        if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
+        ncclResult_t async = ncclSuccess;
+        if (ncclResult_t r = ncclCommGetAsyncError(impl_->comm, &async); r != ncclSuccess) {
+          async = r;
+        }
+        return async == ncclSuccess;
+      },
+      timeout_s, cancelled);
 }
 
 absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
@@ -212,43 +234,19 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::PostRecv(void* data, size_t bytes, void* 
 
 absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
                                           const Cancelled& cancelled) {
-  const auto start = Clock::now();
-  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(timeout_s));
-  for (;;) {
-    const cudaError_t q = cudaEventQuery(impl_->done[op.slot]);
-    if (q == cudaSuccess) {
-      std::lock_guard<std::mutex> lock(impl_->mu);
-      --impl_->in_flight;
-      return v1::PositionalFinish(impl_->h_sum[op.slot], op.bytes);
-    }
-    if (q != cudaErrorNotReady) return CudaError(q, "waiting for an nccl transfer");
-    ncclResult_t async = ncclSuccess;
-    {
-      std::lock_guard<std::mutex> lock(impl_->mu);
-      if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
-      ncclCommGetAsyncError(impl_->comm, &async);
-    }
-    if (async != ncclSuccess && async != ncclInProgress) {
-      return AbortWith(NcclError(async, "transfer"));
-    }
-    if (cancelled && cancelled()) {
-      return AbortWith(absl::CancelledError("nccl transfer cancelled: the other side went away"));
-    }
-    const auto now = Clock::now();
-    if (now > deadline) {
-      return AbortWith(absl::DeadlineExceededError(
-          absl::StrCat("nccl transfer of ", op.bytes, " bytes did not finish in ", timeout_s,
-                       " s; the communicator was aborted")));
-    }
-    // Spin (yielding) for the first 2 ms: a transfer of tens of MiB takes a
-    // fraction of that over NVLink, and a sleep's wake-up would dominate.
-    if (now - start < std::chrono::milliseconds(2)) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-  }
+  absl::Status s = Poll(
+      "transfer",
+      [&]() -> absl::StatusOr<bool> {
+        const cudaError_t q = cudaEventQuery(impl_->done[op.slot]);
+        if (q == cudaErrorNotReady) return false;
+        if (q != cudaSuccess) return CudaError(q, "waiting for an nccl transfer");
+        return true;
+      },
+      timeout_s, cancelled);
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  --impl_->in_flight;
+  return v1::PositionalFinish(impl_->h_sum[op.slot], op.bytes);
 }
 
 absl::StatusOr<uint64_t> NcclPeer::Send(const void* data, size_t bytes, void* stream,

@@ -63,13 +63,16 @@ class NcclPeer {
   // Unblocks every operation of this communicator (from any thread); it is
   // unusable afterwards.
   void Abort();
-  bool aborted() const;
   int device() const { return device_; }
 
  private:
   struct Impl;
   NcclPeer(std::unique_ptr<Impl> impl, int device);
   absl::Status AbortWith(absl::Status why);  // logs why, aborts, returns why
+  // The one wait loop: until `done` says so, the communicator reports an
+  // error, `cancelled` fires or the timeout passes (the last three abort).
+  absl::Status Poll(const char* what, const std::function<absl::StatusOr<bool>()>& done,
+                    double timeout_s, const Cancelled& cancelled);
   absl::StatusOr<Op> Post(bool send, void* data, size_t bytes, void* stream, double timeout_s,
                           const Cancelled& cancelled);
   std::unique_ptr<Impl> impl_;

@@ -8,6 +8,8 @@
 #include <optional>
 #include <utility>
 
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
 #include "absl/strings/str_cat.h"
@@ -691,6 +693,17 @@ void TargetService::BeginDrain() {
   draining_ = true;
   std::lock_guard<std::mutex> lock(mu_);
   for (StreamReactor* r : streams_) r->Drain();
+}
+
+LoopbackServer ServeOnLoopback(grpc::Service* service) {
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(service);
+  LoopbackServer out;
+  out.server = builder.BuildAndStart();
+  out.address = absl::StrCat("127.0.0.1:", port);
+  return out;
 }
 
 int TargetService::nccl_device() const {

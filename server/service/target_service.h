@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/server.h>
+
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 #include "server/model/engine.h"
 #include "server/service/scheduler.h"
@@ -32,6 +34,14 @@ struct ServiceOptions {
 };
 
 class StreamReactor;
+
+// A gRPC server for `service` on 127.0.0.1 at a free port, and its address
+// ("127.0.0.1:PORT"): how tests and benchmarks run a target in-process.
+struct LoopbackServer {
+  std::unique_ptr<grpc::Server> server;
+  std::string address;
+};
+LoopbackServer ServeOnLoopback(grpc::Service* service);
 
 // StreamHiddenStates is served raw (ByteBuffer in and out) so that payload
 // chunks leave as slices pointing at the capture buffer, never copied into a

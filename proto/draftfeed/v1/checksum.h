@@ -92,7 +92,9 @@ inline uint64_t PayloadChecksum(const void* data, size_t n) {
 // a sum and parallelises. Words w_i (little-endian u64, the tail zero-padded)
 // are mixed, weighted by the odd number 2i+1 (a flipped bit or two swapped
 // words change the sum) and added mod 2^64; the byte count is folded in last.
-inline uint64_t PositionalMix(uint64_t w) {
+// constexpr so that the GPU kernel calls this same function (nvcc
+// --expt-relaxed-constexpr).
+constexpr uint64_t PositionalMix(uint64_t w) {
   w ^= w >> 31;
   w *= 0x9e3779b97f4a7c15ULL;
   w ^= w >> 29;

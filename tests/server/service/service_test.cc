@@ -28,10 +28,9 @@ class Server {
     model_ = *OpenModel(spec);
     engine_ = *CpuEngine::Create(model_.get(), 2);
     service_ = std::make_unique<TargetService>(std::vector<Engine*>{engine_.get()}, options);
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
-    builder.RegisterService(service_.get());
-    server_ = builder.BuildAndStart();
+    LoopbackServer served = ServeOnLoopback(service_.get());
+    server_ = std::move(served.server);
+    address_ = std::move(served.address);
   }
   ~Server() { Stop(); }
   void Stop() {
@@ -41,7 +40,7 @@ class Server {
     service_->StopScheduler();
     server_.reset();
   }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  const std::string& address() const { return address_; }
   CpuEngine& engine() { return *engine_; }
   const Model& model() const { return *model_; }
   TargetService& service() { return *service_; }
@@ -51,7 +50,7 @@ class Server {
   std::unique_ptr<CpuEngine> engine_;
   std::unique_ptr<TargetService> service_;
   std::unique_ptr<grpc::Server> server_;
-  int port_ = 0;
+  std::string address_;
 };
 
 std::vector<uint16_t> Values(const HiddenBatch& b) {
@@ -348,12 +347,7 @@ TEST(ServiceTest, CaptureLayerLimitIsAdvertisedAndEnforced) {
   auto cpu = *CpuEngine::Create(model.get(), 2);
   TwoSlotEngine engine(cpu.get());
   TargetService service({&engine}, ServiceOptions{});
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  auto server = builder.BuildAndStart();
-  const std::string address = "127.0.0.1:" + std::to_string(port);
+  auto [server, address] = ServeOnLoopback(&service);
   EXPECT_EQ(service.Info().max_capture_layers(), 2);
 
   RawStream refused(address, OpenFor({0, 1, -1}));
@@ -730,13 +724,9 @@ TEST(CudaServiceTest, ClientReceivesExactlyWhatTheCudaEngineComputes) {
   ServiceOptions options;
   options.max_batch_tokens = 2048;
   TargetService service({engine->get()}, options);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  auto server = builder.BuildAndStart();
+  auto [server, address] = ServeOnLoopback(&service);
   FeedOptions opt;
-  opt.targets = {"127.0.0.1:" + std::to_string(port)};
+  opt.targets = {address};
   opt.layers = {1, 3, -1};
   auto feed = Feed::Open(opt);
   ASSERT_TRUE(feed.ok()) << feed.status();

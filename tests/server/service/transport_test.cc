@@ -43,22 +43,21 @@ int GpuCount() {
 class Serving {
  public:
   Serving(Engine* engine, ServiceOptions options = {}) : service_({engine}, options) {
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
-    builder.RegisterService(&service_);
-    server_ = builder.BuildAndStart();
+    LoopbackServer served = ServeOnLoopback(&service_);
+    server_ = std::move(served.server);
+    address_ = std::move(served.address);
   }
   ~Serving() {
     service_.BeginDrain();
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
     service_.StopScheduler();
   }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  const std::string& address() const { return address_; }
 
  private:
   TargetService service_;
   std::unique_ptr<grpc::Server> server_;
-  int port_ = 0;
+  std::string address_;
 };
 
 using testing::RandomTokens;
