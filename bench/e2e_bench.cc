@@ -143,10 +143,10 @@ absl::StatusOr<std::vector<double>> EngineOnly(const Model& model, const std::st
     }
     absl::Status s =
         (*engine)->ForwardAsync({batches[i].ids, batches[i].lens, layers},
-                                {bufs[i % 3].get(), values}, [&, i](absl::Status copied_ok) {
+                                {bufs[i % 3].get(), values}, [&, i](Engine::Copied copied) {
                                   std::lock_guard<std::mutex> lock(mu);
                                   finished[i] = Clock::now();
-                                  if (!copied_ok.ok()) copy_status = copied_ok;
+                                  if (!copied.status.ok()) copy_status = copied.status;
                                   ++done;
                                   cv.notify_all();
                                 });

@@ -3,8 +3,8 @@
 //   draftfeed-grpc-bench [--tokens 4096 --layers 5 --hidden 5120 --batches 40 --streams 1
 //                         --connections 1]
 //
-// The target side runs a real TargetService whose engine only fills its
-// output (a memset), so what is timed is the data plane: serialisation,
+// The target side runs a real TargetService, in a process of its own, whose
+// engine only fills its output (a memset), so what is timed is the data plane: serialisation,
 // HTTP/2 framing, loopback TCP and the client's reassembly into [T, K, H].
 // The baseline is a plain TCP socket pair on 127.0.0.1 sending the same
 // bytes in chunks of the same size, written here, in the same run.
@@ -12,7 +12,9 @@
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <malloc.h>
 #include <unistd.h>
 
@@ -41,6 +43,7 @@ ABSL_FLAG(int32_t, connections, 1,
           "connections in all; the TCP baseline uses as many socket pairs).");
 ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "Payload bytes per HiddenChunk / TCP write.");
 ABSL_FLAG(int32_t, repeats, 3, "Measurements per mode (median reported).");
+ABSL_FLAG(bool, tcp, true, "Measure the raw TCP baseline too (off: gRPC alone, for profiling).");
 
 namespace draftfeed {
 namespace {
@@ -130,24 +133,62 @@ double RawTcpGBps(int64_t total_bytes, int64_t chunk, int streams) {
   return static_cast<double>(per_stream * streams) / secs / 1e9;
 }
 
-int Run() {
+ServiceOptions TargetOptions() {
+  ServiceOptions opt;
+  opt.max_batch_tokens = absl::GetFlag(FLAGS_tokens);
+  opt.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  return opt;
+}
+
+// A model description of the right width; its weights are never read.
+absl::StatusOr<std::unique_ptr<Model>> BenchModel() {
+  const int64_t H = absl::GetFlag(FLAGS_hidden);
+  auto model = OpenModel(H == 5120 ? "random:qwen3.6-27b" : "tiny-random");
+  if (model.ok() && (*model)->config.hidden_size != H) {
+    return absl::InvalidArgumentError("--hidden must be 5120 or 128");
+  }
+  return model;
+}
+
+// The target in a process of its own, as deployed: it shares no gRPC threads,
+// allocator or locks with the trainer. It writes its address to `report`, then
+// serves until `control` closes (the parent exited or is done), then writes
+// how many capture buffers it allocated after the first `warm` batches.
+[[noreturn]] void TargetProcess(int control, int report) {
+  auto model = BenchModel();
+  if (!model.ok()) {
+    std::fprintf(stderr, "target: %s\n", std::string(model.status().message()).c_str());
+    _exit(1);
+  }
+  FillEngine engine(model->get());
+  TargetService service({&engine}, TargetOptions());
+  auto [server, address] = ServeOnLoopback(&service);
+  const std::string line = address + "\n";
+  if (write(report, line.data(), line.size()) != static_cast<ssize_t>(line.size())) _exit(1);
+  char c;
+  while (read(control, &c, 1) > 0) {
+    // One byte: the trainer finished warming; count fresh buffers from here.
+    const std::string allocs = std::to_string(service.scheduler().pool().allocations()) + "\n";
+    if (write(report, allocs.data(), allocs.size()) < 0) _exit(1);
+  }
+  const std::string allocs = std::to_string(service.scheduler().pool().allocations()) + "\n";
+  if (write(report, allocs.data(), allocs.size()) < 0) _exit(1);
+  service.BeginDrain();
+  server->Shutdown();
+  _exit(0);
+}
+
+std::string ReadLine(int fd) {
+  std::string line;
+  char c;
+  while (read(fd, &c, 1) == 1 && c != '\n') line.push_back(c);
+  return line;
+}
+
+int Run(const std::string& address, int control, int report) {
   const int64_t T = absl::GetFlag(FLAGS_tokens), K = absl::GetFlag(FLAGS_layers),
                 H = absl::GetFlag(FLAGS_hidden);
   const int batches = absl::GetFlag(FLAGS_batches), streams = absl::GetFlag(FLAGS_streams);
-  // A model description of the right width; its weights are never read.
-  auto model = OpenModel(H == 5120 ? "random:qwen3.6-27b" : "tiny-random");
-  if (!model.ok()) return 1;
-  if ((*model)->config.hidden_size != H) {
-    std::fprintf(stderr, "--hidden must be 5120 or 128\n");
-    return 1;
-  }
-  FillEngine engine(model->get());
-  ServiceOptions opt;
-  opt.max_batch_tokens = T;
-  opt.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
-  TargetService service({&engine}, opt);
-  auto [server, address] = ServeOnLoopback(&service);
-
   std::vector<int32_t> layers;
   for (int64_t k = 0; k + 1 < K; ++k) layers.push_back(static_cast<int32_t>(k));
   layers.push_back(-1);
@@ -181,6 +222,10 @@ int Run() {
     run(**feed, 8);
     feeds.push_back(*std::move(feed));
   }
+  if (write(control, "w", 1) != 1) return 1;
+  const long long target_allocs0 = std::atoll(ReadLine(report).c_str());
+  rusage ru0{};
+  getrusage(RUSAGE_SELF, &ru0);
   for (int rep = 0; rep < absl::GetFlag(FLAGS_repeats); ++rep) {
     std::vector<std::thread> threads;
     const auto t0 = Clock::now();
@@ -190,20 +235,31 @@ int Run() {
     for (auto& t : threads) t.join();
     const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     grpc_gbps.push_back(static_cast<double>(batch_bytes) * batches * streams / secs / 1e9);
+    if (!absl::GetFlag(FLAGS_tcp)) continue;
     tcp_gbps.push_back(RawTcpGBps(batch_bytes * batches * streams,
                                   absl::GetFlag(FLAGS_chunk_bytes),
                                   streams * absl::GetFlag(FLAGS_connections)));
   }
-  const double g = Median(grpc_gbps), t = Median(tcp_gbps);
+  rusage ru1{};
+  getrusage(RUSAGE_SELF, &ru1);
+  feeds.clear();  // close the streams before the target shuts down
+  close(control);
+  const long long target_allocs = std::atoll(ReadLine(report).c_str()) - target_allocs0;
+  const double g = Median(grpc_gbps), t = tcp_gbps.empty() ? 0 : Median(tcp_gbps);
   std::printf("payload %lld x %lld x %lld bf16 = %.1f MB per batch, %d batches x %d stream(s) "
-              "x %d connection(s), chunks of %lld KiB\n",
+              "x %d connection(s), chunks of %lld KiB; target in its own process\n",
               static_cast<long long>(T), static_cast<long long>(K), static_cast<long long>(H),
               batch_bytes / 1e6, batches, streams, absl::GetFlag(FLAGS_connections),
               static_cast<long long>(absl::GetFlag(FLAGS_chunk_bytes) >> 10));
-  std::printf("gRPC %.2f GB/s, raw TCP %.2f GB/s: gRPC = %.0f%% of TCP (medians of %zu)\n", g, t,
-              100 * g / t, grpc_gbps.size());
-  feeds.clear();  // close the streams, or Shutdown waits for them
-  server->Shutdown();
+  std::printf("steady state: %lld target buffer allocations, %ld trainer page faults while "
+              "timed (TCP baseline included)\n",
+              target_allocs, ru1.ru_minflt - ru0.ru_minflt);
+  if (t > 0) {
+    std::printf("gRPC %.2f GB/s, raw TCP %.2f GB/s: gRPC = %.0f%% of TCP (medians of %zu)\n", g,
+                t, 100 * g / t, grpc_gbps.size());
+  } else {
+    std::printf("gRPC %.2f GB/s (median of %zu; no TCP baseline)\n", g, grpc_gbps.size());
+  }
   return 0;
 }
 
@@ -220,5 +276,30 @@ int main(int argc, char** argv) {
     mallopt(M_MMAP_THRESHOLD, 32 << 20);
     mallopt(M_TRIM_THRESHOLD, 256 << 20);
   }
-  return draftfeed::Run();
+  if (auto model = draftfeed::BenchModel(); !model.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(model.status().message()).c_str());
+    return 1;
+  }
+  // Fork before gRPC starts any thread in this process.
+  int control[2], report[2];
+  if (pipe(control) != 0 || pipe(report) != 0) return 1;
+  const pid_t child = fork();
+  if (child < 0) return 1;
+  if (child == 0) {
+    close(control[1]);
+    close(report[0]);
+    draftfeed::TargetProcess(control[0], report[1]);
+  }
+  close(control[0]);
+  close(report[1]);
+  const std::string address = draftfeed::ReadLine(report[0]);
+  if (address.empty()) {
+    std::fprintf(stderr, "the target process did not start\n");
+    return 1;
+  }
+  const int rc = draftfeed::Run(address, control[1], report[0]);
+  close(control[1]);
+  int wstatus = 0;
+  waitpid(child, &wstatus, 0);
+  return rc;
 }

@@ -1,5 +1,6 @@
-// The NCCL transport's payload checksum (v1::PositionalChecksum in
-// proto/draftfeed/v1/checksum.h), computed where the payload is: on the GPU.
+// The BatchDone payload checksum (proto/draftfeed/v1/checksum.h), computed
+// where the payload is: on the GPU. Its eight lane sums are plain sums, so the
+// kernel adds them in any order; the host folds them (FinishPayloadChecksum).
 #pragma once
 
 #include <cstddef>
@@ -9,15 +10,16 @@
 
 namespace draftfeed::cuda {
 
-// Writes the checksum of `bytes` bytes at `data` (device memory, 8-byte
-// aligned) into *host_out (pinned host memory) and waits for it on `stream`.
-// `scratch` is one device uint64.
-cudaError_t PositionalChecksum(const void* data, size_t bytes, unsigned long long* scratch,
-                               uint64_t* host_out, cudaStream_t stream);
+// Enqueues the lane sums of `bytes` bytes at `data` (device memory, 16-byte
+// aligned) on `stream`: once the stream reaches this point, host_lanes[0..8)
+// (pinned host memory) hold them, and
+// v1::FinishPayloadChecksum(host_lanes, bytes) is the checksum. `scratch` is
+// eight device uint64s.
+cudaError_t EnqueuePayloadLanes(const void* data, size_t bytes, unsigned long long* scratch,
+                                uint64_t* host_lanes, cudaStream_t stream);
 
-// The same, enqueued only: once `stream` reaches this point, *host_sum holds
-// the raw sum; v1::PositionalFinish(*host_sum, bytes) is the checksum.
-cudaError_t EnqueuePositionalSum(const void* data, size_t bytes, unsigned long long* scratch,
-                                 uint64_t* host_sum, cudaStream_t stream);
+// The same, waited for and folded: *checksum is the payload's checksum.
+cudaError_t PayloadChecksum(const void* data, size_t bytes, unsigned long long* scratch,
+                            uint64_t* host_lanes, uint64_t* checksum, cudaStream_t stream);
 
 }  // namespace draftfeed::cuda

@@ -217,7 +217,7 @@ struct Feed::Impl {
     size_t values = 0;
     // Checksum fed chunk by chunk while the bytes are in cache; valid while
     // chunks arrive in order (otherwise the batch is re-hashed whole).
-    v1::PayloadHasher hasher{0};
+    v1::PayloadHasher hasher;
     bool hashed_in_order = true;
     int64_t tokens_received = 0;
     Target* target = nullptr;
@@ -636,7 +636,7 @@ struct Feed::Impl {
     ++p.epoch;  // a reader still copying a chunk of the old assignment drops it
     p.recv_pending = false;
     p.early_done.reset();
-    p.hasher.Reset(p.values * 2);
+    p.hasher.Reset();
     p.hashed_in_order = true;
   }
 
@@ -672,7 +672,7 @@ struct Feed::Impl {
     // re-assigned meanwhile (then this chunk is dropped).
     std::shared_ptr<uint16_t> buffer;
     uint16_t* dst = nullptr;
-    v1::PayloadHasher hasher(0);
+    v1::PayloadHasher hasher;
     bool hash = false;
     uint64_t epoch = 0;
     {
@@ -696,8 +696,11 @@ struct Feed::Impl {
       if (hash) hasher = p.hasher;
       epoch = p.epoch;
     }
-    const bool read = in.ReadRaw(dst, static_cast<int>(data_len));
-    if (read && hash) hasher.Update(dst, data_len);
+    // The payload is copied (and hashed, in the same pass) straight from
+    // gRPC's slices, past the envelope the CodedInputStream just read.
+    const size_t header = static_cast<size_t>(in.CurrentPosition());
+    const bool read = raw.Length() >= header + data_len &&
+                      CopyPayload(raw, header, data_len, dst, hash ? &hasher : nullptr);
     std::lock_guard<std::mutex> lock(mu);
     auto it = pending.find(id);
     if (it == pending.end() || it->second.complete || it->second.conn != conn ||
@@ -719,6 +722,35 @@ struct Feed::Impl {
     p.tokens_received += static_cast<int64_t>(count);
     stats.bytes_received += data_len;
     return true;
+  }
+
+  // Copies `n` bytes starting `skip` bytes into `raw` to `dst`, hashing them
+  // on the way when `hasher` is given.
+  static bool CopyPayload(grpc::ByteBuffer& raw, size_t skip, size_t n, uint16_t* dst_words,
+                          v1::PayloadHasher* hasher) {
+    std::vector<grpc::Slice> slices;
+    if (!raw.Dump(&slices).ok()) return false;
+    auto* dst = reinterpret_cast<unsigned char*>(dst_words);
+    for (const grpc::Slice& slice : slices) {
+      if (n == 0) break;
+      size_t len = slice.size();
+      const unsigned char* src = slice.begin();
+      if (skip >= len) {
+        skip -= len;
+        continue;
+      }
+      src += skip;
+      len = std::min(len - skip, n);
+      skip = 0;
+      if (hasher != nullptr) {
+        hasher->CopyAndUpdate(dst, src, len);
+      } else {
+        std::memcpy(dst, src, len);
+      }
+      dst += len;
+      n -= len;
+    }
+    return n == 0;
   }
 
   void FailMalformedChunk(Target* t, uint64_t id, Pending& p, uint64_t offset, uint64_t count,
@@ -1127,7 +1159,7 @@ absl::StatusOr<uint64_t> Feed::Submit(std::vector<int32_t> token_ids,
   // Pooled and uninitialised: every value is overwritten by a chunk before
   // the batch completes (tokens_received must reach T).
   p.values = static_cast<size_t>(bytes / 2);
-  p.hasher.Reset(p.values * 2);
+  p.hasher.Reset();
   p.token_ids = std::move(token_ids);
   p.seq_lens = std::move(seq_lens);
   m.unassigned.insert(id);

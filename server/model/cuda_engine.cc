@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/attention.cuh"
+#include "kernels/checksum.cuh"
 #include "server/model/cuda_gemm.h"
 #include "kernels/elementwise.cuh"
 #include "kernels/embedding.cuh"
@@ -23,6 +24,7 @@
 #include "kernels/random_init.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope.cuh"
+#include "proto/draftfeed/v1/checksum.h"
 
 namespace draftfeed {
 
@@ -132,10 +134,14 @@ struct CudaEngine::Impl {
   int current = 1;
   cudaStream_t copy_stream = nullptr;
   cudaEvent_t copied[2] = {nullptr, nullptr};
+  // Each capture's checksum lanes, computed on copy_stream beside its copy.
+  unsigned long long* d_lanes = nullptr;  // [2][kChecksumLanes]
+  uint64_t* h_lanes = nullptr;            // [2][kChecksumLanes], pinned
   // The copy thread retires copies in order: it waits for each one's event,
   // runs its callback, then frees its buffer for the next forward.
   struct PendingCopy {
     int buffer;
+    size_t bytes;
     CopiedCallback on_copied;
   };
   std::mutex copy_mu;
@@ -280,6 +286,8 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   DF_CUDA(cudaMallocHost(&h_ids, T * 4));
   DF_CUDA(cudaMallocHost(&h_cu, (options.max_seqs + 1) * 4));
   DF_CUDA(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
+  DF_CUDA(cudaMalloc(&d_lanes, 2 * v1::kChecksumLanes * sizeof(*d_lanes)));
+  DF_CUDA(cudaMallocHost(&h_lanes, 2 * v1::kChecksumLanes * sizeof(*h_lanes)));
   for (cudaEvent_t& e : copied) {
     // Blocking sync: the copy thread sleeps instead of spinning a core that
     // gRPC and the checksums need.
@@ -313,8 +321,15 @@ void CudaEngine::Impl::CopyLoop() {
       pending.pop_front();
     }
     const cudaError_t e = cudaEventSynchronize(copied[job.buffer]);
-    job.on_copied(e == cudaSuccess ? absl::OkStatus()
-                                   : CudaError(e, "device-to-host copy of the capture"));
+    Copied done;
+    if (e == cudaSuccess) {
+      uint64_t lanes[v1::kChecksumLanes];
+      std::memcpy(lanes, h_lanes + job.buffer * v1::kChecksumLanes, sizeof(lanes));
+      done.checksum = v1::FinishPayloadChecksum(lanes, job.bytes);
+    } else {
+      done.status = CudaError(e, "device-to-host copy of the capture");
+    }
+    job.on_copied(std::move(done));
     {
       std::lock_guard<std::mutex> lock(copy_mu);
       busy[job.buffer] = false;
@@ -705,6 +720,8 @@ CudaEngine::~CudaEngine() {
       if (e) cudaEventDestroy(e);
     }
     if (impl_->copy_stream) cudaStreamDestroy(impl_->copy_stream);
+    if (impl_->d_lanes) cudaFree(impl_->d_lanes);
+    if (impl_->h_lanes) cudaFreeHost(impl_->h_lanes);
     if (impl_->h_ids) cudaFreeHost(impl_->h_ids);
     if (impl_->h_cu) cudaFreeHost(impl_->h_cu);
     if (impl_->stream) cudaStreamDestroy(impl_->stream);
@@ -762,11 +779,15 @@ absl::Status CudaEngine::ForwardAsync(const ForwardInput& in, std::span<uint16_t
   if (absl::Status s = m.Run(in); !s.ok()) return s;
   const size_t bytes = in.token_ids.size() * in.layers.size() * static_cast<size_t>(m.D) * 2;
   DF_CUDA(cudaMemcpyAsync(out.data(), m.captures[b], bytes, cudaMemcpyDeviceToHost, m.copy_stream));
+  // The checksum is taken on the GPU beside the copy (tens of microseconds),
+  // not by a pass over the host copy on the target's CPU.
+  DF_CUDA(cuda::EnqueuePayloadLanes(m.captures[b], bytes, m.d_lanes + b * v1::kChecksumLanes,
+                                    m.h_lanes + b * v1::kChecksumLanes, m.copy_stream));
   DF_CUDA(cudaEventRecord(m.copied[b], m.copy_stream));
   {
     std::lock_guard<std::mutex> lock(m.copy_mu);
     m.busy[b] = true;
-    m.pending.push_back(Impl::PendingCopy{b, std::move(on_copied)});
+    m.pending.push_back(Impl::PendingCopy{b, bytes, std::move(on_copied)});
   }
   m.copy_cv.notify_all();
   return absl::OkStatus();

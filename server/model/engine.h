@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <memory>
 #include <span>
 #include <string>
@@ -40,11 +41,18 @@ class Engine {
   // valid until then, and `on_copied` must be quick (the engine's next copy
   // waits for it). On an error return `on_copied` is never called. Copies
   // complete in call order. The default is Forward, then `on_copied`.
-  using CopiedCallback = std::function<void(absl::Status)>;
+  struct Copied {
+    absl::Status status;
+    // The payload's v1::PayloadChecksum when the engine computed it where the
+    // capture was (a GPU engine, as part of the copy), so that no host pass
+    // over the payload is needed; empty otherwise.
+    std::optional<uint64_t> checksum;
+  };
+  using CopiedCallback = std::function<void(Copied)>;
   virtual absl::Status ForwardAsync(const ForwardInput& in, std::span<uint16_t> out,
                                     CopiedCallback on_copied) {
     if (absl::Status s = Forward(in, out); !s.ok()) return s;
-    on_copied(absl::OkStatus());
+    on_copied(Copied{});
     return absl::OkStatus();
   }
 

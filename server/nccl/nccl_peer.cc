@@ -38,8 +38,9 @@ struct NcclPeer::Impl {
   bool aborted = false;
   // One slot per op in flight: its completion event and checksum words.
   cudaEvent_t done[kMaxOps] = {};
-  unsigned long long* d_sum = nullptr;  // [kMaxOps] device scratch
-  uint64_t* h_sum = nullptr;            // [kMaxOps] pinned
+  // The checksum's lane sums of each slot: [kMaxOps][kChecksumLanes].
+  unsigned long long* d_sum = nullptr;  // device scratch
+  uint64_t* h_sum = nullptr;            // pinned
   int next_slot = 0;
   int in_flight = 0;
   ~Impl();
@@ -71,10 +72,10 @@ absl::StatusOr<std::unique_ptr<NcclPeer>> NcclPeer::Start(const std::string& uni
       return CudaError(e, "cudaEventCreate");
     }
   }
-  if (cudaError_t e = cudaMalloc(&impl->d_sum, kMaxOps * sizeof(*impl->d_sum)); e != cudaSuccess) {
+  if (cudaError_t e = cudaMalloc(&impl->d_sum, kMaxOps * v1::kChecksumLanes * sizeof(*impl->d_sum)); e != cudaSuccess) {
     return CudaError(e, "cudaMalloc");
   }
-  if (cudaError_t e = cudaMallocHost(&impl->h_sum, kMaxOps * sizeof(*impl->h_sum));
+  if (cudaError_t e = cudaMallocHost(&impl->h_sum, kMaxOps * v1::kChecksumLanes * sizeof(*impl->h_sum));
       e != cudaSuccess) {
     return CudaError(e, "cudaMallocHost");
   }
@@ -188,8 +189,9 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
     op = Op{impl_->next_slot, bytes};
     // The sender checksums what it is about to send; the receiver what arrived.
     if (send) {
-      if (cudaError_t e = cuda::EnqueuePositionalSum(data, bytes, impl_->d_sum + op.slot,
-                                                     impl_->h_sum + op.slot, stream);
+      if (cudaError_t e = cuda::EnqueuePayloadLanes(
+              data, bytes, impl_->d_sum + op.slot * v1::kChecksumLanes,
+              impl_->h_sum + op.slot * v1::kChecksumLanes, stream);
           e != cudaSuccess) {
         return CudaError(e, "payload checksum");
       }
@@ -208,8 +210,9 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
   if (!send) {
-    if (cudaError_t e = cuda::EnqueuePositionalSum(data, bytes, impl_->d_sum + op.slot,
-                                                   impl_->h_sum + op.slot, stream);
+    if (cudaError_t e = cuda::EnqueuePayloadLanes(
+            data, bytes, impl_->d_sum + op.slot * v1::kChecksumLanes,
+            impl_->h_sum + op.slot * v1::kChecksumLanes, stream);
         e != cudaSuccess) {
       return CudaError(e, "payload checksum");
     }
@@ -246,7 +249,11 @@ absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
   if (!s.ok()) return s;
   std::lock_guard<std::mutex> lock(impl_->mu);
   --impl_->in_flight;
-  return v1::PositionalFinish(impl_->h_sum[op.slot], op.bytes);
+  uint64_t lanes[v1::kChecksumLanes];
+  for (int l = 0; l < v1::kChecksumLanes; ++l) {
+    lanes[l] = impl_->h_sum[op.slot * v1::kChecksumLanes + l];
+  }
+  return v1::FinishPayloadChecksum(lanes, op.bytes);
 }
 
 absl::StatusOr<uint64_t> NcclPeer::Send(const void* data, size_t bytes, void* stream,

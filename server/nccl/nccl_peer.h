@@ -36,7 +36,7 @@ class NcclPeer {
   absl::Status Wait(double timeout_s, const Cancelled& cancelled = nullptr);
 
   // A send or receive enqueued on a stream, with the payload's checksum
-  // (v1::PositionalChecksum, computed on the GPU) enqueued beside it. Ops
+  // (v1::PayloadChecksum, computed on the GPU) enqueued beside it. Ops
   // complete in the order they were posted; at most kMaxOps are in flight.
   static constexpr int kMaxOps = 64;
   struct Op {

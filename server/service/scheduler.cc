@@ -131,7 +131,10 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
       Completion* raw = c.get();
       status = engine->ForwardAsync(
           input, std::span<uint16_t>(result.hidden.get(), result.hidden_size),
-          [&lane, raw](absl::Status copied) { FinishHalves(lane, *raw, std::move(copied), 1); });
+          [&lane, raw](Engine::Copied copied) {
+            raw->result.checksum = copied.checksum;  // read only once both halves are in
+            FinishHalves(lane, *raw, std::move(copied.status), 1);
+          });
       copy_pending = status.ok();
     }
   }

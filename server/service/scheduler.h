@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -33,6 +34,9 @@ struct ForwardResult {
   double queue_ms = 0;
   double forward_ms = 0;
   double send_ms = 0;  // set by transports that send on the worker (NCCL)
+  // The payload's v1::PayloadChecksum when it was computed on the device (a
+  // GPU engine's copy, or the NCCL send); empty: the transport computes it.
+  std::optional<uint64_t> checksum;
 };
 
 struct WorkItem {

@@ -184,13 +184,15 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   }
 
   // Called on the scheduler's completion thread (the engine has moved on to
-  // the next batch), so the checksum's pass over the payload costs no GPU time.
+  // the next batch). A GPU engine has already checksummed the payload on the
+  // device; otherwise (a CPU engine) the pass over it runs here.
   static void DeliverResult(const std::shared_ptr<ReactorLink>& link, uint64_t batch_id,
-                            absl::StatusOr<ForwardResult> result,
-                            std::optional<uint64_t> device_checksum = std::nullopt) {
-    uint64_t checksum = device_checksum.value_or(0);
-    if (result.ok() && !device_checksum.has_value()) {
-      checksum = v1::PayloadChecksum(result->hidden.get(), result->hidden_size * 2);
+                            absl::StatusOr<ForwardResult> result) {
+    uint64_t checksum = 0;
+    if (result.ok()) {
+      checksum = result->checksum.has_value()
+                     ? *result->checksum
+                     : v1::PayloadChecksum(result->hidden.get(), result->hidden_size * 2);
     }
     std::lock_guard<std::mutex> link_lock(link->mu);
     if (link->reactor == nullptr) return;
@@ -479,7 +481,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
           r->forward_ms -= state->send_ms;
           r->send_ms = state->send_ms;
         }
-        DeliverResult(link, batch_id, std::move(r), state->checksum);
+        if (r.ok()) r->checksum = state->checksum;
+        DeliverResult(link, batch_id, std::move(r));
       };
     }
 #endif

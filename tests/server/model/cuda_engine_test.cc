@@ -6,9 +6,12 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 
+#include "draftfeed/v1/checksum.h"
 #include "server/model/cpu_engine.h"
 #include "server/model/cuda_engine.h"
 #include "server/model/tensor.h"
@@ -171,10 +174,11 @@ std::vector<Batch> MixedBatches(int64_t vocab) {
 class CopyLog {
  public:
   Engine::CopiedCallback For(int batch) {
-    return [this, batch](absl::Status s) {
+    return [this, batch](Engine::Copied c) {
       std::lock_guard<std::mutex> lock(mu_);
       order_.push_back(batch);
-      statuses_.push_back(std::move(s));
+      statuses_.push_back(std::move(c.status));
+      checksums_[batch] = c.checksum;
       cv_.notify_all();
     };
   }
@@ -185,6 +189,10 @@ class CopyLog {
   std::vector<int> order() {
     std::lock_guard<std::mutex> lock(mu_);
     return order_;
+  }
+  std::optional<uint64_t> checksum(int batch) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return checksums_[batch];
   }
   bool all_ok() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -199,6 +207,7 @@ class CopyLog {
   std::condition_variable cv_;
   std::vector<int> order_;
   std::vector<absl::Status> statuses_;
+  std::map<int, std::optional<uint64_t>> checksums_;
 };
 
 // A small model on a 3-slot engine, and what Forward gives for each batch.
@@ -252,6 +261,11 @@ TEST_F(CudaEngineAsync, DoubleBufferedCopiesMatchForward) {
   EXPECT_EQ(log.order(), (std::vector<int>{0, 1, 2, 3, 4}));
   for (size_t i = 0; i < batches.size(); ++i) {
     EXPECT_TRUE(std::equal(want[i].begin(), want[i].end(), out[i].get())) << "batch " << i;
+    // The checksum the GPU took beside the copy is the payload's, as the
+    // client computes it from the bytes it receives.
+    const std::optional<uint64_t> sum = log.checksum(static_cast<int>(i));
+    ASSERT_TRUE(sum.has_value()) << "batch " << i;
+    EXPECT_EQ(*sum, v1::PayloadChecksum(want[i].data(), want[i].size() * 2)) << "batch " << i;
   }
   // Bad input fails at once, and the callback is never called.
   std::vector<int32_t> too_many = {0, 1, 2, 3};

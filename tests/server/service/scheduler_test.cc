@@ -46,7 +46,7 @@ class OvertakingEngine final : public Engine {
     copies_.emplace_back([=] {
       std::this_thread::sleep_for(delay);
       std::fill(out.begin(), out.end(), value);
-      on_copied(fail ? absl::InternalError("copy failed") : absl::OkStatus());
+      on_copied({fail ? absl::InternalError("copy failed") : absl::OkStatus(), std::nullopt});
     });
     return absl::OkStatus();
   }

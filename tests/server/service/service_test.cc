@@ -490,36 +490,6 @@ TEST(ServiceTest, VanishingClientDoesNotDisturbOthers) {
 namespace draftfeed {
 namespace {
 
-TEST(ChecksumTest, PinsTheProtocolValueAndSeesEveryByte) {
-  std::vector<uint8_t> data(1000);
-  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 7 + 3);
-  const uint64_t base = v1::PayloadChecksum(data.data(), data.size());
-  // The value is part of the wire protocol: a change here breaks old clients.
-  EXPECT_EQ(base, 0xcd56156c556173c0ULL);
-  for (size_t i : {size_t{0}, size_t{31}, size_t{32}, size_t{999}}) {
-    std::vector<uint8_t> flipped = data;
-    flipped[i] ^= 1;
-    EXPECT_NE(v1::PayloadChecksum(flipped.data(), flipped.size()), base) << "byte " << i;
-  }
-  // Two words swapped between lanes, and a shorter length, change it too.
-  std::vector<uint8_t> swapped = data;
-  std::swap_ranges(swapped.begin(), swapped.begin() + 8, swapped.begin() + 8);
-  EXPECT_NE(v1::PayloadChecksum(swapped.data(), swapped.size()), base);
-  EXPECT_NE(v1::PayloadChecksum(data.data(), 999), base);
-}
-
-TEST(ChecksumTest, PiecewiseHashEqualsWholeHash) {
-  std::vector<uint8_t> data(4099);
-  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 131 + 7);
-  for (size_t n : {size_t{0}, size_t{5}, size_t{32}, size_t{100}, size_t{4099}}) {
-    for (size_t piece : {size_t{1}, size_t{7}, size_t{32}, size_t{33}, size_t{1000}}) {
-      v1::PayloadHasher h(n);
-      for (size_t off = 0; off < n; off += piece) h.Update(data.data() + off, std::min(piece, n - off));
-      EXPECT_EQ(h.Finish(), v1::PayloadChecksum(data.data(), n)) << n << " bytes in " << piece;
-    }
-  }
-}
-
 TEST(HostBufferPoolTest, ReusesAndCapsIdleMemory) {
   HostBufferPool pool(/*max_idle_bytes=*/3000);
   {

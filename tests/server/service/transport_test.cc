@@ -1,5 +1,5 @@
 // The NCCL transport: negotiation and refusals on any machine (CPU targets),
-// the GPU checksum against its CPU reference, and NCCL delivery against the
+// and NCCL delivery against the
 // gRPC path on GPUs (those tests skip cleanly without enough GPUs).
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
-#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,7 +20,6 @@
 #if DRAFTFEED_HAVE_CUDA
 #include <cuda_runtime.h>
 
-#include "kernels/checksum.cuh"
 #include "server/model/cuda_engine.h"
 #if DRAFTFEED_HAVE_NCCL
 #include "server/nccl/nccl_peer.h"
@@ -213,63 +211,7 @@ TEST_F(CpuTarget, SeveralConnectionsPerTargetShareTheWorkExactly) {
   EXPECT_EQ(Feed::Open(opt).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// ---- the NCCL checksum ------------------------------------------------------
-
-std::vector<unsigned char> RandomBytes(size_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::vector<unsigned char> b(n);
-  for (auto& x : b) x = static_cast<unsigned char>(rng());
-  return b;
-}
-
-TEST(PositionalChecksum, PinnedValue) {
-  // Part of the protocol: a change here breaks every older client.
-  std::vector<unsigned char> b(1000);
-  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<unsigned char>(i * 7 + 3);
-  EXPECT_EQ(v1::PositionalChecksum(b.data(), b.size()), 0x4da644108aeb8f7eULL);
-}
-
-TEST(PositionalChecksum, EveryBitFlipAndWordSwapChangesIt) {
-  std::vector<unsigned char> b = RandomBytes(4096 + 5, 1);
-  const uint64_t base = v1::PositionalChecksum(b.data(), b.size());
-  for (size_t byte : {size_t{0}, size_t{7}, size_t{8}, size_t{2048}, b.size() - 1}) {
-    for (int bit = 0; bit < 8; ++bit) {
-      b[byte] ^= static_cast<unsigned char>(1u << bit);
-      EXPECT_NE(v1::PositionalChecksum(b.data(), b.size()), base) << byte << ":" << bit;
-      b[byte] ^= static_cast<unsigned char>(1u << bit);
-    }
-  }
-  std::vector<unsigned char> swapped = b;
-  std::memcpy(swapped.data(), b.data() + 8, 8);
-  std::memcpy(swapped.data() + 8, b.data(), 8);
-  EXPECT_NE(v1::PositionalChecksum(swapped.data(), swapped.size()), base);
-  // The length is part of it: trailing zeros are not free.
-  std::vector<unsigned char> longer = b;
-  longer.push_back(0);
-  EXPECT_NE(v1::PositionalChecksum(longer.data(), longer.size()), base);
-}
-
 #if DRAFTFEED_HAVE_CUDA
-TEST(PositionalChecksum, GpuKernelEqualsCpuReference) {
-  if (GpuCount() == 0) GTEST_SKIP() << "no CUDA device";
-  unsigned long long* scratch = nullptr;
-  uint64_t* host = nullptr;
-  ASSERT_EQ(cudaMalloc(&scratch, 8), cudaSuccess);
-  ASSERT_EQ(cudaMallocHost(&host, 8), cudaSuccess);
-  for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{16},
-                   size_t{17}, size_t{4096}, size_t{1000003}, (size_t{64} << 20) + 5}) {
-    std::vector<unsigned char> b = RandomBytes(n, n);
-    void* d = nullptr;
-    ASSERT_EQ(cudaMalloc(&d, std::max<size_t>(n, 1)), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(d, b.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cuda::PositionalChecksum(d, n, scratch, host, nullptr), cudaSuccess);
-    EXPECT_EQ(*host, v1::PositionalChecksum(b.data(), n)) << n << " bytes";
-    cudaFree(d);
-  }
-  cudaFree(scratch);
-  cudaFreeHost(host);
-}
-
 // ---- NCCL delivery on GPUs -----------------------------------------------------
 
 class GpuTarget : public ::testing::Test {
@@ -315,7 +257,7 @@ class GpuTarget : public ::testing::Test {
         EXPECT_EQ(cudaMemcpy(v.data(), b->device_buffer.get(), v.size() * 2,
                              cudaMemcpyDeviceToHost),
                   cudaSuccess);
-        EXPECT_EQ(b->checksum, v1::PositionalChecksum(v.data(), v.size() * 2));
+        EXPECT_EQ(b->checksum, v1::PayloadChecksum(v.data(), v.size() * 2));
       } else {
         v.assign(b->hidden().begin(), b->hidden().end());
       }
