@@ -65,6 +65,10 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  // HTTP/2 DATA frames of up to 16 MiB instead of 16 KiB: a 4 MiB chunk then
+  // arrives as one frame, not 256, so both ends parse, slice and syscall far
+  // less per byte (bench/grpc_throughput.cc: +5..12 points of raw TCP).
+  args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (1 << 24) - 1);
   return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
 }
 
