@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Issue 5 on the two-GPU machine (nvidia-h200-x2), in one device call: the GPU
-# tests (NCCL transport, checksum kernel, CUDA engine and goldens, the CUDA
-# service), NCCL transport vs raw ncclSend/Recv, the gRPC data plane vs raw TCP
-# on this 16-core host, and the end-to-end bench (bench/run_e2e_h200.sh).
+# tests (payload checksum kernel, NCCL transport, CUDA engine, the CUDA
+# service; GOLDENS=1 adds the goldens), NCCL transport vs raw ncclSend/Recv, the
+# gRPC data plane vs raw TCP on this host's cores, and the end-to-end bench
+# (bench/run_e2e_h200.sh).
 # Bundle, made here first:
 #   bash scripts/make-bundle.sh .bundle build/bin/draftfeed-target build/bin/draftfeed-e2e-bench \
 #     build/bin/draftfeed-nccl-bench build/bin/draftfeed-grpc-bench \
 #     build/tests/server/service/transport_test build/tests/server/service/service_test \
-#     build/tests/server/model/cuda_engine_test build/tests/server/model/goldens_test
+#     build/tests/server/model/cuda_engine_test build/tests/server/model/goldens_test \
+#     build/tests/server/service/checksum_test
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -17,13 +19,19 @@ export DRAFTFEED_SOURCE_DIR=$PWD
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 summary='^\[  (     OK|FAILED|  PASSED|SKIPPED)|Failure|Expected|Which is|rms|cosine'
 if [[ ${SKIP_TESTS:-0} != 1 ]]; then
+  timeout 60 .bundle/bin/checksum_test 2>&1 | grep -E "$summary"
   timeout 120 .bundle/bin/transport_test 2>&1 | grep -E "$summary"
-  timeout 180 .bundle/bin/goldens_test --gtest_filter='*Cuda*' 2>&1 | grep -E "$summary"
+  if [[ ${GOLDENS:-0} == 1 ]]; then
+    timeout 180 .bundle/bin/goldens_test --gtest_filter='*Cuda*' 2>&1 | grep -E "$summary"
+  fi
 fi
 echo "== NCCL transport vs raw ncclSend/ncclRecv"
-timeout 240 .bundle/bin/draftfeed-nccl-bench --sizes_mib 64,256 --repeats 5 --transfers 8
+timeout 240 .bundle/bin/draftfeed-nccl-bench --sizes_mib 64,256,1024 --repeats 5 --transfers 8
 echo "== gRPC data plane vs raw TCP (this host's cores)"
-timeout 120 .bundle/bin/draftfeed-grpc-bench --batches 40 --repeats 5
+for conns in 1 2; do
+  timeout 120 .bundle/bin/draftfeed-grpc-bench --batches 20 --repeats 5 --connections $conns
+done
+timeout 120 .bundle/bin/draftfeed-grpc-bench --batches 20 --repeats 5 --target_checksum host
 if [[ ${E2E:-1} == 1 ]]; then
   echo "== end to end"
   bash bench/run_e2e_h200.sh

@@ -150,6 +150,10 @@ absl::StatusOr<TargetDescription> DescribeTarget(const std::string& address, dou
 struct Feed::Impl {
   // One stream to one target. Its reader thread owns the end of the stream;
   // its writer thread sends queued batches so no lock is held across Write.
+  // Messages a gRPC connection reads ahead of its processor (chunks are
+  // chunk_bytes each, 4 MiB by default).
+  static constexpr size_t kReadAheadMessages = 4;
+
   struct Conn {
     grpc::ClientContext ctx;
     std::unique_ptr<Stream> stream;
@@ -235,6 +239,7 @@ struct Feed::Impl {
   FeedOptions options;
   // Result buffers: reused across batches (a fresh 200 MB buffer per batch
   // would cost a page fault per 4 KiB); idle memory capped at 2x prefetch_bytes.
+  bool read_handoff = false;  // options.read_handoff, resolved
   std::unique_ptr<HostBufferPool> pool;
   std::unique_ptr<HostBufferPool> device_pool;  // NCCL results, on options.cuda_device
   std::string fingerprint;  // every target must serve this
@@ -473,28 +478,100 @@ struct Feed::Impl {
 
   // ---- receiving -----------------------------------------------------------
 
+  // One message from the target; false when the stream must end (the target
+  // sent garbage, or the NCCL communicator is gone: the target is lost).
+  bool Process(Target* t, Conn* conn, grpc::ByteBuffer& raw, v1::StreamResponse& resp) {
+    if (!conn->uses_nccl() && ReadChunkInPlace(t, conn, raw)) return true;
+    if (!ParseBuffer(raw, &resp)) return false;
+#if DRAFTFEED_HAVE_NCCL
+    if (conn->uses_nccl() && resp.msg_case() == v1::StreamResponse::kChunk) {
+      return ReceiveNccl(t, conn, resp.chunk());
+    }
+#endif
+    HandleResponse(t, conn, resp);
+    return true;
+  }
+
+  // Messages read but not yet processed, between a connection's reader and
+  // its processor. Bounded, so a slow trainer still pushes back on the target.
+  class Handoff {
+   public:
+    explicit Handoff(size_t capacity) : capacity_(capacity) {}
+    // False once the processor quit.
+    bool Push(grpc::ByteBuffer&& raw) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return quit_ || q_.size() < capacity_; });
+      if (quit_) return false;
+      q_.push_back(std::move(raw));
+      cv_.notify_all();
+      return true;
+    }
+    // False once the reader is done and everything was taken.
+    bool Pop(grpc::ByteBuffer* raw) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return ended_ || !q_.empty(); });
+      if (q_.empty()) return false;
+      *raw = std::move(q_.front());
+      q_.pop_front();
+      cv_.notify_all();
+      return true;
+    }
+    void End() {  // the reader: no more messages
+      std::lock_guard<std::mutex> lock(mu_);
+      ended_ = true;
+      cv_.notify_all();
+    }
+    void Quit() {  // the processor: take no more
+      std::lock_guard<std::mutex> lock(mu_);
+      quit_ = true;
+      q_.clear();
+      cv_.notify_all();
+    }
+
+   private:
+    const size_t capacity_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<grpc::ByteBuffer> q_;
+    bool ended_ = false, quit_ = false;
+  };
+
   void ReadLoop(Target* t, std::shared_ptr<Conn> conn) {
     v1::StreamResponse resp;
     grpc::ByteBuffer raw;
+    if (conn->uses_nccl() || !read_handoff) {
 #if DRAFTFEED_HAVE_NCCL
-    if (conn->uses_nccl()) cudaSetDevice(options.cuda_device);
+      if (conn->uses_nccl()) cudaSetDevice(options.cuda_device);
 #endif
-    while (conn->stream->Read(&raw)) {
-      if (!conn->uses_nccl() && ReadChunkInPlace(t, conn.get(), raw)) continue;
-      if (!ParseBuffer(raw, &resp)) {
-        conn->ctx.TryCancel();  // a target that sends garbage is treated as lost
-        break;
-      }
-#if DRAFTFEED_HAVE_NCCL
-      if (conn->uses_nccl() && resp.msg_case() == v1::StreamResponse::kChunk) {
-        if (!ReceiveNccl(t, conn.get(), resp.chunk())) {
-          conn->ctx.TryCancel();  // the communicator is gone: treat the target as lost
+      // One thread reads and processes (NCCL streams carry small messages).
+      while (conn->stream->Read(&raw)) {
+        if (!Process(t, conn.get(), raw, resp)) {
+          conn->ctx.TryCancel();  // a target that sends garbage is treated as lost
           break;
         }
-        continue;
       }
-#endif
-      HandleResponse(t, conn.get(), resp);
+    } else {
+      // This thread only reads, and a second one copies (and hashes) each
+      // chunk into its batch: gRPC reopens its flow-control window as each
+      // message is read, so the next chunk arrives while the last is copied.
+      Handoff handoff(kReadAheadMessages);
+      std::thread processor([&, conn] {
+        grpc::ByteBuffer msg;
+        v1::StreamResponse parsed;
+        while (handoff.Pop(&msg)) {
+          if (!Process(t, conn.get(), msg, parsed)) {
+            conn->ctx.TryCancel();  // a target that sends garbage is treated as lost
+            handoff.Quit();
+            return;
+          }
+        }
+      });
+      while (conn->stream->Read(&raw)) {
+        if (!handoff.Push(std::move(raw))) break;
+        raw = grpc::ByteBuffer();
+      }
+      handoff.End();  // the processor finishes what was read (a last BatchDone)
+      processor.join();
     }
     // Finish must not race a Write: stop the writer first.
     StopWriter(conn.get(), /*drop_queued=*/true);
@@ -1039,6 +1116,7 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   // Idle cap: the prefetch window plus one batch in the trainer's hands.
+  impl->read_handoff = options.read_handoff.value_or(std::thread::hardware_concurrency() >= 4);
   impl->pool = std::make_unique<HostBufferPool>(2 * options.prefetch_bytes);
   if (options.transport != Transport::kGrpc) {
 #if DRAFTFEED_HAVE_NCCL

@@ -38,6 +38,12 @@ struct NcclPeer::Impl {
   bool aborted = false;
   // One slot per op in flight: its completion event and checksum words.
   cudaEvent_t done[kMaxOps] = {};
+  // A send's checksum runs on a stream of its own, beside the send (both
+  // only read the payload, and NVLink leaves HBM bandwidth to spare), instead
+  // of ahead of it: `ready` forks it off the caller's stream, `summed` joins.
+  cudaStream_t sum_stream = nullptr;
+  cudaEvent_t ready[kMaxOps] = {};
+  cudaEvent_t summed[kMaxOps] = {};
   // The checksum's lane sums of each slot: [kMaxOps][kChecksumLanes].
   unsigned long long* d_sum = nullptr;  // device scratch
   uint64_t* h_sum = nullptr;            // pinned
@@ -67,10 +73,17 @@ absl::StatusOr<std::unique_ptr<NcclPeer>> NcclPeer::Start(const std::string& uni
     return CudaError(e, absl::StrCat("cudaSetDevice(", device, ")").c_str());
   }
   auto impl = std::make_unique<Impl>();
-  for (cudaEvent_t& ev : impl->done) {
-    if (cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming); e != cudaSuccess) {
-      return CudaError(e, "cudaEventCreate");
+  for (cudaEvent_t* events : {impl->done, impl->ready, impl->summed}) {
+    for (int i = 0; i < kMaxOps; ++i) {
+      if (cudaError_t e = cudaEventCreateWithFlags(&events[i], cudaEventDisableTiming);
+          e != cudaSuccess) {
+        return CudaError(e, "cudaEventCreate");
+      }
     }
+  }
+  if (cudaError_t e = cudaStreamCreateWithFlags(&impl->sum_stream, cudaStreamNonBlocking);
+      e != cudaSuccess) {
+    return CudaError(e, "cudaStreamCreate");
   }
   if (cudaError_t e = cudaMalloc(&impl->d_sum, kMaxOps * v1::kChecksumLanes * sizeof(*impl->d_sum)); e != cudaSuccess) {
     return CudaError(e, "cudaMalloc");
@@ -98,9 +111,12 @@ NcclPeer::Impl::~Impl() {
   // Abort rather than destroy: it never waits for the other rank, which may be
   // gone (and the device is set by the caller's thread or here).
   if (comm != nullptr && !aborted) ncclCommAbort(comm);
-  for (cudaEvent_t ev : done) {
-    if (ev != nullptr) cudaEventDestroy(ev);
+  for (cudaEvent_t* events : {done, ready, summed}) {
+    for (int i = 0; i < kMaxOps; ++i) {
+      if (events[i] != nullptr) cudaEventDestroy(events[i]);
+    }
   }
+  if (sum_stream != nullptr) cudaStreamDestroy(sum_stream);
   if (d_sum != nullptr) cudaFree(d_sum);
   if (h_sum != nullptr) cudaFreeHost(h_sum);
 }
@@ -189,12 +205,15 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
     op = Op{impl_->next_slot, bytes};
     // The sender checksums what it is about to send; the receiver what arrived.
     if (send) {
-      if (cudaError_t e = cuda::EnqueuePayloadLanes(
-              data, bytes, impl_->d_sum + op.slot * v1::kChecksumLanes,
-              impl_->h_sum + op.slot * v1::kChecksumLanes, stream);
-          e != cudaSuccess) {
-        return CudaError(e, "payload checksum");
+      cudaError_t e = cudaEventRecord(impl_->ready[op.slot], stream);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(impl_->sum_stream, impl_->ready[op.slot], 0);
+      if (e == cudaSuccess) {
+        e = cuda::EnqueuePayloadLanes(data, bytes, impl_->d_sum + op.slot * v1::kChecksumLanes,
+                                      impl_->h_sum + op.slot * v1::kChecksumLanes,
+                                      impl_->sum_stream);
       }
+      if (e == cudaSuccess) e = cudaEventRecord(impl_->summed[op.slot], impl_->sum_stream);
+      if (e != cudaSuccess) return CudaError(e, "payload checksum");
     }
     const int peer = send ? kReceiverRank : kSenderRank;
     const ncclResult_t r = send ? ncclSend(data, bytes, ncclUint8, peer, impl_->comm, stream)
@@ -215,6 +234,12 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
             impl_->h_sum + op.slot * v1::kChecksumLanes, stream);
         e != cudaSuccess) {
       return CudaError(e, "payload checksum");
+    }
+  }
+  if (send) {
+    // The op is done when both the send and its checksum are.
+    if (cudaError_t e = cudaStreamWaitEvent(stream, impl_->summed[op.slot], 0); e != cudaSuccess) {
+      return CudaError(e, "cudaStreamWaitEvent");
     }
   }
   if (cudaError_t e = cudaEventRecord(impl_->done[op.slot], stream); e != cudaSuccess) {

@@ -43,7 +43,8 @@ class NcclPeer {
     int slot = -1;
     size_t bytes = 0;
   };
-  // Send: the checksum is taken before the bytes leave. Receive: after they land.
+  // Send: the checksum reads the payload beside the send, on a stream of the
+  // peer's own. Receive: after the bytes land.
   // Posting can itself wait (the first transfer connects the two GPUs, which
   // needs the other side's matching call): bounded like Wait.
   absl::StatusOr<Op> PostSend(const void* data, size_t bytes, void* stream, double timeout_s,

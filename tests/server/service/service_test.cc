@@ -81,13 +81,26 @@ TEST(ServiceTest, TargetInfoDescribesTheModel) {
   ASSERT_EQ(d->layer_types.size(), static_cast<size_t>(d->num_layers));
 }
 
-TEST(ServiceTest, ClientReceivesExactlyWhatTheEngineComputes) {
-  Server server;
+// The client's two receive paths: one thread reading and copying, or a
+// reader handing each message to a copying thread (FeedOptions.read_handoff,
+// on by default only where there are 4 or more cores, so CI would otherwise
+// see one path).
+class FeedPaths : public ::testing::TestWithParam<bool> {};
+INSTANTIATE_TEST_SUITE_P(ReadHandoff, FeedPaths, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "On" : "Off"; });
+
+TEST_P(FeedPaths, ClientReceivesExactlyWhatTheEngineComputes) {
+  // Chunks of 8 tokens, so most batches arrive in many pieces (the checksum
+  // is taken piece by piece as they are copied).
+  ServiceOptions options;
+  options.chunk_bytes = 8 * 3 * 128 * 2;
+  Server server(options);
   const std::vector<int32_t> layers = {2, 0, -1};
   FeedOptions opt;
   opt.targets = {server.address()};
   opt.layers = layers;
   opt.prefetch = 4;
+  opt.read_handoff = GetParam();
   auto feed = Feed::Open(opt);
   ASSERT_TRUE(feed.ok()) << feed.status();
   const int vocab = static_cast<int>(server.model().config.vocab_size);
@@ -408,12 +421,13 @@ TEST(ServiceTest, ChunkEdgesAreBitExact) {
   }
 }
 
-TEST(ServiceTest, DrainFinishesAcceptedBatchesThenEndsStreams) {
+TEST_P(FeedPaths, DrainFinishesAcceptedBatchesThenEndsStreams) {
   Server server;
   FeedOptions opt;
   opt.targets = {server.address()};
   opt.layers = {-1};
   opt.prefetch = 4;
+  opt.read_handoff = GetParam();
   opt.unavailable_timeout_s = 1.0;  // the only target is gone: fail fast
   auto feed = *Feed::Open(opt);
   std::vector<std::vector<int32_t>> toks;
