@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -49,6 +50,13 @@ struct NcclPeer::Impl {
   uint64_t* h_sum = nullptr;            // pinned
   int next_slot = 0;
   int in_flight = 0;
+  // DRAFTFEED_NCCL_TRACE=1: one stderr line per op with where its time went
+  // (host: the NCCL call, the enqueue poll, the completion wait; GPU: the op
+  // on its stream, from launch to end, including any wait for the peer).
+  bool trace = false;
+  cudaEvent_t op_begin[kMaxOps] = {};
+  cudaEvent_t op_end[kMaxOps] = {};
+  std::chrono::steady_clock::time_point entered[kMaxOps], called[kMaxOps], posted[kMaxOps];
   ~Impl();
 };
 
@@ -81,6 +89,13 @@ absl::StatusOr<std::unique_ptr<NcclPeer>> NcclPeer::Start(const std::string& uni
       }
     }
   }
+  impl->trace = std::getenv("DRAFTFEED_NCCL_TRACE") != nullptr;
+  for (int i = 0; impl->trace && i < kMaxOps; ++i) {
+    if (cudaEventCreate(&impl->op_begin[i]) != cudaSuccess ||
+        cudaEventCreate(&impl->op_end[i]) != cudaSuccess) {
+      return absl::InternalError("cudaEventCreate (trace)");
+    }
+  }
   if (cudaError_t e = cudaStreamCreateWithFlags(&impl->sum_stream, cudaStreamNonBlocking);
       e != cudaSuccess) {
     return CudaError(e, "cudaStreamCreate");
@@ -111,7 +126,7 @@ NcclPeer::Impl::~Impl() {
   // Abort rather than destroy: it never waits for the other rank, which may be
   // gone (and the device is set by the caller's thread or here).
   if (comm != nullptr && !aborted) ncclCommAbort(comm);
-  for (cudaEvent_t* events : {done, ready, summed}) {
+  for (cudaEvent_t* events : {done, ready, summed, op_begin, op_end}) {
     for (int i = 0; i < kMaxOps; ++i) {
       if (events[i] != nullptr) cudaEventDestroy(events[i]);
     }
@@ -203,6 +218,7 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
           absl::StrCat("more than ", kMaxOps, " nccl transfers in flight on one stream"));
     }
     op = Op{impl_->next_slot, bytes};
+    if (impl_->trace) impl_->entered[op.slot] = std::chrono::steady_clock::now();
     // The sender checksums what it is about to send; the receiver what arrived.
     if (send) {
       cudaError_t e = cudaEventRecord(impl_->ready[op.slot], stream);
@@ -216,11 +232,13 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
       if (e != cudaSuccess) return CudaError(e, "payload checksum");
     }
     const int peer = send ? kReceiverRank : kSenderRank;
+    if (impl_->trace) cudaEventRecord(impl_->op_begin[op.slot], stream);
     const ncclResult_t r = send ? ncclSend(data, bytes, ncclUint8, peer, impl_->comm, stream)
                                 : ncclRecv(data, bytes, ncclUint8, peer, impl_->comm, stream);
     if (r != ncclSuccess && r != ncclInProgress) {
       return NcclError(r, send ? "ncclSend" : "ncclRecv");
     }
+    if (impl_->trace) impl_->called[op.slot] = std::chrono::steady_clock::now();
   }
   // A nonblocking communicator may still be enqueueing (the first transfer
   // also connects the two GPUs, which needs the other side): poll, so that a
@@ -228,6 +246,10 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
   if (absl::Status s = Wait(timeout_s, cancelled); !s.ok()) return s;
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
+  if (impl_->trace) {
+    impl_->posted[op.slot] = std::chrono::steady_clock::now();
+    cudaEventRecord(impl_->op_end[op.slot], stream);
+  }
   if (!send) {
     if (cudaError_t e = cuda::EnqueuePayloadLanes(
             data, bytes, impl_->d_sum + op.slot * v1::kChecksumLanes,
@@ -274,6 +296,19 @@ absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
   if (!s.ok()) return s;
   std::lock_guard<std::mutex> lock(impl_->mu);
   --impl_->in_flight;
+  if (impl_->trace) {
+    auto us = [](auto a, auto b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
+    float gpu_ms = 0;
+    cudaEventElapsedTime(&gpu_ms, impl_->op_begin[op.slot], impl_->op_end[op.slot]);
+    const int i = op.slot;
+    std::fprintf(stderr,
+                 "draftfeed nccl trace cuda:%d %.1f MiB: call %.0f us, enqueue poll %.0f us, "
+                 "completion wait %.0f us (host %.0f us); on the GPU %.0f us\n",
+                 device_, op.bytes / 1048576.0, us(impl_->entered[i], impl_->called[i]),
+                 us(impl_->called[i], impl_->posted[i]),
+                 us(impl_->posted[i], std::chrono::steady_clock::now()),
+                 us(impl_->entered[i], std::chrono::steady_clock::now()), gpu_ms * 1000);
+  }
   uint64_t lanes[v1::kChecksumLanes];
   for (int l = 0; l < v1::kChecksumLanes; ++l) {
     lanes[l] = impl_->h_sum[op.slot * v1::kChecksumLanes + l];
