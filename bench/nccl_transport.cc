@@ -9,9 +9,12 @@
 // draftfeed: a TargetService on cuda:0 (random:qwen3-8b weights made on the
 // GPU) and a Feed with transport=nccl receiving into cuda:1. Each batch is
 // sized to the payload asked (8 layers × T tokens × 4096 × 2 bytes); its
-// transfer time is the target's send_ms (GPU checksum + announcement on the
-// stream + ncclSend until the receive completes). Medians are printed, and
-// the ratio draftfeed ÷ raw per size.
+// transfer time is the target's send_ms: on the sending GPU's timeline, from
+// the forward's end to the send's end (checksum beside it), which is what the
+// transport adds to each batch. The host-side enqueue overlaps the forward,
+// as it does in the target. Raw and NcclPeer columns are host wall time per
+// transfer in a tight loop. Medians are printed, and the ratio draftfeed ÷
+// raw per size.
 #include <cuda_runtime.h>
 #include <grpcpp/grpcpp.h>
 #include <nccl.h>

@@ -61,8 +61,10 @@ class Engine {
 
   // The capture while it is still in device memory, for transports that move
   // it GPU to GPU (NCCL). Valid only during the sink call; `stream` is the
-  // cudaStream_t the forward ran on (the sink orders its work after it and
-  // must finish before returning, since the next forward reuses the buffer).
+  // cudaStream_t the forward runs on, and the forward may still be running on
+  // it: the sink enqueues its work on `stream` (so after the forward) and
+  // must wait for it before returning, since the next forward reuses the
+  // buffer. The sink must not read the capture from the host side unordered.
   struct DeviceView {
     const void* data = nullptr;  // bf16 [T, K, H]
     size_t bytes = 0;

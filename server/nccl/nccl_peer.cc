@@ -81,10 +81,11 @@ absl::StatusOr<std::unique_ptr<NcclPeer>> NcclPeer::Start(const std::string& uni
     return CudaError(e, absl::StrCat("cudaSetDevice(", device, ")").c_str());
   }
   auto impl = std::make_unique<Impl>();
+  // `ready` and `done` bracket each op on its stream and are timed (WaitOp's gpu_ms).
   for (cudaEvent_t* events : {impl->done, impl->ready, impl->summed}) {
     for (int i = 0; i < kMaxOps; ++i) {
-      if (cudaError_t e = cudaEventCreateWithFlags(&events[i], cudaEventDisableTiming);
-          e != cudaSuccess) {
+      const unsigned flags = events == impl->summed ? cudaEventDisableTiming : cudaEventDefault;
+      if (cudaError_t e = cudaEventCreateWithFlags(&events[i], flags); e != cudaSuccess) {
         return CudaError(e, "cudaEventCreate");
       }
     }
@@ -220,9 +221,10 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
     op = Op{impl_->next_slot, bytes};
     if (impl_->trace) impl_->entered[op.slot] = std::chrono::steady_clock::now();
     // The sender checksums what it is about to send; the receiver what arrived.
+    cudaError_t e = cudaEventRecord(impl_->ready[op.slot], stream);
+    if (e != cudaSuccess) return CudaError(e, "cudaEventRecord");
     if (send) {
-      cudaError_t e = cudaEventRecord(impl_->ready[op.slot], stream);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(impl_->sum_stream, impl_->ready[op.slot], 0);
+      e = cudaStreamWaitEvent(impl_->sum_stream, impl_->ready[op.slot], 0);
       if (e == cudaSuccess) {
         e = cuda::EnqueuePayloadLanes(data, bytes, impl_->d_sum + op.slot * v1::kChecksumLanes,
                                       impl_->h_sum + op.slot * v1::kChecksumLanes,
@@ -283,7 +285,7 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::PostRecv(void* data, size_t bytes, void* 
 }
 
 absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
-                                          const Cancelled& cancelled) {
+                                          const Cancelled& cancelled, double* gpu_ms) {
   absl::Status s = Poll(
       "transfer",
       [&]() -> absl::StatusOr<bool> {
@@ -296,6 +298,12 @@ absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
   if (!s.ok()) return s;
   std::lock_guard<std::mutex> lock(impl_->mu);
   --impl_->in_flight;
+  if (gpu_ms != nullptr) {
+    float ms = 0;
+    *gpu_ms = cudaEventElapsedTime(&ms, impl_->ready[op.slot], impl_->done[op.slot]) == cudaSuccess
+                  ? ms
+                  : 0;
+  }
   if (impl_->trace) {
     auto us = [](auto a, auto b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
     float gpu_ms = 0;
@@ -317,17 +325,18 @@ absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
 }
 
 absl::StatusOr<uint64_t> NcclPeer::Send(const void* data, size_t bytes, void* stream,
-                                        double timeout_s, const Cancelled& cancelled) {
+                                        double timeout_s, const Cancelled& cancelled,
+                                        double* gpu_ms) {
   auto op = PostSend(data, bytes, stream, timeout_s, cancelled);
   if (!op.ok()) return op.status();
-  return WaitOp(*op, timeout_s, cancelled);
+  return WaitOp(*op, timeout_s, cancelled, gpu_ms);
 }
 
 absl::StatusOr<uint64_t> NcclPeer::Recv(void* data, size_t bytes, void* stream, double timeout_s,
-                                        const Cancelled& cancelled) {
+                                        const Cancelled& cancelled, double* gpu_ms) {
   auto op = PostRecv(data, bytes, stream, timeout_s, cancelled);
   if (!op.ok()) return op.status();
-  return WaitOp(*op, timeout_s, cancelled);
+  return WaitOp(*op, timeout_s, cancelled, gpu_ms);
 }
 
 std::string LocalHostId() {

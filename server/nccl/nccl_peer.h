@@ -52,14 +52,19 @@ class NcclPeer {
   absl::StatusOr<Op> PostRecv(void* data, size_t bytes, void* stream, double timeout_s,
                               const Cancelled& cancelled = nullptr);
   // Waits for `op` like Wait; on success returns the payload's checksum.
+  // `gpu_ms`, when given, gets the op's time on its stream's GPU timeline:
+  // from where it was posted in the stream (the work enqueued before it done)
+  // to its end. For a send posted while the forward that made its payload is
+  // still running, that is what the send adds to the target's cycle: the
+  // host's enqueue hides behind the forward.
   absl::StatusOr<uint64_t> WaitOp(const Op& op, double timeout_s,
-                                  const Cancelled& cancelled = nullptr);
+                                  const Cancelled& cancelled = nullptr, double* gpu_ms = nullptr);
 
   // Post + WaitOp.
   absl::StatusOr<uint64_t> Send(const void* data, size_t bytes, void* stream, double timeout_s,
-                                const Cancelled& cancelled = nullptr);
+                                const Cancelled& cancelled = nullptr, double* gpu_ms = nullptr);
   absl::StatusOr<uint64_t> Recv(void* data, size_t bytes, void* stream, double timeout_s,
-                                const Cancelled& cancelled = nullptr);
+                                const Cancelled& cancelled = nullptr, double* gpu_ms = nullptr);
 
   // Unblocks every operation of this communicator (from any thread); it is
   // unusable afterwards.

@@ -364,17 +364,20 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     state->announced = true;
   }
 
-  // Runs on the scheduler worker with the capture still on the GPU: checksum
-  // and ncclSend it there, and wait (the next forward overwrites the buffer).
+  // Runs on the scheduler worker with the capture still on the GPU (its
+  // forward possibly still running): checksum and ncclSend it there, after the
+  // forward on its stream, and wait (the next forward overwrites the buffer).
+  // send_ms is the send's GPU time from the forward's end: what it adds to the
+  // target's cycle (its host-side enqueue overlaps the forward).
   static absl::Status SendOverNccl(const std::shared_ptr<ReactorLink>& link,
                                    const std::shared_ptr<NcclPeer>& peer, double timeout_s,
                                    NcclBatch* state, const Engine::DeviceView& view) {
-    const auto t0 = std::chrono::steady_clock::now();
+    double gpu_ms = 0;
     absl::StatusOr<uint64_t> sum =
         state->announced ? peer->Send(view.data, view.bytes, view.stream, timeout_s,
-                                      [link] { return link->cancelled.load(); })
+                                      [link] { return link->cancelled.load(); }, &gpu_ms)
                          : absl::StatusOr<uint64_t>(absl::CancelledError("stream closed"));
-    state->send_ms = MsSince(t0);
+    state->send_ms = gpu_ms;
     if (sum.ok()) {
       state->checksum = *sum;
       state->sent = true;
