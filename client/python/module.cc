@@ -171,6 +171,9 @@ class PyFeed {
       else if (k == "ordered") o.ordered = py::cast<bool>(value);
       else if (k == "credits_per_target") o.credits_per_target = py::cast<int32_t>(value);
       else if (k == "connections_per_target") o.connections_per_target = py::cast<int32_t>(value);
+      else if (k == "read_handoff") {
+        if (!value.is_none()) o.read_handoff = py::cast<bool>(value);
+      }
       else if (k == "expected_fingerprint") o.expected_fingerprint = py::cast<std::string>(value);
       else if (k == "verify_checksum") o.verify_checksum = py::cast<bool>(value);
       else if (k == "connect_timeout_s") o.connect_timeout_s = py::cast<double>(value);

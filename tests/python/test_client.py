@@ -41,6 +41,19 @@ def test_results_have_shape_order_and_checksum(target):
         assert r.hidden.std() > 0.01
 
 
+@pytest.mark.parametrize("read_handoff", [False, True])
+def test_both_receive_paths_give_the_same_bits(target, read_handoff):
+    lens = [3, 70, 1, 150]
+    batches = [(tokens(n, 40 + i), [n]) for i, n in enumerate(lens)]
+    with draftfeed.Feed(targets=[target.address], layers=[2, -1], prefetch=4) as feed:
+        want = [r.hidden_bits.copy() for r in feed.map(batches)]
+    with draftfeed.Feed(targets=[target.address], layers=[2, -1], prefetch=4,
+                        read_handoff=read_handoff) as feed:
+        got = [r.hidden_bits for r in feed.map(batches)]
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(w, g)
+
+
 def test_same_input_gives_identical_states_and_packing_does_not_leak(target):
     lens = [7, 64, 1, 30]
     tok = tokens(sum(lens), 11)

@@ -138,6 +138,9 @@ class Feed:
       credits_per_target: batches each target may hold for this feed (per connection).
       connections_per_target: streams, each on its own TCP connection, per target
         address (advanced keyword; default 1).
+      read_handoff: each gRPC connection reads on one thread and copies chunks
+        into their batches on a second (advanced keyword; default None: on
+        where the machine has 4 or more cores).
       expected_fingerprint: refuse targets serving another model; default: the
         first target's fingerprint, which every other target must match.
       verify_checksum: check every batch against the target's checksum.
