@@ -168,20 +168,17 @@ ServiceOptions TargetOptions() {
   return opt;
 }
 
-// A model description of the right width; its weights are never read.
+// A model description of the right width (--hidden is checked in main); its
+// weights are never read.
 absl::StatusOr<std::unique_ptr<Model>> BenchModel() {
-  const int64_t H = absl::GetFlag(FLAGS_hidden);
-  auto model = OpenModel(H == 5120 ? "random:qwen3.6-27b" : "tiny-random");
-  if (model.ok() && (*model)->config.hidden_size != H) {
-    return absl::InvalidArgumentError("--hidden must be 5120 or 128");
-  }
-  return model;
+  return OpenModel(absl::GetFlag(FLAGS_hidden) == 5120 ? "random:qwen3.6-27b" : "tiny-random");
 }
 
 // The target in a process of its own, as deployed: it shares no gRPC threads,
 // allocator or locks with the trainer. It writes its address to `report`, then
-// serves until `control` closes (the parent exited or is done), then writes
-// how many capture buffers it allocated after the first `warm` batches.
+// serves until `control` closes (the parent exited or is done). It reports
+// its capture-buffer allocations so far on each byte read from `control`
+// (the trainer finished warming) and once more as it shuts down.
 [[noreturn]] void TargetProcess(int control, int report) {
   auto model = BenchModel();
   if (!model.ok()) {
@@ -193,14 +190,13 @@ absl::StatusOr<std::unique_ptr<Model>> BenchModel() {
   auto [server, address] = ServeOnLoopback(&service);
   const std::string line = address + "\n";
   if (write(report, line.data(), line.size()) != static_cast<ssize_t>(line.size())) _exit(1);
-  char c;
-  while (read(control, &c, 1) > 0) {
-    // One byte: the trainer finished warming; count fresh buffers from here.
+  auto report_allocations = [&] {
     const std::string allocs = std::to_string(service.scheduler().pool().allocations()) + "\n";
     if (write(report, allocs.data(), allocs.size()) < 0) _exit(1);
-  }
-  const std::string allocs = std::to_string(service.scheduler().pool().allocations()) + "\n";
-  if (write(report, allocs.data(), allocs.size()) < 0) _exit(1);
+  };
+  char c;
+  while (read(control, &c, 1) > 0) report_allocations();
+  report_allocations();
   service.BeginDrain();
   server->Shutdown();
   _exit(0);
@@ -321,8 +317,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--target_checksum must be device or host, not \"%s\"\n", c.c_str());
     return 1;
   }
-  if (auto model = draftfeed::BenchModel(); !model.ok()) {
-    std::fprintf(stderr, "%s\n", std::string(model.status().message()).c_str());
+  if (const int64_t h = absl::GetFlag(FLAGS_hidden); h != 5120 && h != 128) {
+    std::fprintf(stderr, "--hidden must be 5120 or 128\n");
     return 1;
   }
   // Fork before gRPC starts any thread in this process.

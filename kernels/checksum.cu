@@ -96,9 +96,7 @@ cudaError_t PayloadChecksum(const void* data, size_t bytes, unsigned long long* 
     return e;
   }
   if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) return e;
-  uint64_t lanes[kLanes];
-  for (int l = 0; l < kLanes; ++l) lanes[l] = host_lanes[l];
-  *checksum = v1::FinishPayloadChecksum(lanes, bytes);
+  *checksum = v1::FinishPayloadChecksum(host_lanes, bytes);
   return cudaSuccess;
 }
 

@@ -148,12 +148,12 @@ absl::StatusOr<TargetDescription> DescribeTarget(const std::string& address, dou
 }
 
 struct Feed::Impl {
-  // One stream to one target. Its reader thread owns the end of the stream;
-  // its writer thread sends queued batches so no lock is held across Write.
   // Messages a gRPC connection reads ahead of its processor (chunks are
   // chunk_bytes each, 4 MiB by default).
   static constexpr size_t kReadAheadMessages = 4;
 
+  // One stream to one target. Its reader thread owns the end of the stream;
+  // its writer thread sends queued batches so no lock is held across Write.
   struct Conn {
     grpc::ClientContext ctx;
     std::unique_ptr<Stream> stream;
@@ -237,9 +237,9 @@ struct Feed::Impl {
   };
 
   FeedOptions options;
+  bool read_handoff = false;  // options.read_handoff, resolved
   // Result buffers: reused across batches (a fresh 200 MB buffer per batch
   // would cost a page fault per 4 KiB); idle memory capped at 2x prefetch_bytes.
-  bool read_handoff = false;  // options.read_handoff, resolved
   std::unique_ptr<HostBufferPool> pool;
   std::unique_ptr<HostBufferPool> device_pool;  // NCCL results, on options.cuda_device
   std::string fingerprint;  // every target must serve this
@@ -780,8 +780,7 @@ struct Feed::Impl {
     // The payload is copied (and hashed, in the same pass) straight from
     // gRPC's slices, past the envelope the CodedInputStream just read.
     const size_t header = static_cast<size_t>(in.CurrentPosition());
-    const bool read = raw.Length() >= header + data_len &&
-                      CopyPayload(raw, header, data_len, dst, hash ? &hasher : nullptr);
+    const bool read = CopyPayload(raw, header, data_len, dst, hash ? &hasher : nullptr);
     std::lock_guard<std::mutex> lock(mu);
     auto it = pending.find(id);
     if (it == pending.end() || it->second.complete || it->second.conn != conn ||
@@ -1115,8 +1114,8 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
-  // Idle cap: the prefetch window plus one batch in the trainer's hands.
   impl->read_handoff = options.read_handoff.value_or(std::thread::hardware_concurrency() >= 4);
+  // Idle cap: the prefetch window plus one batch in the trainer's hands.
   impl->pool = std::make_unique<HostBufferPool>(2 * options.prefetch_bytes);
   if (options.transport != Transport::kGrpc) {
 #if DRAFTFEED_HAVE_NCCL

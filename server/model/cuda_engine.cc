@@ -325,9 +325,8 @@ void CudaEngine::Impl::CopyLoop() {
     const cudaError_t e = cudaEventSynchronize(copied[job.buffer]);
     Copied done;
     if (e == cudaSuccess) {
-      uint64_t lanes[v1::kChecksumLanes];
-      std::memcpy(lanes, h_lanes + job.buffer * v1::kChecksumLanes, sizeof(lanes));
-      done.checksum = v1::FinishPayloadChecksum(lanes, job.bytes);
+      done.checksum =
+          v1::FinishPayloadChecksum(h_lanes + job.buffer * v1::kChecksumLanes, job.bytes);
     } else {
       done.status = CudaError(e, "device-to-host copy of the capture");
     }

@@ -317,11 +317,7 @@ absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
                  us(impl_->posted[i], std::chrono::steady_clock::now()),
                  us(impl_->entered[i], std::chrono::steady_clock::now()), gpu_ms * 1000);
   }
-  uint64_t lanes[v1::kChecksumLanes];
-  for (int l = 0; l < v1::kChecksumLanes; ++l) {
-    lanes[l] = impl_->h_sum[op.slot * v1::kChecksumLanes + l];
-  }
-  return v1::FinishPayloadChecksum(lanes, op.bytes);
+  return v1::FinishPayloadChecksum(impl_->h_sum + op.slot * v1::kChecksumLanes, op.bytes);
 }
 
 absl::StatusOr<uint64_t> NcclPeer::Send(const void* data, size_t bytes, void* stream,

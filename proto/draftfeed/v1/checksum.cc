@@ -13,11 +13,6 @@ namespace {
 
 constexpr size_t kStripeBytes = 8 * kChecksumLanes;
 
-// Adds `count` whole stripes starting at stripe index `stripe` to `lanes`,
-// copying them to `dst` too when it is not null.
-using StripeFn = void (*)(uint64_t* lanes, uint64_t stripe, unsigned char* dst,
-                          const unsigned char* src, size_t count);
-
 #if defined(__x86_64__)
 // SSE2 is part of x86-64, so this one needs no check. Two lanes per register.
 template <bool kCopy>

@@ -53,7 +53,8 @@ constexpr uint64_t ChecksumTerm(uint64_t w, uint64_t stripe, int lane) {
   return KeyedTerm(w, LaneKey(lane) + stripe * kStripeStep);
 }
 
-constexpr uint64_t FinishPayloadChecksum(const uint64_t (&lanes)[kChecksumLanes], uint64_t n) {
+// `lanes`: the kChecksumLanes sums, in lane order.
+constexpr uint64_t FinishPayloadChecksum(const uint64_t* lanes, uint64_t n) {
   uint64_t h = Mix(n * 0xff51afd7ed558ccdULL + 0x2545f4914f6cdd1dULL);
   for (int l = 0; l < kChecksumLanes; ++l) h = Mix(h ^ lanes[l]) + static_cast<uint64_t>(l);
   return h;

@@ -11,9 +11,8 @@
 
 #include "draftfeed/v1/checksum.h"
 #if DRAFTFEED_HAVE_CUDA
-#include <cuda_runtime.h>
-
 #include "kernels/checksum.cuh"
+#include "tests/kernels/cuda/gpu_test_util.h"
 #endif
 
 namespace draftfeed {
@@ -117,27 +116,26 @@ TEST(Checksum, SeesEveryBitAndEveryMove) {
 
 #if DRAFTFEED_HAVE_CUDA
 TEST(Checksum, GpuKernelEqualsReference) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) GTEST_SKIP() << "no CUDA device";
+  DF_REQUIRE_GPU();
   unsigned long long* scratch = nullptr;
   uint64_t* lanes = nullptr;
-  ASSERT_EQ(cudaMalloc(&scratch, 8 * sizeof(*scratch)), cudaSuccess);
-  ASSERT_EQ(cudaMallocHost(&lanes, 8 * sizeof(*lanes)), cudaSuccess);
+  DF_CUDA_OK(cudaMalloc(&scratch, 8 * sizeof(*scratch)));
+  DF_CUDA_OK(cudaMallocHost(&lanes, 8 * sizeof(*lanes)));
   std::vector<size_t> sizes = Sizes();
   sizes.push_back((size_t{64} << 20) + 5);
   for (size_t n : sizes) {
     const std::vector<unsigned char> b = RandomBytes(n, n);
     void* d = nullptr;
-    ASSERT_EQ(cudaMalloc(&d, std::max<size_t>(n, 1)), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(d, b.data(), n, cudaMemcpyHostToDevice), cudaSuccess);
+    DF_CUDA_OK(cudaMalloc(&d, std::max<size_t>(n, 1)));
+    DF_CUDA_OK(cudaMemcpy(d, b.data(), n, cudaMemcpyHostToDevice));
     uint64_t sum = 0;
-    ASSERT_EQ(cuda::PayloadChecksum(d, n, scratch, lanes, &sum, nullptr), cudaSuccess);
+    DF_CUDA_OK(cuda::PayloadChecksum(d, n, scratch, lanes, &sum, nullptr));
     EXPECT_EQ(sum, v1::PayloadChecksumReference(b.data(), n)) << n << " bytes";
     cudaFree(d);
   }
   // Misaligned device data is refused, not read wrongly.
   void* d = nullptr;
-  ASSERT_EQ(cudaMalloc(&d, 64), cudaSuccess);
+  DF_CUDA_OK(cudaMalloc(&d, 64));
   uint64_t sum = 0;
   EXPECT_EQ(cuda::PayloadChecksum(static_cast<char*>(d) + 8, 32, scratch, lanes, &sum, nullptr),
             cudaErrorMisalignedAddress);
