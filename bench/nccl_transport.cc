@@ -8,13 +8,17 @@
 // communicator, checksums, polled waits), to split its cost from the service's.
 // draftfeed: a TargetService on cuda:0 (random:qwen3-8b weights made on the
 // GPU) and a Feed with transport=nccl receiving into cuda:1. Each batch is
-// sized to the payload asked (8 layers × T tokens × 4096 × 2 bytes); its
-// transfer time is the target's send_ms: on the sending GPU's timeline, from
-// the forward's end to the send's end (checksum beside it), which is what the
-// transport adds to each batch. The host-side enqueue overlaps the forward,
-// as it does in the target. Raw and NcclPeer columns are host wall time per
-// transfer in a tight loop. Medians are printed, and the ratio draftfeed ÷
-// raw per size.
+// sized to the payload asked (8 layers × T tokens × 4096 × 2 bytes). The
+// target posts its send behind the forward on a stream of its own and
+// announces the batch when the forward ends; the trainer then posts its
+// receive. "draftfeed" is the transfer: the receive's time on the receiving
+// GPU, from its post (the send already waiting) to its end, checksum
+// included (HiddenBatch::recv_ms). "send+announce" is the target's send_ms:
+// from the forward's end to the send's end on the sending GPU, so it adds
+// the announcement's gRPC round trip; none of it holds the target up, whose
+// next forward runs beside the send. Raw and NcclPeer columns are host wall
+// time per transfer in a tight loop. Medians are printed, and the ratio
+// draftfeed ÷ raw per size.
 #include <cuda_runtime.h>
 #include <grpcpp/grpcpp.h>
 #include <nccl.h>
@@ -217,8 +221,9 @@ int Main() {
   const int64_t L = (*model)->config.num_layers;
   for (int i = 0; i < K; ++i) layers.push_back(static_cast<int32_t>((i + 1) * L / (K + 1)));
 
-  std::printf("%10s %10s %16s %16s %16s %8s %16s\n", "size MiB", "raw GB/s", "NcclPeer GB/s",
-              "peer, late send", "draftfeed GB/s", "ratio", "batch e2e GB/s");
+  std::printf("%10s %10s %16s %16s %16s %8s %16s %16s\n", "size MiB", "raw GB/s",
+              "NcclPeer GB/s", "peer, late send", "draftfeed GB/s", "ratio", "send+announce",
+              "batch e2e GB/s");
   for (int64_t mib : sizes) {
     const int64_t T = (mib << 20) / (K * H * 2);
     const size_t bytes = static_cast<size_t>(T * K * H * 2);
@@ -241,9 +246,9 @@ int Main() {
     std::mt19937 rng(static_cast<uint32_t>(mib));
     std::vector<int32_t> tokens(static_cast<size_t>(T));
     for (auto& t : tokens) t = static_cast<int32_t>(rng() % 1000);
-    std::vector<double> send_rates, e2e_rates;
+    std::vector<double> recv_rates, send_rates, e2e_rates;
     for (int rep = -1; rep < repeats; ++rep) {
-      double send_ms = 0;
+      double recv_ms = 0, send_ms = 0;
       const auto t0 = std::chrono::steady_clock::now();
       for (int i = 0; i < transfers; ++i) {
         if (!(*feed)->Submit(tokens, {static_cast<int32_t>(T)}).ok()) return 1;
@@ -252,19 +257,22 @@ int Main() {
           std::fprintf(stderr, "batch: %s\n", std::string(b.status().message()).c_str());
           return 1;
         }
+        recv_ms += b->recv_ms;
         send_ms += b->send_ms;
       }
       const double secs =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (rep >= 0) {
+        recv_rates.push_back(static_cast<double>(bytes) * transfers / (recv_ms / 1e3) / 1e9);
         send_rates.push_back(static_cast<double>(bytes) * transfers / (send_ms / 1e3) / 1e9);
         e2e_rates.push_back(static_cast<double>(bytes) * transfers / secs / 1e9);
       }
     }
     (void)(*feed)->Close();
-    const double r = Median(raw), d = Median(send_rates);
-    std::printf("%10lld %10.1f %16.1f %16.1f %16.1f %8.3f %16.1f\n", static_cast<long long>(mib),
-                r, Median(peer), Median(late), d, r > 0 ? d / r : 0, Median(e2e_rates));
+    const double r = Median(raw), d = Median(recv_rates);
+    std::printf("%10lld %10.1f %16.1f %16.1f %16.1f %8.3f %16.1f %16.1f\n",
+                static_cast<long long>(mib), r, Median(peer), Median(late), d, r > 0 ? d / r : 0,
+                Median(send_rates), Median(e2e_rates));
     std::fflush(stdout);
   }
   service.BeginDrain();

@@ -68,6 +68,7 @@ class PyResult {
     d["queue_ms"] = batch_->queue_ms;
     d["forward_ms"] = batch_->forward_ms;
     d["send_ms"] = batch_->send_ms;
+    d["recv_ms"] = batch_->recv_ms;
     return d;
   }
 
@@ -255,6 +256,7 @@ class PyFeed {
     d["duplicates_dropped"] = s.duplicates_dropped;
     d["tokens_delivered"] = s.tokens_delivered;
     d["bytes_received"] = s.bytes_received;
+    d["buffer_allocations"] = s.buffer_allocations;
     d["outstanding"] = s.outstanding;
     d["outstanding_bytes"] = s.outstanding_bytes;
     d["waiting_dispatch"] = s.waiting_dispatch;

@@ -219,6 +219,7 @@ struct Feed::Impl {
     std::shared_ptr<uint16_t> hidden;  // from the pool, T*K*H values (gRPC streams)
     std::shared_ptr<uint16_t> device;  // from the device pool (NCCL streams)
     uint64_t device_checksum = 0;      // computed on the GPU as it arrived
+    double recv_ms = 0;                // the NCCL receive's GPU time
     bool recv_pending = false;         // announced by NCCL, not yet received
     uint64_t epoch = 0;                // bumped whenever the batch is unassigned
     std::optional<v1::BatchDone> early_done;  // BatchDone that beat its receive
@@ -406,13 +407,21 @@ struct Feed::Impl {
         return absl::InternalError(
             absl::StrCat("target ", t->address, " chose nccl, which this feed did not offer"));
       }
-      if (absl::Status s = peer->Wait(options.nccl_timeout_s); !s.ok()) {
+      absl::Status joined = peer->Wait(options.nccl_timeout_s);
+      if (joined.ok()) joined = peer->Handshake(options.nccl_timeout_s);
+      if (!joined.ok()) {
         conn->ctx.TryCancel();
         conn->stream->Finish();
         return absl::UnavailableError(
-            absl::StrCat("target ", t->address, ": nccl setup: ", s.message()));
+            absl::StrCat("target ", t->address, ": nccl setup: ", joined.message()));
       }
-      if (cudaError_t e = cudaStreamCreateWithFlags(&conn->cuda_stream, cudaStreamNonBlocking);
+      // Receives are posted when the target's capture is ready, so the
+      // trainer's GPU never holds one through a forward; the highest priority
+      // gets the receive onto the GPU at once, beside the drafter's kernels.
+      int lowest_priority = 0, highest_priority = 0;
+      cudaDeviceGetStreamPriorityRange(&lowest_priority, &highest_priority);
+      if (cudaError_t e = cudaStreamCreateWithPriority(&conn->cuda_stream, cudaStreamNonBlocking,
+                                                       highest_priority);
           e != cudaSuccess) {
         conn->ctx.TryCancel();
         conn->stream->Finish();
@@ -647,8 +656,9 @@ struct Feed::Impl {
         r = std::move(conn->posted.front());
         conn->posted.pop_front();
       }
-      absl::StatusOr<uint64_t> sum = conn->nccl->WaitOp(r.op, options.nccl_timeout_s,
-                                                       [this] { return closing.load(); });
+      double recv_ms = 0;
+      absl::StatusOr<uint64_t> sum = conn->nccl->WaitOp(
+          r.op, options.nccl_timeout_s, [this] { return closing.load(); }, &recv_ms);
       std::lock_guard<std::mutex> lock(mu);
       if (!sum.ok()) {
         if (!closing) t->stats.last_error = absl::StrCat("nccl receive: ", sum.status().message());
@@ -671,6 +681,7 @@ struct Feed::Impl {
       }
       p.device = std::move(r.buffer);
       p.device_checksum = options.verify_checksum ? *sum : 0;
+      p.recv_ms = recv_ms;
       p.tokens_received = r.tokens;
       if (p.early_done.has_value()) {
         const v1::BatchDone d = *std::move(p.early_done);
@@ -945,6 +956,7 @@ struct Feed::Impl {
       r.queue_ms = d.timings().queue_ms();
       r.forward_ms = d.timings().forward_ms();
       r.send_ms = d.timings().send_ms();
+      r.recv_ms = p.recv_ms;
     }
     cv.notify_all();
   }
@@ -1243,6 +1255,10 @@ absl::StatusOr<uint64_t> Feed::Submit(std::vector<int32_t> token_ids,
   p.hasher.Reset();
   p.token_ids = std::move(token_ids);
   p.seq_lens = std::move(seq_lens);
+  // A batch larger than prefetch_bytes is let through alone: keep two such
+  // buffers (the one arriving, the one in the trainer's hands) for reuse.
+  m.pool->RaiseIdleCap(2 * bytes);
+  if (m.device_pool != nullptr) m.device_pool->RaiseIdleCap(2 * bytes);
   m.unassigned.insert(id);
   m.outstanding_bytes += bytes;
   ++m.stats.submitted;
@@ -1340,6 +1356,8 @@ FeedStats Feed::Stats() const {
   s.elapsed_s = std::chrono::duration<double>(Clock::now() - impl_->opened_at).count();
   s.outstanding_bytes = impl_->outstanding_bytes;
   s.waiting_dispatch = static_cast<int64_t>(impl_->unassigned.size());
+  s.buffer_allocations = impl_->pool->allocations() +
+                         (impl_->device_pool != nullptr ? impl_->device_pool->allocations() : 0);
   for (const auto& t : impl_->targets) {
     TargetStats ts = t->stats;
     switch (t->state) {

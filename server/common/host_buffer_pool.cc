@@ -98,6 +98,11 @@ void HostBufferPool::set_max_total_bytes(int64_t bytes) {
   state_->returned.notify_all();
 }
 
+void HostBufferPool::RaiseIdleCap(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->max_idle_bytes = std::max(state_->max_idle_bytes, bytes);
+}
+
 int64_t HostBufferPool::peak_total_bytes() const {
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->peak_total_bytes;

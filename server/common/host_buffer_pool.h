@@ -41,6 +41,11 @@ class HostBufferPool {
   // still handed out when nothing else is live, so one batch always runs.
   void set_max_total_bytes(int64_t bytes);
 
+  // Keeps at least `bytes` of returned buffers for reuse (never lowers the
+  // idle cap): a user whose batches outgrow the cap raises it to its working
+  // set, so that steady streaming still allocates (and frees) nothing.
+  void RaiseIdleCap(int64_t bytes);
+
   int64_t live_bytes() const;  // handed out, not yet returned
   int64_t idle_bytes() const;  // kept for reuse
   int64_t allocations() const;  // fresh allocations so far

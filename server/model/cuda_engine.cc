@@ -134,20 +134,28 @@ struct CudaEngine::Impl {
   int current = 1;
   cudaStream_t copy_stream = nullptr;
   cudaEvent_t copied[2] = {nullptr, nullptr};
+  // ForwardToDevice: the sink's work (an NCCL send) runs on send_stream, of
+  // the device's highest priority so that its kernel is scheduled while the
+  // next forward fills the GPU, ordered after its forward by `forwarded`.
+  cudaStream_t send_stream = nullptr;
+  cudaEvent_t forwarded[2] = {nullptr, nullptr};
   // Each capture's checksum lanes, computed on copy_stream beside its copy.
   unsigned long long* d_lanes = nullptr;  // [2][kChecksumLanes]
   uint64_t* h_lanes = nullptr;            // [2][kChecksumLanes], pinned
-  // The copy thread retires copies in order: it waits for each one's event,
-  // runs its callback, then frees its buffer for the next forward.
+  // The copy thread retires copies (and device sinks' work) in order: it
+  // waits for each one's event (or DeviceWait), runs its callback, then frees
+  // its buffer for the next forward.
   struct PendingCopy {
     int buffer;
     size_t bytes;
     CopiedCallback on_copied;
+    DeviceWait sink_wait;          // ForwardToDevice: waits for the sink's work
+    absl::Status forward_status;   // ForwardToDevice: how the forward itself ended
   };
   std::mutex copy_mu;
   std::condition_variable copy_cv;
   std::deque<PendingCopy> pending;  // at most 2: one per buffer
-  bool busy[2] = {false, false};    // a copy out of this buffer is not retired yet
+  bool busy[2] = {false, false};    // a copy (or send) out of this buffer is not retired yet
   bool stop_copier = false;
   std::thread copier;
   void* gdn_ws = nullptr;
@@ -295,6 +303,12 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
     // gRPC and the checksums need.
     DF_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync));
   }
+  int lowest_priority = 0, highest_priority = 0;
+  DF_CUDA(cudaDeviceGetStreamPriorityRange(&lowest_priority, &highest_priority));
+  DF_CUDA(cudaStreamCreateWithPriority(&send_stream, cudaStreamNonBlocking, highest_priority));
+  for (cudaEvent_t& e : forwarded) {
+    DF_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
   if (absl::Status s = gemm.Init(gemm_workspace, gemm_ws); !s.ok()) return s;
   return UploadWeights();
 }
@@ -322,9 +336,11 @@ void CudaEngine::Impl::CopyLoop() {
       job = std::move(pending.front());
       pending.pop_front();
     }
-    const cudaError_t e = cudaEventSynchronize(copied[job.buffer]);
     Copied done;
-    if (e == cudaSuccess) {
+    if (job.sink_wait) {
+      done = job.sink_wait();
+      if (!job.forward_status.ok()) done.status = job.forward_status;
+    } else if (const cudaError_t e = cudaEventSynchronize(copied[job.buffer]); e == cudaSuccess) {
       done.checksum =
           v1::FinishPayloadChecksum(h_lanes + job.buffer * v1::kChecksumLanes, job.bytes);
     } else {
@@ -720,6 +736,10 @@ CudaEngine::~CudaEngine() {
     for (cudaEvent_t e : impl_->copied) {
       if (e) cudaEventDestroy(e);
     }
+    for (cudaEvent_t e : impl_->forwarded) {
+      if (e) cudaEventDestroy(e);
+    }
+    if (impl_->send_stream) cudaStreamDestroy(impl_->send_stream);
     if (impl_->copy_stream) cudaStreamDestroy(impl_->copy_stream);
     if (impl_->d_lanes) cudaFree(impl_->d_lanes);
     if (impl_->h_lanes) cudaFreeHost(impl_->h_lanes);
@@ -794,25 +814,35 @@ absl::Status CudaEngine::ForwardAsync(const ForwardInput& in, std::span<uint16_t
   return absl::OkStatus();
 }
 
-absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSink& sink) {
-  // TakeBuffer waits out any copy still reading the buffer, and the sink
-  // finishes before the next TakeBuffer can hand the buffer out again.
-  impl_->TakeBuffer();
-  // The sink gets the capture as soon as the forward is enqueued, so what it
-  // enqueues behind the forward (an NCCL send: ~0.35 ms of host-side work)
-  // is ready by the time the forward ends on the GPU.
-  if (absl::Status s = impl_->Run(in, /*sync=*/false); !s.ok()) return s;
+absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSink& sink,
+                                         CopiedCallback on_sent) {
+  Impl& m = *impl_;
+  // TakeBuffer waits out any copy or send still reading the buffer; the one
+  // this batch's sink starts keeps it busy until its DeviceWait returns.
+  const int b = m.TakeBuffer();
+  if (absl::Status s = m.Run(in, /*sync=*/false); !s.ok()) return s;
+  DF_CUDA(cudaEventRecord(m.forwarded[b], m.stream));
+  DF_CUDA(cudaStreamWaitEvent(m.send_stream, m.forwarded[b], 0));
   DeviceView view;
-  view.data = impl_->capture;
+  view.data = m.captures[b];
   view.bytes = static_cast<size_t>(in.token_ids.size()) * in.layers.size() *
-               static_cast<size_t>(impl_->D) * 2;
-  view.device = impl_->options.device;
-  view.stream = impl_->stream;
-  absl::Status sunk = sink(view);
-  // The sink waited for its own work; this surfaces any error of the forward's.
-  const cudaError_t e = cudaStreamSynchronize(impl_->stream);
-  if (!sunk.ok()) return sunk;
-  return e == cudaSuccess ? absl::OkStatus() : CudaError(e, "forward");
+               static_cast<size_t>(m.D) * 2;
+  view.device = m.options.device;
+  view.stream = m.send_stream;
+  // The sink is called while the forward runs, so its host-side work (an
+  // NCCL send: ~0.35 ms) is done by the time the capture is ready.
+  absl::StatusOr<DeviceWait> wait = sink(view);
+  const cudaError_t e = cudaStreamSynchronize(m.stream);
+  absl::Status forward = e == cudaSuccess ? absl::OkStatus() : CudaError(e, "forward");
+  if (!wait.ok()) return forward.ok() ? wait.status() : forward;
+  {
+    std::lock_guard<std::mutex> lock(m.copy_mu);
+    m.busy[b] = true;
+    m.pending.push_back(
+        Impl::PendingCopy{b, view.bytes, std::move(on_sent), *std::move(wait), std::move(forward)});
+  }
+  m.copy_cv.notify_all();
+  return absl::OkStatus();
 }
 
 const void* CudaEngine::DeviceCapture() const { return impl_->capture; }

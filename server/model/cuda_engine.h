@@ -49,7 +49,8 @@ class CudaEngine final : public Engine {
                             CopiedCallback on_copied) override;
   // Runs the forward only; the capture stays in device memory (DeviceCapture).
   absl::Status ForwardOnDevice(const ForwardInput& in);
-  absl::Status ForwardToDevice(const ForwardInput& in, const DeviceSink& sink) override;
+  absl::Status ForwardToDevice(const ForwardInput& in, const DeviceSink& sink,
+                               CopiedCallback on_sent) override;
   bool has_device_capture() const override { return true; }
   int64_t max_capture_layers() const override;
   // The capture buffer of the last forward.

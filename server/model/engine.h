@@ -10,6 +10,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "server/model/model.h"
 
 namespace draftfeed {
@@ -60,21 +61,31 @@ class Engine {
   virtual int64_t max_capture_layers() const { return 0; }
 
   // The capture while it is still in device memory, for transports that move
-  // it GPU to GPU (NCCL). Valid only during the sink call; `stream` is the
-  // cudaStream_t the forward runs on, and the forward may still be running on
-  // it: the sink enqueues its work on `stream` (so after the forward) and
-  // must wait for it before returning, since the next forward reuses the
-  // buffer. The sink must not read the capture from the host side unordered.
+  // it GPU to GPU (NCCL). `stream` (a cudaStream_t of the engine's, not the
+  // forward's) is ordered after the forward: the sink enqueues its work there
+  // and returns at once with a `DeviceWait` that blocks until that work is
+  // done. The forward may still be running when the sink is called; the
+  // sink must not read the capture from the host side.
   struct DeviceView {
     const void* data = nullptr;  // bf16 [T, K, H]
     size_t bytes = 0;
     int device = 0;
     void* stream = nullptr;
   };
-  using DeviceSink = std::function<absl::Status(const DeviceView&)>;
-  // Runs the forward and hands the device-resident capture to `sink`.
-  // Engines without device memory (CPU) return UNIMPLEMENTED.
-  virtual absl::Status ForwardToDevice(const ForwardInput& in, const DeviceSink& sink) {
+  // Waits for what the sink enqueued (an NCCL send); its Copied says how that
+  // went, with the payload's checksum when the sink took one.
+  using DeviceWait = std::function<Copied()>;
+  using DeviceSink = std::function<absl::StatusOr<DeviceWait>(const DeviceView&)>;
+  // Runs the forward and hands the device-resident capture to `sink`, like
+  // ForwardAsync: it returns once the forward is done, while the sink's work
+  // (the send) may still be running beside the next forward, which writes
+  // the other capture buffer. On OK, `on_sent` runs exactly once, on another
+  // thread, after the sink's DeviceWait returned (its Copied, or the
+  // forward's error); on an error return nothing was left running and
+  // `on_sent` is never called. Engines without device memory (CPU) return
+  // UNIMPLEMENTED.
+  virtual absl::Status ForwardToDevice(const ForwardInput& in, const DeviceSink& sink,
+                                       CopiedCallback on_sent) {
     return absl::UnimplementedError(device_name() + " has no device-resident capture");
   }
   virtual bool has_device_capture() const { return false; }

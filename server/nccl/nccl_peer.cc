@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -31,10 +32,22 @@ absl::Status CudaError(cudaError_t e, const char* what) {
   return absl::InternalError(absl::StrCat("cuda ", what, ": ", cudaGetErrorString(e)));
 }
 
+// Poll's `done` for an event: true once it has completed.
+std::function<absl::StatusOr<bool>()> EventDone(cudaEvent_t event, const char* waiting_for) {
+  return [event, waiting_for]() -> absl::StatusOr<bool> {
+    const cudaError_t q = cudaEventQuery(event);
+    if (q == cudaErrorNotReady) return false;
+    if (q != cudaSuccess) return CudaError(q, waiting_for);
+    return true;
+  };
+}
+
 }  // namespace
 
 struct NcclPeer::Impl {
   ncclComm_t comm = nullptr;
+  int rank = 0;
+  void* handshake = nullptr;  // device scratch of kHandshakeBytes
   mutable std::mutex mu;  // Abort may come from another thread
   bool aborted = false;
   // One slot per op in flight: its completion event and checksum words.
@@ -108,6 +121,10 @@ absl::StatusOr<std::unique_ptr<NcclPeer>> NcclPeer::Start(const std::string& uni
       e != cudaSuccess) {
     return CudaError(e, "cudaMallocHost");
   }
+  if (cudaError_t e = cudaMalloc(&impl->handshake, kHandshakeBytes); e != cudaSuccess) {
+    return CudaError(e, "cudaMalloc");
+  }
+  impl->rank = rank;
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // every wait below polls, so it can time out and abort
   ncclResult_t r = ncclCommInitRankConfig(&impl->comm, 2, id, rank, &config);
@@ -133,6 +150,7 @@ NcclPeer::Impl::~Impl() {
     }
   }
   if (sum_stream != nullptr) cudaStreamDestroy(sum_stream);
+  if (handshake != nullptr) cudaFree(handshake);
   if (d_sum != nullptr) cudaFree(d_sum);
   if (h_sum != nullptr) cudaFreeHost(h_sum);
 }
@@ -204,6 +222,31 @@ absl::Status NcclPeer::Wait(double timeout_s, const Cancelled& cancelled) {
         return async == ncclSuccess;
       },
       timeout_s, cancelled);
+}
+
+absl::Status NcclPeer::Handshake(double timeout_s, const Cancelled& cancelled) {
+  cudaStream_t stream = impl_->sum_stream;
+  const bool sender = impl_->rank == kSenderRank;
+  cudaError_t e = cudaMemsetAsync(impl_->handshake, sender ? kHandshakeByte : 0, kHandshakeBytes,
+                                  stream);
+  if (e != cudaSuccess) return CudaError(e, "cudaMemsetAsync");
+  absl::StatusOr<uint64_t> sum =
+      sender ? Send(impl_->handshake, kHandshakeBytes, stream, timeout_s, cancelled)
+             : Recv(impl_->handshake, kHandshakeBytes, stream, timeout_s, cancelled);
+  if (!sum.ok()) return sum.status();
+  unsigned char want[kHandshakeBytes];
+  std::memset(want, kHandshakeByte, sizeof want);
+  if (*sum != v1::PayloadChecksum(want, sizeof want)) {
+    return AbortWith(absl::DataLossError(
+        "nccl handshake: the bytes that arrived are not the bytes sent (checksum mismatch)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status NcclPeer::WaitReady(const Op& op, double timeout_s, const Cancelled& cancelled) {
+  return Poll("wait for the payload",
+              EventDone(impl_->ready[op.slot], "waiting for the work before an nccl transfer"),
+              timeout_s, cancelled);
 }
 
 absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
@@ -286,15 +329,8 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::PostRecv(void* data, size_t bytes, void* 
 
 absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
                                           const Cancelled& cancelled, double* gpu_ms) {
-  absl::Status s = Poll(
-      "transfer",
-      [&]() -> absl::StatusOr<bool> {
-        const cudaError_t q = cudaEventQuery(impl_->done[op.slot]);
-        if (q == cudaErrorNotReady) return false;
-        if (q != cudaSuccess) return CudaError(q, "waiting for an nccl transfer");
-        return true;
-      },
-      timeout_s, cancelled);
+  absl::Status s = Poll("transfer", EventDone(impl_->done[op.slot], "waiting for an nccl transfer"),
+                        timeout_s, cancelled);
   if (!s.ok()) return s;
   std::lock_guard<std::mutex> lock(impl_->mu);
   --impl_->in_flight;

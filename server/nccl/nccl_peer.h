@@ -35,6 +35,15 @@ class NcclPeer {
   // returns true, or `timeout_s` passes; on failure the communicator is aborted.
   absl::Status Wait(double timeout_s, const Cancelled& cancelled = nullptr);
 
+  // Both sides call this once, right after Wait, before any other op: a
+  // small transfer of known bytes that connects the two GPUs (NCCL connects
+  // a peer on its first transfer, which needs both sides in the call) and
+  // proves the link delivers what was sent. After it, posting a send or
+  // receive never waits for the other side.
+  absl::Status Handshake(double timeout_s, const Cancelled& cancelled = nullptr);
+  static constexpr size_t kHandshakeBytes = 4096;
+  static constexpr unsigned char kHandshakeByte = 0xd5;
+
   // A send or receive enqueued on a stream, with the payload's checksum
   // (v1::PayloadChecksum, computed on the GPU) enqueued beside it. Ops
   // complete in the order they were posted; at most kMaxOps are in flight.
@@ -51,6 +60,10 @@ class NcclPeer {
                               const Cancelled& cancelled = nullptr);
   absl::StatusOr<Op> PostRecv(void* data, size_t bytes, void* stream, double timeout_s,
                               const Cancelled& cancelled = nullptr);
+  // Waits like Wait until what was enqueued on `op`'s stream before it is
+  // done (for a send posted behind a forward: the forward ended, the payload
+  // is there), not for the op itself.
+  absl::Status WaitReady(const Op& op, double timeout_s, const Cancelled& cancelled = nullptr);
   // Waits for `op` like Wait; on success returns the payload's checksum.
   // `gpu_ms`, when given, gets the op's time on its stream's GPU timeline:
   // from where it was posted in the stream (the work enqueued before it done)

@@ -113,12 +113,17 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
   result.hidden_size = static_cast<size_t>(c->tokens * static_cast<int64_t>(item.layers.size()) *
                                            engine->model().config.hidden_size);
   const ForwardInput input{item.token_ids, item.seq_lens, item.layers};
-  if (item.on_start) item.on_start();
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status status;
   bool copy_pending = false;
   if (item.device_sink) {
-    status = engine->ForwardToDevice(input, item.device_sink);
+    // The send's half arrives from the engine's copy thread, like a copy's.
+    Completion* raw = c.get();
+    status = engine->ForwardToDevice(input, item.device_sink, [&lane, raw](Engine::Copied sent) {
+      raw->result.checksum = sent.checksum;
+      FinishHalves(lane, *raw, std::move(sent.status), 1);
+    });
+    copy_pending = status.ok();
   } else {
     result.hidden = pool_.Acquire(result.hidden_size);
     if (result.hidden == nullptr) {

@@ -51,12 +51,9 @@ struct WorkItem {
   // Checked before the forward starts; true skips the work.
   std::function<bool()> cancelled;
   // When set (NCCL transport), the capture is handed over while still on the
-  // device and `done` gets a result without a host buffer (`hidden` null).
+  // device and `done` gets a result without a host buffer (`hidden` null),
+  // once the sink's work is done (the engine is on the next batch by then).
   Engine::DeviceSink device_sink;
-  // Called on the worker just before the forward starts (not for cancelled
-  // items): the NCCL transport announces the batch here, so the trainer has
-  // its receive posted by the time the capture is ready.
-  std::function<void()> on_start;
 };
 
 class Scheduler {

@@ -45,7 +45,7 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
 // What the NCCL sink of one batch hands to its done callback.
 struct NcclBatch {
   uint64_t checksum = 0;
-  double send_ms = 0;  // checksum + ncclSend until received, on the worker
+  double send_ms = 0;  // the send's GPU time from the forward's end to the send's end
   bool announced = false;
   bool sent = false;
 };
@@ -284,7 +284,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
       const std::string why_not = service_->NcclUnavailableReason(open);
       if (why_not.empty()) {
         StartNccl(open.nccl_unique_id(), asked_nccl);
-        return;  // Opened follows once the communicator is up (OnNcclReady)
+        return;  // Opened follows once the communicator is up (OnNcclJoined)
       }
       if (asked_nccl) {
         FailStream(absl::FailedPreconditionError(absl::StrCat(
@@ -313,40 +313,50 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
 #if DRAFTFEED_HAVE_NCCL
   // Joins the trainer's communicator off the reactor thread; the stream reads
-  // nothing more until OnNcclReady answers Opened (or fails the stream).
+  // nothing more until the two sides have shaken hands. Opened goes out once
+  // the communicator is up (or says why not), since the trainer joins the
+  // handshake only after reading it.
   void StartNccl(const std::string& unique_id, bool asked_nccl) {
     opening_ = true;
     std::shared_ptr<ReactorLink> link = link_;
     const int device = service_->nccl_device();
     const double timeout_s = service_->options().nccl_timeout_s;
     std::thread([link, unique_id, device, timeout_s, asked_nccl] {
+      auto cancelled = [link] { return link->cancelled.load(); };
       absl::StatusOr<std::unique_ptr<NcclPeer>> peer =
           NcclPeer::Start(unique_id, NcclPeer::kSenderRank, device);
       absl::Status status = peer.status();
-      if (status.ok()) {
-        status = (*peer)->Wait(timeout_s, [link] { return link->cancelled.load(); });
+      if (status.ok()) status = (*peer)->Wait(timeout_s, cancelled);
+      std::shared_ptr<NcclPeer> joined;
+      if (status.ok()) joined = *std::move(peer);
+      {
+        std::lock_guard<std::mutex> lock(link->mu);
+        if (link->reactor == nullptr) return;
+        link->reactor->OnNcclJoined(status, joined, asked_nccl);
       }
-      std::shared_ptr<NcclPeer> ready;
-      if (status.ok()) ready = *std::move(peer);
+      if (!status.ok()) return;
+      absl::Status shook = joined->Handshake(timeout_s, cancelled);
       std::lock_guard<std::mutex> lock(link->mu);
-      if (link->reactor != nullptr) link->reactor->OnNcclReady(std::move(status), ready, asked_nccl);
+      if (link->reactor != nullptr) link->reactor->OnNcclHandshake(std::move(shook));
     }).detach();
   }
 
-  void OnNcclReady(absl::Status status, std::shared_ptr<NcclPeer> peer, bool asked_nccl) {
+  void OnNcclJoined(const absl::Status& status, std::shared_ptr<NcclPeer> peer, bool asked_nccl) {
     std::lock_guard<std::mutex> lock(mu_);
-    opening_ = false;
     if (finished_ || broken_) {
+      opening_ = false;
       Pump();
       return;
     }
     if (status.ok()) {
       nccl_ = std::move(peer);
-      SendOpened(v1::TRANSPORT_NCCL);
+      SendOpened(v1::TRANSPORT_NCCL);  // still opening_: batches wait for the handshake
     } else if (asked_nccl) {
+      opening_ = false;
       FailStream(absl::Status(status.code(),
                               absl::StrCat("transport nccl setup failed: ", status.message())));
     } else {
+      opening_ = false;
       transport_note_ = absl::StrCat("auto fell back to grpc: nccl setup failed: ",
                                      status.message());
       SendOpened(v1::TRANSPORT_GRPC);
@@ -354,38 +364,75 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     Pump();
   }
 
-  // Runs on the scheduler worker as the forward starts: the trainer learns
-  // the batch's size and posts its receive while the forward runs.
-  static void AnnounceNccl(const std::shared_ptr<ReactorLink>& link, uint64_t batch_id,
-                           int64_t tokens, NcclBatch* state) {
-    std::lock_guard<std::mutex> lock(link->mu);
-    if (link->reactor == nullptr) return;
-    link->reactor->Announce(batch_id, tokens);
-    state->announced = true;
+  void OnNcclHandshake(absl::Status status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    opening_ = false;
+    if (!status.ok()) {
+      FailStream(absl::UnavailableError(
+          absl::StrCat("transport nccl handshake failed: ", status.message())));
+    }
+    Pump();
   }
 
-  // Runs on the scheduler worker with the capture still on the GPU (its
-  // forward possibly still running): checksum and ncclSend it there, after the
-  // forward on its stream, and wait (the next forward overwrites the buffer).
-  // send_ms is the send's GPU time from the forward's end: what it adds to the
-  // target's cycle (its host-side enqueue overlaps the forward).
-  static absl::Status SendOverNccl(const std::shared_ptr<ReactorLink>& link,
-                                   const std::shared_ptr<NcclPeer>& peer, double timeout_s,
-                                   NcclBatch* state, const Engine::DeviceView& view) {
+  // Runs on the scheduler worker while the batch's forward runs: posts the
+  // send behind the forward (on the engine's send stream) and returns at
+  // once, so the next forward starts while this capture travels.
+  static absl::StatusOr<Engine::DeviceWait> PostOverNccl(const std::shared_ptr<ReactorLink>& link,
+                                                        const std::shared_ptr<NcclPeer>& peer,
+                                                        double timeout_s, uint64_t batch_id,
+                                                        int64_t tokens,
+                                                        const std::shared_ptr<NcclBatch>& state,
+                                                        const Engine::DeviceView& view) {
+    absl::StatusOr<NcclPeer::Op> op =
+        peer->PostSend(view.data, view.bytes, view.stream, timeout_s,
+                       [link] { return link->cancelled.load(); });
+    if (!op.ok()) {
+      NcclBroken(link, op.status());
+      return op.status();
+    }
+    return Engine::DeviceWait([link, peer, timeout_s, batch_id, tokens, state, op = *op] {
+      return FinishNcclSend(link, *peer, timeout_s, batch_id, tokens, *state, op);
+    });
+  }
+
+  // On the engine's copy thread: once the forward has ended, announce the
+  // batch (the trainer posts its receive when it reads this, so no receive
+  // sits on the trainer's GPU through the forward), then wait for the send.
+  // send_ms is the send's GPU time from the forward's end: the announcement's
+  // round trip plus the transfer.
+  static Engine::Copied FinishNcclSend(const std::shared_ptr<ReactorLink>& link, NcclPeer& peer,
+                                       double timeout_s, uint64_t batch_id, int64_t tokens,
+                                       NcclBatch& state, const NcclPeer::Op& op) {
+    auto cancelled = [link] { return link->cancelled.load(); };
+    absl::Status ready = peer.WaitReady(op, timeout_s, cancelled);
+    if (ready.ok()) {
+      std::lock_guard<std::mutex> lock(link->mu);
+      if (link->reactor != nullptr) {
+        link->reactor->Announce(batch_id, tokens);
+        state.announced = true;
+      }
+    }
+    if (ready.ok() && !state.announced) {
+      // No receive will ever match this send.
+      peer.Abort();
+      ready = absl::CancelledError("stream closed before the batch was announced");
+    }
     double gpu_ms = 0;
     absl::StatusOr<uint64_t> sum =
-        state->announced ? peer->Send(view.data, view.bytes, view.stream, timeout_s,
-                                      [link] { return link->cancelled.load(); }, &gpu_ms)
-                         : absl::StatusOr<uint64_t>(absl::CancelledError("stream closed"));
-    state->send_ms = gpu_ms;
-    if (sum.ok()) {
-      state->checksum = *sum;
-      state->sent = true;
-      return absl::OkStatus();
+        ready.ok() ? peer.WaitOp(op, timeout_s, cancelled, &gpu_ms) : absl::StatusOr<uint64_t>(ready);
+    state.send_ms = gpu_ms;
+    if (!sum.ok()) {
+      NcclBroken(link, sum.status());
+      return Engine::Copied{sum.status(), std::nullopt};
     }
+    state.checksum = *sum;
+    state.sent = true;
+    return Engine::Copied{absl::OkStatus(), *sum};
+  }
+
+  static void NcclBroken(const std::shared_ptr<ReactorLink>& link, const absl::Status& s) {
     std::lock_guard<std::mutex> lock(link->mu);
-    if (link->reactor != nullptr) link->reactor->OnNcclBroken(sum.status());
-    return sum.status();
+    if (link->reactor != nullptr) link->reactor->OnNcclBroken(s);
   }
 
   void Announce(uint64_t batch_id, int64_t tokens) {
@@ -460,31 +507,22 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     if (nccl_ != nullptr) {
       auto state = std::make_shared<NcclBatch>();
       const int64_t tokens = static_cast<int64_t>(item.token_ids.size());
-      item.on_start = [link, batch_id, tokens, state] {
-        AnnounceNccl(link, batch_id, tokens, state.get());
-      };
-      item.device_sink = [link, peer = nccl_, state,
+      item.device_sink = [link, peer = nccl_, state, batch_id, tokens,
                           timeout_s = service_->options().nccl_timeout_s](
                              const Engine::DeviceView& view) {
-        return SendOverNccl(link, peer, timeout_s, state.get(), view);
+        return PostOverNccl(link, peer, timeout_s, batch_id, tokens, state, view);
       };
       item.done = [link, batch_id, state](absl::StatusOr<ForwardResult> r) {
         if (state->announced && !state->sent) {
           // The trainer posted a receive that no send will match: the stream's
           // communicator is out of step, so the stream ends (its batches are
           // re-sent by the client).
-          std::lock_guard<std::mutex> lock(link->mu);
-          if (link->reactor != nullptr) {
-            link->reactor->OnNcclBroken(
-                r.ok() ? absl::InternalError("batch announced but not sent") : r.status());
-          }
+          NcclBroken(link, r.ok() ? absl::InternalError("batch announced but not sent") : r.status());
         }
         if (r.ok()) {
-          // forward_ms covered the send too; report the two apart.
-          r->forward_ms -= state->send_ms;
           r->send_ms = state->send_ms;
+          r->checksum = state->checksum;
         }
-        if (r.ok()) r->checksum = state->checksum;
         DeliverResult(link, batch_id, std::move(r));
       };
     }

@@ -120,6 +120,11 @@ struct HiddenBatch {
   uint64_t checksum = 0;  // as sent in BatchDone (verified when asked)
   std::string target;     // address that computed it
   double queue_ms = 0, forward_ms = 0, send_ms = 0;
+  // NCCL transport: the receive's time on the receiving GPU, from its post to
+  // its end. The target's send is already waiting when the receive is
+  // posted, so this is the transfer itself (send_ms adds the announcement's
+  // round trip). 0 over gRPC.
+  double recv_ms = 0;
 };
 
 struct TargetStats {
@@ -143,6 +148,10 @@ struct FeedStats {
   int64_t duplicates_dropped = 0;  // late results of re-sent batches
   int64_t tokens_delivered = 0;
   int64_t bytes_received = 0;
+  // Result buffers allocated fresh (host and GPU pools together). The pools
+  // keep what two batches need (or 2 x prefetch_bytes, if more), so steady
+  // streaming adds none: no page faults, no cudaMalloc/cudaFree per batch.
+  int64_t buffer_allocations = 0;
   int64_t outstanding = 0;  // submitted, not yet returned by Next()
   int64_t outstanding_bytes = 0;
   int64_t waiting_dispatch = 0;  // outstanding batches not on any target now

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <thread>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -11,6 +13,7 @@
 #include <optional>
 #include <random>
 
+#include "absl/strings/str_cat.h"
 #include "draftfeed/v1/checksum.h"
 #include "server/model/cpu_engine.h"
 #include "server/model/cuda_engine.h"
@@ -275,6 +278,34 @@ TEST_F(CudaEngineAsync, DoubleBufferedCopiesMatchForward) {
   EXPECT_EQ(log.order().size(), batches.size());
 }
 
+// A sink that copies the capture to `seen` on the engine's send stream; its
+// DeviceWait waits for the copy (and first for `gate`, when given).
+Engine::DeviceSink CopyingSink(std::vector<uint16_t>* seen, std::atomic<bool>* gate = nullptr) {
+  return [seen, gate](const Engine::DeviceView& v) -> absl::StatusOr<Engine::DeviceWait> {
+    if (v.bytes != seen->size() * 2) {
+      return absl::InternalError(absl::StrCat("view of ", v.bytes, " bytes"));
+    }
+    cudaStream_t stream = static_cast<cudaStream_t>(v.stream);
+    if (gate == nullptr) {
+      cudaError_t e = cudaMemcpyAsync(seen->data(), v.data, v.bytes, cudaMemcpyDeviceToHost, stream);
+      if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
+    }
+    return Engine::DeviceWait([seen, gate, v, stream] {
+      Engine::Copied out;
+      cudaError_t e = cudaSuccess;
+      if (gate != nullptr) {
+        // Held back: the sink's "send" only starts once the gate opens, long
+        // after the next forward ran in the other buffer.
+        while (!gate->load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        e = cudaMemcpyAsync(seen->data(), v.data, v.bytes, cudaMemcpyDeviceToHost, stream);
+      }
+      if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+      if (e != cudaSuccess) out.status = absl::InternalError(cudaGetErrorString(e));
+      return out;
+    });
+  };
+}
+
 // ForwardToDevice right after ForwardAsync: the sink sees its own batch, and
 // a forward that reuses the buffer still being copied waits for that copy.
 TEST_F(CudaEngineAsync, ForwardToDeviceAfterForwardAsyncSeesItsOwnBatch) {
@@ -288,23 +319,58 @@ TEST_F(CudaEngineAsync, ForwardToDeviceAfterForwardAsyncSeesItsOwnBatch) {
   ASSERT_TRUE(gpu_->ForwardAsync({batches[1].ids, batches[1].lens, layers},
                                  {first.get(), want[0].size()}, log.For(0))
                   .ok());
+  std::vector<std::vector<uint16_t>> seen(3);
   for (int i = 1; i < 3; ++i) {  // the second of these writes the buffer of the first
-    std::vector<uint16_t> seen(want[i].size());
-    absl::Status s = gpu_->ForwardToDevice(
-        {batches[i + 1].ids, batches[i + 1].lens, layers}, [&](const Engine::DeviceView& v) {
-          EXPECT_EQ(v.bytes, seen.size() * 2);
-          cudaStream_t stream = static_cast<cudaStream_t>(v.stream);
-          cudaError_t e =
-              cudaMemcpyAsync(seen.data(), v.data, v.bytes, cudaMemcpyDeviceToHost, stream);
-          if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-          return e == cudaSuccess ? absl::OkStatus() : absl::InternalError(cudaGetErrorString(e));
-        });
+    seen[i].resize(want[i].size());
+    absl::Status s = gpu_->ForwardToDevice({batches[i + 1].ids, batches[i + 1].lens, layers},
+                                           CopyingSink(&seen[i]), log.For(i));
     ASSERT_TRUE(s.ok()) << s;
-    EXPECT_EQ(seen, want[i]) << "ForwardToDevice batch " << i;
   }
-  ASSERT_TRUE(log.WaitFor(1));
+  ASSERT_TRUE(log.WaitFor(3));
+  EXPECT_EQ(log.order(), (std::vector<int>{0, 1, 2}));
   EXPECT_TRUE(log.all_ok());
   EXPECT_TRUE(std::equal(want[0].begin(), want[0].end(), first.get()));
+  for (int i = 1; i < 3; ++i) EXPECT_EQ(seen[i], want[i]) << "ForwardToDevice batch " << i;
+}
+
+// The next forward runs while a sink's work is still going (an NCCL send
+// waiting for its receiver), in the other capture buffer; the forward after
+// that, which needs the first buffer back, waits for that work to end.
+TEST_F(CudaEngineAsync, ForwardToDeviceRunsTheNextForwardBesideTheSend) {
+  const std::vector<int32_t> layers = {1, kFinalLayerId};
+  const std::vector<Batch>& batches = batches_;
+  ASSERT_GE(batches.size(), 3u);
+  std::vector<std::vector<uint16_t>> want, seen(3);
+  for (int i = 0; i < 3; ++i) {
+    want.push_back(Forward(batches[i], layers));
+    seen[i].resize(want[i].size());
+  }
+  CopyLog log;
+  std::atomic<bool> gate{false};
+  ASSERT_TRUE(gpu_->ForwardToDevice({batches[0].ids, batches[0].lens, layers},
+                                    CopyingSink(&seen[0], &gate), log.For(0))
+                  .ok());
+  // Returns with batch 0's "send" still held.
+  ASSERT_TRUE(gpu_->ForwardToDevice({batches[1].ids, batches[1].lens, layers},
+                                    CopyingSink(&seen[1]), log.For(1))
+                  .ok());
+  EXPECT_TRUE(log.order().empty());
+  std::atomic<bool> third_returned{false};
+  std::thread third([&] {
+    EXPECT_TRUE(gpu_->ForwardToDevice({batches[2].ids, batches[2].lens, layers},
+                                      CopyingSink(&seen[2]), log.For(2))
+                    .ok());
+    third_returned = true;
+  });
+  // Batch 2 needs batch 0's buffer: it must not start before the gate opens.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(third_returned.load());
+  gate = true;
+  third.join();
+  ASSERT_TRUE(log.WaitFor(3));
+  EXPECT_EQ(log.order(), (std::vector<int>{0, 1, 2}));
+  EXPECT_TRUE(log.all_ok());
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(seen[i], want[i]) << "batch " << i;
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, CudaEngineTest,

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -419,6 +420,31 @@ TEST(ServiceTest, ChunkEdgesAreBitExact) {
     EXPECT_EQ(chunks, c.chunks) << c.tokens << " tokens";
     ++id;
   }
+}
+
+// A batch larger than prefetch_bytes is let through alone. The feed's pool
+// keeps two such buffers (one arriving, one in the trainer's hands), so a
+// stream of them allocates twice, not once per batch (a fresh buffer costs
+// page faults on the host, or a device-synchronising cudaFree on the GPU).
+TEST(FeedBuffers, BatchesLargerThanThePrefetchWindowReuseTheirBuffers) {
+  Server server;
+  FeedOptions opt;
+  opt.targets = {server.address()};
+  opt.layers = {0, -1};
+  opt.prefetch_bytes = 4096;  // each batch below is 200 x 2 x H x 2 bytes, far more
+  auto feed = *Feed::Open(opt);
+  const int vocab = static_cast<int>(server.model().config.vocab_size);
+  std::optional<HiddenBatch> held;  // the trainer holds one batch while the next arrives
+  for (int i = 0; i < 8; ++i) {
+    const std::vector<int32_t> toks = RandomTokens(200, vocab, 300 + i);
+    ASSERT_TRUE(feed->Submit(toks, {200}).ok());
+    auto b = feed->Next();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(Values(*b), Direct(server.engine(), toks, {200}, {0, -1})) << "batch " << i;
+    held = *std::move(b);
+  }
+  EXPECT_LE(feed->Stats().buffer_allocations, 2);
+  EXPECT_TRUE(feed->Close().ok());
 }
 
 TEST_P(FeedPaths, DrainFinishesAcceptedBatchesThenEndsStreams) {
