@@ -1,4 +1,5 @@
 #include "server/model/cuda_engine.h"
+#include "server/common/thread_name.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -755,7 +756,10 @@ absl::StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Create(const Model* mode
   if (options.max_tokens < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
   auto impl = std::make_unique<Impl>();
   if (absl::Status s = impl->Init(model, options); !s.ok()) return s;
-  impl->copier = std::thread([p = impl.get()] { p->CopyLoop(); });
+  impl->copier = std::thread([p = impl.get()] {
+    NameThisThread("df-gpu-copy");
+    p->CopyLoop();
+  });
   return std::unique_ptr<CudaEngine>(new CudaEngine(std::move(impl)));
 }
 

@@ -1,4 +1,5 @@
 #include "server/service/scheduler.h"
+#include "server/common/thread_name.h"
 
 #include <utility>
 
@@ -24,8 +25,14 @@ Scheduler::Scheduler(std::vector<Engine*> engines, int64_t max_queued, double th
   }
   for (auto& lane : lanes_) {
     Lane* l = lane.get();
-    l->completer = std::thread([this, l] { CompletionLoop(*l); });
-    l->worker = std::thread([this, l] { WorkerLoop(*l); });
+    l->completer = std::thread([this, l] {
+      NameThisThread("df-complete");
+      CompletionLoop(*l);
+    });
+    l->worker = std::thread([this, l] {
+      NameThisThread("df-forward");
+      WorkerLoop(*l);
+    });
   }
 }
 

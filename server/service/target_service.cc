@@ -1,4 +1,5 @@
 #include "server/service/target_service.h"
+#include "server/common/thread_name.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -322,6 +323,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     const int device = service_->nccl_device();
     const double timeout_s = service_->options().nccl_timeout_s;
     std::thread([link, unique_id, device, timeout_s, asked_nccl] {
+      NameThisThread("df-nccl-setup");
       auto cancelled = [link] { return link->cancelled.load(); };
       absl::StatusOr<std::unique_ptr<NcclPeer>> peer =
           NcclPeer::Start(unique_id, NcclPeer::kSenderRank, device);
