@@ -67,6 +67,21 @@ std::shared_ptr<uint16_t> HostBufferPool::Acquire(size_t elements) {
   for (uint16_t* q : evicted) state->allocator.release(q);
   if (p == nullptr) {
     p = static_cast<uint16_t*>(state->allocator.allocate(std::max<size_t>(cap, 1) * 2));
+    if (p == nullptr) {
+      // Out of memory (a GPU the trainer fills, say): what this pool keeps
+      // idle goes back first, then one more try.
+      std::vector<uint16_t*> idle;
+      {
+        std::lock_guard<std::mutex> lock(state->mu);
+        for (auto& [c, q] : state->idle) idle.push_back(q);
+        state->idle.clear();
+        state->idle_bytes = 0;
+      }
+      for (uint16_t* q : idle) state->allocator.release(q);
+      if (!idle.empty()) {
+        p = static_cast<uint16_t*>(state->allocator.allocate(std::max<size_t>(cap, 1) * 2));
+      }
+    }
     std::lock_guard<std::mutex> lock(state->mu);
     if (p == nullptr) {
       state->live_bytes -= static_cast<int64_t>(cap * 2);

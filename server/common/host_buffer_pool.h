@@ -32,7 +32,7 @@ class HostBufferPool {
   HostBufferPool& operator=(const HostBufferPool&) = delete;
 
   // At least `elements` uint16 values, uninitialised; null when the allocator
-  // returns null. Returns to the pool (or is freed, past the idle cap) when the last
+  // returns null even after the pool's idle buffers were released. Returns to the pool (or is freed, past the idle cap) when the last
   // copy of the pointer drops; buffers may outlive the pool.
   std::shared_ptr<uint16_t> Acquire(size_t elements);
 

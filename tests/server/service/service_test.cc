@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
@@ -422,6 +423,23 @@ TEST(ServiceTest, ChunkEdgesAreBitExact) {
   }
 }
 
+TEST(FeedOptionsTest, OutOfRangeCountsAreRefusedNamingTheOption) {
+  FeedOptions opt;
+  opt.targets = {"127.0.0.1:1"};
+  opt.layers = {0};
+  opt.nccl_buffers = -1;
+  auto feed = Feed::Open(opt);
+  ASSERT_FALSE(feed.ok());
+  EXPECT_EQ(feed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(feed.status().message().find("nccl_buffers"), std::string::npos) << feed.status();
+  opt.nccl_buffers = 0;
+  opt.connections_per_target = 0;
+  feed = Feed::Open(opt);
+  ASSERT_FALSE(feed.ok());
+  EXPECT_NE(feed.status().message().find("connections_per_target"), std::string::npos)
+      << feed.status();
+}
+
 // A batch larger than prefetch_bytes is let through alone. The feed's pool
 // keeps two such buffers (one arriving, one in the trainer's hands), so a
 // stream of them allocates twice, not once per batch (a fresh buffer costs
@@ -657,6 +675,42 @@ TEST(ServiceTest, HostMemoryStaysUnderTheConfiguredCap) {
   StalledStreamsUnderCap(/*cap_batches=*/3, &peak, batch_bytes, &delivered);
   EXPECT_LE(peak, 3 * batch_bytes);
   EXPECT_EQ(delivered, 9);
+}
+
+// An allocator that is out of memory (a GPU the drafter fills) gets the
+// pool's idle buffers back before the pool gives up.
+TEST(HostBufferPoolTest, AFailedAllocationReleasesIdleBuffersAndTriesAgain) {
+  struct Budget {
+    size_t used = 0;
+    std::map<void*, size_t> sizes;
+  };
+  auto budget = std::make_shared<Budget>();
+  HostAllocator limited{.allocate = [budget](size_t bytes) -> void* {
+                          if (budget->used + bytes > 10000) return nullptr;
+                          void* p = ::operator new(bytes);
+                          budget->used += bytes;
+                          budget->sizes[p] = bytes;
+                          return p;
+                        },
+                        .release = [budget](void* p) {
+                          budget->used -= budget->sizes.at(p);
+                          budget->sizes.erase(p);
+                          ::operator delete(p);
+                        }};
+  HostBufferPool pool(/*max_idle_bytes=*/100000, limited);
+  auto a = pool.Acquire(2000);
+  auto b = pool.Acquire(2000);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  a.reset();
+  b.reset();
+  EXPECT_EQ(pool.idle_bytes(), 8000);
+  auto c = pool.Acquire(2500);  // 5000 bytes: too big to reuse, and 8000 + 5000 > 10000
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(pool.idle_bytes(), 0);
+  EXPECT_EQ(budget->used, 5000u);
+  EXPECT_EQ(pool.Acquire(4000), nullptr);  // nothing idle left to give back
+  EXPECT_EQ(pool.live_bytes(), 5000);
 }
 
 TEST(HostBufferPoolTest, UsesThePluggedAllocatorForEveryBuffer) {

@@ -337,12 +337,13 @@ TEST_F(GpuTarget, TrainerVanishingMidTransferLeavesTheTargetServing) {
     ASSERT_TRUE(stream->Read(&resp));
     ASSERT_EQ(resp.opened().transport(), v1::TRANSPORT_NCCL);
     ASSERT_TRUE((*peer)->Wait(30).ok());
+    ASSERT_TRUE((*peer)->Handshake(30).ok());  // the target reads batches only after it
     v1::StreamRequest batch;
     batch.mutable_batch()->set_batch_id(1);
     for (int32_t t : toks_[2]) batch.mutable_batch()->add_token_ids(t);
     batch.mutable_batch()->add_seq_lens(static_cast<int32_t>(toks_[2].size()));
     ASSERT_TRUE(stream->Write(batch));
-    ASSERT_TRUE(stream->Read(&resp));  // the announcement; no receive is posted
+    ASSERT_TRUE(stream->Read(&resp));  // the announcement (the forward is over); no receive
     ASSERT_TRUE(resp.has_chunk());
     std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the send is waiting
     (*peer)->Abort();
