@@ -1,5 +1,4 @@
 #include "server/model/cuda_engine.h"
-#include "server/common/thread_name.h"
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -18,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/attention.cuh"
 #include "kernels/checksum.cuh"
+#include "server/common/thread_name.h"
 #include "server/model/cuda_gemm.h"
 #include "kernels/elementwise.cuh"
 #include "kernels/embedding.cuh"

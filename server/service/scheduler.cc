@@ -1,9 +1,9 @@
 #include "server/service/scheduler.h"
-#include "server/common/thread_name.h"
 
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "server/common/thread_name.h"
 
 namespace draftfeed {
 

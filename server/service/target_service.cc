@@ -1,5 +1,4 @@
 #include "server/service/target_service.h"
-#include "server/common/thread_name.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -16,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "draftfeed/v1/checksum.h"
+#include "server/common/thread_name.h"
 #include "server/service/status_util.h"
 #include "server/service/version.h"
 #if DRAFTFEED_HAVE_NCCL
