@@ -186,7 +186,6 @@ class PyFeed {
       else if (k == "client_name") o.client_name = py::cast<std::string>(value);
       else if (k == "cuda_device") o.cuda_device = py::cast<int>(value);
       else if (k == "nccl_timeout_s") o.nccl_timeout_s = py::cast<double>(value);
-      else if (k == "nccl_buffers") o.nccl_buffers = py::cast<int32_t>(value);
       else if (k == "transport") {
         const std::string t = py::cast<std::string>(value);
         if (t == "grpc") o.transport = Transport::kGrpc;

@@ -168,8 +168,8 @@ struct Feed::Impl {
 #if DRAFTFEED_HAVE_NCCL
     std::unique_ptr<NcclPeer> nccl;  // TRANSPORT_NCCL streams
     cudaStream_t cuda_stream = nullptr;
-    // Batches announced to the reader, whose receives `waiter` posts and
-    // completes in order (so the reader keeps reading BatchDone meanwhile).
+    // Receives posted by the reader as batches are announced, completed in
+    // order by `waiter` (so the reader keeps reading BatchDone meanwhile).
     struct Posted {
       uint64_t batch_id = 0;
       int64_t tokens = 0;
@@ -178,7 +178,7 @@ struct Feed::Impl {
     };
     std::mutex rmu;
     std::condition_variable rcv;
-    std::deque<Posted> announced;
+    std::deque<Posted> posted;
     bool rclosed = false;
     std::thread waiter;
     ~Conn() {
@@ -621,116 +621,83 @@ struct Feed::Impl {
 
 #if DRAFTFEED_HAVE_NCCL
   // The target announced a batch whose capture is ready and whose send is
-  // waiting: the connection's NCCL thread posts the matching receive (for
-  // every announcement, even of a batch no longer wanted, or the two sides'
-  // operation order would part). The reader goes on reading meanwhile, so a
-  // receive that waits for GPU memory never holds up BatchDone messages.
+  // waiting: post the matching receive now (for every announcement, even of
+  // a batch no longer wanted, or the two sides' operation order would part).
   bool ReceiveNccl(Target* t, Conn* conn, const v1::HiddenChunk& c) {
-    std::lock_guard<std::mutex> lock(mu);
+    const int64_t stride = K() * hidden_size;
     if (c.token_offset() != 0 || c.token_count() < 1 || !c.data().empty()) {
+      std::lock_guard<std::mutex> lock(mu);
       t->stats.last_error = absl::StrCat("malformed nccl announcement for batch ", c.batch_id());
       return false;
     }
+    const size_t values = static_cast<size_t>(c.token_count() * stride);
+    absl::Status why;
+    Conn::Posted posted{c.batch_id(), c.token_count(), DeviceBufferFor(c.batch_id(), values, &why),
+                        {}};
+    absl::StatusOr<NcclPeer::Op> op =
+        posted.buffer == nullptr
+            ? absl::StatusOr<NcclPeer::Op>(why)
+            : conn->nccl->PostRecv(posted.buffer.get(), values * 2, conn->cuda_stream,
+                                   options.nccl_timeout_s, [this] { return closing.load(); });
+    std::lock_guard<std::mutex> lock(mu);
     auto it = pending.find(c.batch_id());
-    if (it != pending.end() && !it->second.complete && it->second.conn == conn) {
+    const bool ours = it != pending.end() && !it->second.complete && it->second.conn == conn;
+    if (!op.ok()) {
+      t->stats.last_error = absl::StrCat("nccl receive: ", op.status().message());
+      if (posted.buffer == nullptr && ours) {
+        // Re-sending the batch would only fail the same way: it fails, with
+        // why, and the stream ends (the target's send has no match).
+        Fail(c.batch_id(), it->second, op.status());
+        cv.notify_all();
+      }
+      return false;
+    }
+    posted.op = *op;
+    if (ours) {
       it->second.recv_pending = true;
       it->second.last_progress = Clock::now();
     }
     {
       std::lock_guard<std::mutex> rlock(conn->rmu);
-      conn->announced.push_back(Conn::Posted{c.batch_id(), c.token_count(), nullptr, {}});
+      conn->posted.push_back(std::move(posted));
     }
     conn->rcv.notify_one();
     return true;
   }
 
-  bool RecvClosed(Conn* conn) {
-    std::lock_guard<std::mutex> rlock(conn->rmu);
-    return conn->rclosed;
-  }
-
-  // A GPU buffer for an announced batch: with options.nccl_buffers > 0, at
-  // most that many results live on the GPU at once (the trainer frees one by
-  // dropping it); when the GPU is full anyway, it waits while the trainer
-  // still holds results. Both waits end after nccl_timeout_s. Null, with
-  // why, when no buffer came (or the stream ended: then `why` is OK).
-  std::shared_ptr<uint16_t> DeviceBufferFor(Conn* conn, uint64_t batch_id, size_t values,
-                                            absl::Status* why) {
-    const int64_t need = static_cast<int64_t>(values * 2);
+  // A GPU buffer for an announced batch. When the GPU is full (the drafter
+  // fills it), it waits while the trainer still holds results, up to
+  // nccl_timeout_s; null, with why, when no memory came.
+  std::shared_ptr<uint16_t> DeviceBufferFor(uint64_t batch_id, size_t values, absl::Status* why) {
+    std::shared_ptr<uint16_t> buffer = device_pool->Acquire(values);
     const auto give_up = Clock::now() + std::chrono::milliseconds(
                                             static_cast<int64_t>(options.nccl_timeout_s * 1000));
-    if (options.nccl_buffers > 0) {
-      const int64_t most = static_cast<int64_t>(options.nccl_buffers) * need;
-      while (device_pool->live_bytes() > 0 && device_pool->live_bytes() + need > most) {
-        if (RecvClosed(conn)) return nullptr;
-        if (Clock::now() > give_up) {
-          *why = absl::ResourceExhaustedError(absl::StrCat(
-              "batch ", batch_id, ": the trainer still holds ", device_pool->live_bytes(),
-              " bytes of NCCL results on cuda:", options.cuda_device, " after ",
-              options.nccl_timeout_s, " s, and nccl_buffers=", options.nccl_buffers,
-              " allows no more: drop results once used, or raise nccl_buffers"));
-          return nullptr;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-    }
-    std::shared_ptr<uint16_t> buffer = device_pool->Acquire(values);
-    while (buffer == nullptr && device_pool->live_bytes() > 0 && Clock::now() < give_up) {
-      if (RecvClosed(conn)) return nullptr;
+    while (buffer == nullptr && !closing && device_pool->live_bytes() > 0 &&
+           Clock::now() < give_up) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
       buffer = device_pool->Acquire(values);
     }
     if (buffer == nullptr) {
       *why = absl::ResourceExhaustedError(absl::StrCat(
-          "cannot allocate ", need, " bytes on cuda:", options.cuda_device,
-          " to receive batch ", batch_id, " by nccl (the GPU is full; ",
-          device_pool->live_bytes(), " bytes of earlier results are still held)"));
+          "cannot allocate ", values * 2, " bytes on cuda:", options.cuda_device,
+          " to receive batch ", batch_id, " (the GPU is full; ", device_pool->live_bytes(),
+          " bytes of earlier results are still held)"));
     }
     return buffer;
   }
 
-  // Posts each announced batch's receive and completes it, in order, then
-  // attaches the result to its batch.
+  // Completes posted receives in order and attaches each to its batch.
   void WaitLoop(Target* t, Conn* conn) {
     cudaSetDevice(options.cuda_device);
-    const int64_t stride = K() * hidden_size;
     for (;;) {
       Conn::Posted r;
       {
         std::unique_lock<std::mutex> rlock(conn->rmu);
-        conn->rcv.wait(rlock, [&] { return conn->rclosed || !conn->announced.empty(); });
+        conn->rcv.wait(rlock, [&] { return conn->rclosed || !conn->posted.empty(); });
         if (conn->rclosed) return;
-        r = std::move(conn->announced.front());
-        conn->announced.pop_front();
+        r = std::move(conn->posted.front());
+        conn->posted.pop_front();
       }
-      const size_t values = static_cast<size_t>(r.tokens * stride);
-      absl::Status why;
-      r.buffer = DeviceBufferFor(conn, r.batch_id, values, &why);
-      if (r.buffer == nullptr && why.ok()) return;  // the stream ended
-      if (r.buffer == nullptr) {
-        // Re-sending the batch would only fail the same way: it fails, with
-        // why, and the stream ends (the target's send has no match).
-        std::lock_guard<std::mutex> lock(mu);
-        const absl::Status oom = why;
-        t->stats.last_error = std::string(oom.message());
-        auto it = pending.find(r.batch_id);
-        if (it != pending.end() && !it->second.complete && it->second.conn == conn) {
-          Fail(r.batch_id, it->second, oom);
-          cv.notify_all();
-        }
-        conn->ctx.TryCancel();
-        return;
-      }
-      absl::StatusOr<NcclPeer::Op> op =
-          conn->nccl->PostRecv(r.buffer.get(), values * 2, conn->cuda_stream,
-                               options.nccl_timeout_s, [this] { return closing.load(); });
-      if (!op.ok()) {
-        std::lock_guard<std::mutex> lock(mu);
-        t->stats.last_error = absl::StrCat("nccl receive: ", op.status().message());
-        conn->ctx.TryCancel();
-        return;
-      }
-      r.op = *op;
       double recv_ms = 0;
       absl::StatusOr<uint64_t> sum = conn->nccl->WaitOp(
           r.op, options.nccl_timeout_s, [this] { return closing.load(); }, &recv_ms);
@@ -1198,10 +1165,6 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("FeedOptions.connections_per_target must be in [1, 64], got ",
                      options.connections_per_target));
-  }
-  if (options.nccl_buffers < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "FeedOptions.nccl_buffers must be 0 (no cap) or more, got ", options.nccl_buffers));
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;

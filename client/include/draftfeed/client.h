@@ -83,15 +83,6 @@ struct FeedOptions {
   int cuda_device = -1;
   // NCCL setup with a target, and each batch's receive, must finish in this.
   double nccl_timeout_s = 120.0;
-  // NCCL results held in `cuda_device`'s memory at once, per feed: received
-  // and not yet released by the trainer (every reference dropped, torch
-  // tensors included). 0: no cap; the GPU's free memory is the limit (a
-  // receive that finds the GPU full waits while the trainer holds results).
-  // N > 0: the next receive waits for one to be dropped, and its batch fails
-  // (RESOURCE_EXHAUSTED, naming this option) if none is within
-  // nccl_timeout_s; the target waits meanwhile. Each is a whole [T, K, H]
-  // batch, so on a GPU the drafter fills this keeps the feed's share known.
-  int32_t nccl_buffers = 0;
 };
 
 struct TargetDescription {

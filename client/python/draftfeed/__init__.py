@@ -155,10 +155,6 @@ class Feed:
         targets where it works, gRPC with the others; `stats()` says which and
         why per target).
       cuda_device: the GPU index that receives, for "nccl" and "auto".
-      nccl_buffers: NCCL results held in `cuda_device`'s memory at once (advanced
-        keyword; default 0: no cap). With N > 0 a receive waits until the trainer
-        drops a result (every reference, torch tensors included), and fails its
-        batch after nccl_timeout_s.
 
     A batch whose target dies, hangs or shuts down is re-sent to another target;
     duplicates are dropped by batch id, so each batch comes back exactly once.
