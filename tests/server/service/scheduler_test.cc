@@ -10,9 +10,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
+#include "draftfeed/v1/checksum.h"
 #include "server/model/model.h"
 
 namespace draftfeed {
@@ -47,6 +49,30 @@ class OvertakingEngine final : public Engine {
       std::this_thread::sleep_for(delay);
       std::fill(out.begin(), out.end(), value);
       on_copied({fail ? absl::InternalError("copy failed") : absl::OkStatus(), std::nullopt});
+    });
+    return absl::OkStatus();
+  }
+  // The capture stays "on the device" (a buffer of the engine's) and the
+  // sink's work is waited for on a thread of its own, after the same
+  // shrinking delay, so later sends overtake earlier ones too.
+  absl::Status ForwardToDevice(const ForwardInput& in, const DeviceSink& sink,
+                               CopiedCallback on_sent) override {
+    ++forwards_;
+    if (in.token_ids[0] == 4000) return absl::InvalidArgumentError("bad batch");
+    auto capture = std::make_shared<std::vector<uint16_t>>(
+        in.token_ids.size() * in.layers.size() * model_->config.hidden_size,
+        static_cast<uint16_t>(in.token_ids[0]));
+    DeviceView view;
+    view.data = capture->data();
+    view.bytes = capture->size() * 2;
+    absl::StatusOr<DeviceWait> wait = sink(view);
+    if (!wait.ok()) return wait.status();
+    const auto delay = milliseconds(std::max(0, 60 - 20 * (forwards_ % 4)));
+    copies_.emplace_back([=, wait = *std::move(wait)] {
+      std::this_thread::sleep_for(delay);
+      Copied sent = wait();
+      (void)capture;  // kept until the sink's work is done
+      on_sent(std::move(sent));
     });
     return absl::OkStatus();
   }
@@ -174,6 +200,63 @@ TEST(SchedulerTest, EveryItemGetsExactlyOneDone) {
     EXPECT_FALSE(sched.Submit(rec.Item(9)).ok());
   }
   EXPECT_EQ(rec.WaitFor(9, milliseconds(200)).size(), got.size());  // no late or second call
+}
+
+// Device sinks (the NCCL transport): results leave in forward order with the
+// checksum the sink's wait reported and no host buffer; a sink that refuses,
+// a wait that fails and a forward that fails each reach their item's done.
+TEST(SchedulerTest, DeviceSinksDeliverInForwardOrderWithTheirChecksums) {
+  OvertakingEngine engine;
+  struct Got {
+    int32_t id;
+    absl::StatusCode code;
+    std::optional<uint64_t> checksum;
+    bool host_buffer;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Got> got;
+  const std::vector<int32_t> ids = {10, 11, 4002, 12, 4003, 4000, 13, 14, 15};
+  const int32_t tokens = 64;
+  {
+    Scheduler sched({&engine}, 64);
+    for (int32_t id : ids) {
+      WorkItem item;
+      item.token_ids.assign(tokens, id);
+      item.seq_lens = {tokens};
+      item.layers = {0, -1};
+      item.device_sink = [id](const Engine::DeviceView& v) -> absl::StatusOr<Engine::DeviceWait> {
+        if (id == 4002) return absl::UnavailableError("sink refused");
+        const uint64_t sum = v1::PayloadChecksum(v.data, v.bytes);
+        return Engine::DeviceWait([id, sum] {
+          return id == 4003 ? Engine::Copied{absl::InternalError("send failed"), std::nullopt}
+                            : Engine::Copied{absl::OkStatus(), sum};
+        });
+      };
+      item.done = [&, id](absl::StatusOr<ForwardResult> r) {
+        std::lock_guard<std::mutex> lock(mu);
+        got.push_back({id, r.status().code(), r.ok() ? r->checksum : std::nullopt,
+                       r.ok() && r->hidden != nullptr});
+        cv.notify_all();
+      };
+      ASSERT_TRUE(sched.Submit(std::move(item)).ok());
+    }
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return got.size() == ids.size(); }));
+  }
+  const size_t values = tokens * 2 * engine.model().config.hidden_size;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_EQ(got[i].id, ids[i]) << "item " << i;
+    const absl::StatusCode want = ids[i] == 4000   ? absl::StatusCode::kInvalidArgument
+                                  : ids[i] == 4002 ? absl::StatusCode::kUnavailable
+                                  : ids[i] == 4003 ? absl::StatusCode::kInternal
+                                                   : absl::StatusCode::kOk;
+    EXPECT_EQ(got[i].code, want) << "item " << i;
+    if (want != absl::StatusCode::kOk) continue;
+    const std::vector<uint16_t> payload(values, static_cast<uint16_t>(ids[i]));
+    EXPECT_EQ(got[i].checksum, v1::PayloadChecksum(payload.data(), payload.size() * 2));
+    EXPECT_FALSE(got[i].host_buffer);
+  }
 }
 
 }  // namespace
