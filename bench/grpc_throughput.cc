@@ -224,18 +224,22 @@ int Run(const std::string& address, int control, int report) {
   // baseline's buffers are likewise touched before its clock starts.
   std::vector<std::unique_ptr<Feed>> feeds;
   const std::vector<int32_t> ids(static_cast<size_t>(T), 1), lens = {static_cast<int32_t>(T)};
+  // Four batches in flight on each connection, as with one: the window must
+  // grow with the connections or they only split the same four batches.
+  const int window = 4 * absl::GetFlag(FLAGS_connections);
   auto run = [&](Feed& feed, int n) {
     for (int b = 0; b < n; ++b) {
-      if (b >= 4) (void)feed.Next();
+      if (b >= window) (void)feed.Next();
       (void)feed.Submit(ids, lens);
     }
-    for (int b = 0; b < std::min(4, n); ++b) (void)feed.Next();
+    for (int b = 0; b < std::min(window, n); ++b) (void)feed.Next();
   };
   for (int s = 0; s < streams; ++s) {
     FeedOptions fo;
     fo.targets = {address};
     fo.layers = layers;
-    fo.prefetch = 4;
+    fo.prefetch = window;
+    fo.prefetch_bytes = window * batch_bytes;
     fo.credits_per_target = 4;
     fo.connections_per_target = absl::GetFlag(FLAGS_connections);
     if (const std::string h = absl::GetFlag(FLAGS_read_handoff); h != "auto") {
