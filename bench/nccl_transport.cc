@@ -131,9 +131,9 @@ std::vector<double> RawNccl(size_t bytes, int repeats, int transfers) {
 // payload checksum enqueued beside each transfer, polled waits): what the
 // transport's own machinery costs, without the service around it.
 // With `late_send_us` > 0 the sender waits that long before each send, so
-// the receive is posted well before it (as the service's trainer posts at
-// the batch's announcement), and the rate is taken from the sender's own
-// time in Send (as the service's send_ms is).
+// the receive is posted well before it (as the trainer did when batches were
+// announced at the forward's start), and the rate is taken from the sender's
+// own time in Send.
 std::vector<double> PeerLoop(size_t bytes, int repeats, int transfers, int late_send_us = 0) {
   auto id = NcclPeer::NewUniqueId();
   if (!id.ok()) return {};

@@ -220,7 +220,6 @@ struct Feed::Impl {
     std::shared_ptr<uint16_t> hidden;  // from the pool, T*K*H values (gRPC streams)
     std::shared_ptr<uint16_t> device;  // from the device pool (NCCL streams)
     uint64_t device_checksum = 0;      // computed on the GPU as it arrived
-    double recv_ms = 0;                // the NCCL receive's GPU time
     bool recv_pending = false;         // announced by NCCL, not yet received
     uint64_t epoch = 0;                // bumped whenever the batch is unassigned
     std::optional<v1::BatchDone> early_done;  // BatchDone that beat its receive
@@ -723,7 +722,7 @@ struct Feed::Impl {
       }
       p.device = std::move(r.buffer);
       p.device_checksum = options.verify_checksum ? *sum : 0;
-      p.recv_ms = recv_ms;
+      p.result.recv_ms = recv_ms;
       p.tokens_received = r.tokens;
       if (p.early_done.has_value()) {
         const v1::BatchDone d = *std::move(p.early_done);
@@ -998,7 +997,6 @@ struct Feed::Impl {
       r.queue_ms = d.timings().queue_ms();
       r.forward_ms = d.timings().forward_ms();
       r.send_ms = d.timings().send_ms();
-      r.recv_ms = p.recv_ms;
     }
     cv.notify_all();
   }

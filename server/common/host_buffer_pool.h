@@ -32,8 +32,9 @@ class HostBufferPool {
   HostBufferPool& operator=(const HostBufferPool&) = delete;
 
   // At least `elements` uint16 values, uninitialised; null when the allocator
-  // returns null even after the pool's idle buffers were released. Returns to the pool (or is freed, past the idle cap) when the last
-  // copy of the pointer drops; buffers may outlive the pool.
+  // returns null even after the pool's idle buffers were released. Returns to
+  // the pool (or is freed, past the idle cap) when the last copy of the
+  // pointer drops; buffers may outlive the pool.
   std::shared_ptr<uint16_t> Acquire(size_t elements);
 
   // Caps live + idle bytes (0: no cap). Acquire then waits until its buffer

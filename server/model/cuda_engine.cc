@@ -194,6 +194,11 @@ struct CudaEngine::Impl {
 
   absl::Status Init(const Model* m, const CudaEngineOptions& opt);
   int TakeBuffer();
+  // Hands `job` to the copy thread; its buffer stays busy until it retires.
+  void Queue(PendingCopy job);
+  size_t CaptureBytes(const ForwardInput& in) const {
+    return in.token_ids.size() * in.layers.size() * static_cast<size_t>(D) * 2;
+  }
   void CopyLoop();
   void StopCopier();
   absl::Status UploadWeights();
@@ -324,6 +329,15 @@ int CudaEngine::Impl::TakeBuffer() {
   current = b;
   capture = captures[b];
   return b;
+}
+
+void CudaEngine::Impl::Queue(PendingCopy job) {
+  {
+    std::lock_guard<std::mutex> lock(copy_mu);
+    busy[job.buffer] = true;
+    pending.push_back(std::move(job));
+  }
+  copy_cv.notify_all();
 }
 
 void CudaEngine::Impl::CopyLoop() {
@@ -789,7 +803,7 @@ absl::Status CudaEngine::Forward(const ForwardInput& in, std::span<uint16_t> out
   impl_->TakeBuffer();
   if (absl::Status s = impl_->Run(in); !s.ok()) return s;
   DF_CUDA(cudaMemcpy(out.data(), impl_->capture,
-                     in.token_ids.size() * in.layers.size() * static_cast<size_t>(impl_->D) * 2,
+                     impl_->CaptureBytes(in),
                      cudaMemcpyDeviceToHost));
   return absl::OkStatus();
 }
@@ -802,19 +816,14 @@ absl::Status CudaEngine::ForwardAsync(const ForwardInput& in, std::span<uint16_t
   // Run ends with the compute stream synchronised, so the copy stream needs
   // no event to order itself after the forward.
   if (absl::Status s = m.Run(in); !s.ok()) return s;
-  const size_t bytes = in.token_ids.size() * in.layers.size() * static_cast<size_t>(m.D) * 2;
+  const size_t bytes = m.CaptureBytes(in);
   DF_CUDA(cudaMemcpyAsync(out.data(), m.captures[b], bytes, cudaMemcpyDeviceToHost, m.copy_stream));
   // The checksum is taken on the GPU beside the copy (tens of microseconds),
   // not by a pass over the host copy on the target's CPU.
   DF_CUDA(cuda::EnqueuePayloadLanes(m.captures[b], bytes, m.d_lanes + b * v1::kChecksumLanes,
                                     m.h_lanes + b * v1::kChecksumLanes, m.copy_stream));
   DF_CUDA(cudaEventRecord(m.copied[b], m.copy_stream));
-  {
-    std::lock_guard<std::mutex> lock(m.copy_mu);
-    m.busy[b] = true;
-    m.pending.push_back(Impl::PendingCopy{b, bytes, std::move(on_copied)});
-  }
-  m.copy_cv.notify_all();
+  m.Queue(Impl::PendingCopy{b, bytes, std::move(on_copied)});
   return absl::OkStatus();
 }
 
@@ -829,8 +838,7 @@ absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSin
   DF_CUDA(cudaStreamWaitEvent(m.send_stream, m.forwarded[b], 0));
   DeviceView view;
   view.data = m.captures[b];
-  view.bytes = static_cast<size_t>(in.token_ids.size()) * in.layers.size() *
-               static_cast<size_t>(m.D) * 2;
+  view.bytes = m.CaptureBytes(in);
   view.device = m.options.device;
   view.stream = m.send_stream;
   // The sink is called while the forward runs, so its host-side work (an
@@ -839,13 +847,7 @@ absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSin
   const cudaError_t e = cudaStreamSynchronize(m.stream);
   absl::Status forward = e == cudaSuccess ? absl::OkStatus() : CudaError(e, "forward");
   if (!wait.ok()) return forward.ok() ? wait.status() : forward;
-  {
-    std::lock_guard<std::mutex> lock(m.copy_mu);
-    m.busy[b] = true;
-    m.pending.push_back(
-        Impl::PendingCopy{b, view.bytes, std::move(on_sent), *std::move(wait), std::move(forward)});
-  }
-  m.copy_cv.notify_all();
+  m.Queue(Impl::PendingCopy{b, view.bytes, std::move(on_sent), *std::move(wait), std::move(forward)});
   return absl::OkStatus();
 }
 

@@ -114,10 +114,11 @@ absl::StatusOr<std::unique_ptr<NcclPeer>> NcclPeer::Start(const std::string& uni
       e != cudaSuccess) {
     return CudaError(e, "cudaStreamCreate");
   }
-  if (cudaError_t e = cudaMalloc(&impl->d_sum, kMaxOps * v1::kChecksumLanes * sizeof(*impl->d_sum)); e != cudaSuccess) {
+  const size_t lanes = kMaxOps * v1::kChecksumLanes;
+  if (cudaError_t e = cudaMalloc(&impl->d_sum, lanes * sizeof(*impl->d_sum)); e != cudaSuccess) {
     return CudaError(e, "cudaMalloc");
   }
-  if (cudaError_t e = cudaMallocHost(&impl->h_sum, kMaxOps * v1::kChecksumLanes * sizeof(*impl->h_sum));
+  if (cudaError_t e = cudaMallocHost(&impl->h_sum, lanes * sizeof(*impl->h_sum));
       e != cudaSuccess) {
     return CudaError(e, "cudaMallocHost");
   }
@@ -177,15 +178,18 @@ absl::Status NcclPeer::Poll(const char* what, const std::function<absl::StatusOr
   const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
                                     std::chrono::duration<double>(timeout_s));
   for (;;) {
-    absl::StatusOr<bool> finished = done();
-    if (!finished.ok()) return finished.status();
-    if (*finished) return absl::OkStatus();
+    if (done) {
+      absl::StatusOr<bool> finished = done();
+      if (!finished.ok()) return finished.status();
+      if (*finished) return absl::OkStatus();
+    }
     ncclResult_t async = ncclSuccess;
     {
       std::lock_guard<std::mutex> lock(impl_->mu);
       if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
       if (ncclResult_t r = ncclCommGetAsyncError(impl_->comm, &async); r != ncclSuccess) async = r;
     }
+    if (!done && async == ncclSuccess) return absl::OkStatus();
     if (async != ncclSuccess && async != ncclInProgress) return AbortWith(NcclError(async, what));
     if (cancelled && cancelled()) {
       return AbortWith(
@@ -209,19 +213,7 @@ absl::Status NcclPeer::Poll(const char* what, const std::function<absl::StatusOr
 }
 
 absl::Status NcclPeer::Wait(double timeout_s, const Cancelled& cancelled) {
-  // Done once the communicator reports no operation in progress.
-  return Poll(
-      "setup",
-      [this]() -> absl::StatusOr<bool> {
-        std::lock_guard<std::mutex> lock(impl_->mu);
-        if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
-        ncclResult_t async = ncclSuccess;
-        if (ncclResult_t r = ncclCommGetAsyncError(impl_->comm, &async); r != ncclSuccess) {
-          async = r;
-        }
-        return async == ncclSuccess;
-      },
-      timeout_s, cancelled);
+  return Poll("setup", nullptr, timeout_s, cancelled);
 }
 
 absl::Status NcclPeer::Handshake(double timeout_s, const Cancelled& cancelled) {

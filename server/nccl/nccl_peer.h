@@ -67,9 +67,9 @@ class NcclPeer {
   // Waits for `op` like Wait; on success returns the payload's checksum.
   // `gpu_ms`, when given, gets the op's time on its stream's GPU timeline:
   // from where it was posted in the stream (the work enqueued before it done)
-  // to its end. For a send posted while the forward that made its payload is
-  // still running, that is what the send adds to the target's cycle: the
-  // host's enqueue hides behind the forward.
+  // to its end. For the target's send, posted behind its forward: from the
+  // forward's end to the send's end, the wait for the trainer's receive
+  // included. For a receive posted after its send: the transfer itself.
   absl::StatusOr<uint64_t> WaitOp(const Op& op, double timeout_s,
                                   const Cancelled& cancelled = nullptr, double* gpu_ms = nullptr);
 
@@ -88,8 +88,9 @@ class NcclPeer {
   struct Impl;
   NcclPeer(std::unique_ptr<Impl> impl, int device);
   absl::Status AbortWith(absl::Status why);  // logs why, aborts, returns why
-  // The one wait loop: until `done` says so, the communicator reports an
-  // error, `cancelled` fires or the timeout passes (the last three abort).
+  // The one wait loop: until `done` says so (null: until the communicator
+  // has no operation in progress), the communicator reports an error,
+  // `cancelled` fires or the timeout passes (the last three abort).
   absl::Status Poll(const char* what, const std::function<absl::StatusOr<bool>()>& done,
                     double timeout_s, const Cancelled& cancelled);
   absl::StatusOr<Op> Post(bool send, void* data, size_t bytes, void* stream, double timeout_s,

@@ -123,13 +123,16 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status status;
   bool copy_pending = false;
+  // The second half (the copy to the host, or the device sink's send) arrives
+  // from the engine (its copy thread, or inline); it touches only `status`
+  // and `checksum`, which the lane's mutex guards (read once both are in).
+  Completion* raw = c.get();
+  auto second_half = [&lane, raw](Engine::Copied copied) {
+    raw->result.checksum = copied.checksum;
+    FinishHalves(lane, *raw, std::move(copied.status), 1);
+  };
   if (item.device_sink) {
-    // The send's half arrives from the engine's copy thread, like a copy's.
-    Completion* raw = c.get();
-    status = engine->ForwardToDevice(input, item.device_sink, [&lane, raw](Engine::Copied sent) {
-      raw->result.checksum = sent.checksum;
-      FinishHalves(lane, *raw, std::move(sent.status), 1);
-    });
+    status = engine->ForwardToDevice(input, item.device_sink, second_half);
     copy_pending = status.ok();
   } else {
     result.hidden = pool_.Acquire(result.hidden_size);
@@ -138,15 +141,8 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
           absl::StrCat("cannot allocate ", (result.hidden_size * 2) >> 20,
                        " MiB of host memory for the batch's capture"));
     } else {
-      // The copy's half arrives from the engine (its copy thread, or inline);
-      // it touches only `status`, which the lane's mutex guards.
-      Completion* raw = c.get();
       status = engine->ForwardAsync(
-          input, std::span<uint16_t>(result.hidden.get(), result.hidden_size),
-          [&lane, raw](Engine::Copied copied) {
-            raw->result.checksum = copied.checksum;  // read only once both halves are in
-            FinishHalves(lane, *raw, std::move(copied.status), 1);
-          });
+          input, std::span<uint16_t>(result.hidden.get(), result.hidden_size), second_half);
       copy_pending = status.ok();
     }
   }

@@ -33,7 +33,7 @@ struct ForwardResult {
   int64_t tokens = 0;
   double queue_ms = 0;
   double forward_ms = 0;
-  double send_ms = 0;  // set by transports that send on the worker (NCCL)
+  double send_ms = 0;  // set by transports that send from the device (NCCL)
   // The payload's v1::PayloadChecksum when it was computed on the device (a
   // GPU engine's copy, or the NCCL send); empty: the transport computes it.
   std::optional<uint64_t> checksum;

@@ -43,12 +43,10 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// What the NCCL sink of one batch hands to its done callback.
+// What the NCCL sink of one batch hands to its done callback (the checksum
+// travels in the engine's Copied).
 struct NcclBatch {
-  uint64_t checksum = 0;
   double send_ms = 0;  // the send's GPU time from the forward's end to the send's end
-  bool announced = false;
-  bool sent = false;
 };
 
 // Lets scheduler callbacks reach a reactor that may already be gone: OnDone
@@ -407,14 +405,15 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
                                        NcclBatch& state, const NcclPeer::Op& op) {
     auto cancelled = [link] { return link->cancelled.load(); };
     absl::Status ready = peer.WaitReady(op, timeout_s, cancelled);
+    bool announced = false;
     if (ready.ok()) {
       std::lock_guard<std::mutex> lock(link->mu);
       if (link->reactor != nullptr) {
         link->reactor->Announce(batch_id, tokens);
-        state.announced = true;
+        announced = true;
       }
     }
-    if (ready.ok() && !state.announced) {
+    if (ready.ok() && !announced) {
       // No receive will ever match this send.
       peer.Abort();
       ready = absl::CancelledError("stream closed before the batch was announced");
@@ -424,11 +423,12 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         ready.ok() ? peer.WaitOp(op, timeout_s, cancelled, &gpu_ms) : absl::StatusOr<uint64_t>(ready);
     state.send_ms = gpu_ms;
     if (!sum.ok()) {
+      // Whatever the trainer posted will never be matched: the stream's
+      // communicator is out of step, so the stream ends (its batches are
+      // re-sent by the client).
       NcclBroken(link, sum.status());
       return Engine::Copied{sum.status(), std::nullopt};
     }
-    state.checksum = *sum;
-    state.sent = true;
     return Engine::Copied{absl::OkStatus(), *sum};
   }
 
@@ -515,16 +515,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
         return PostOverNccl(link, peer, timeout_s, batch_id, tokens, state, view);
       };
       item.done = [link, batch_id, state](absl::StatusOr<ForwardResult> r) {
-        if (state->announced && !state->sent) {
-          // The trainer posted a receive that no send will match: the stream's
-          // communicator is out of step, so the stream ends (its batches are
-          // re-sent by the client).
-          NcclBroken(link, r.ok() ? absl::InternalError("batch announced but not sent") : r.status());
-        }
-        if (r.ok()) {
-          r->send_ms = state->send_ms;
-          r->checksum = state->checksum;
-        }
+        if (r.ok()) r->send_ms = state->send_ms;  // r->checksum is the send's
         DeliverResult(link, batch_id, std::move(r));
       };
     }
