@@ -38,8 +38,9 @@ class NcclPeer {
   // Both sides call this once, right after Wait, before any other op: a
   // small transfer of known bytes that connects the two GPUs (NCCL connects
   // a peer on its first transfer, which needs both sides in the call) and
-  // proves the link delivers what was sent. After it, posting a send or
-  // receive never waits for the other side.
+  // proves the link delivers what was sent; then both split off the blocking
+  // communicator that carries the payloads and connect it the same way.
+  // After it, posting a send or receive never waits for the other side.
   absl::Status Handshake(double timeout_s, const Cancelled& cancelled = nullptr);
   static constexpr size_t kHandshakeBytes = 4096;
   static constexpr unsigned char kHandshakeByte = 0xd5;
@@ -93,6 +94,7 @@ class NcclPeer {
   // `cancelled` fires or the timeout passes (the last three abort).
   absl::Status Poll(const char* what, const std::function<absl::StatusOr<bool>()>& done,
                     double timeout_s, const Cancelled& cancelled);
+  absl::Status Exchange(double timeout_s, const Cancelled& cancelled);  // one handshake transfer
   absl::StatusOr<Op> Post(bool send, void* data, size_t bytes, void* stream, double timeout_s,
                           const Cancelled& cancelled);
   std::unique_ptr<Impl> impl_;
