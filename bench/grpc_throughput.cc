@@ -161,10 +161,21 @@ double RawTcpGBps(int64_t total_bytes, int64_t chunk, int streams) {
   return static_cast<double>(per_stream * streams) / secs / 1e9;
 }
 
+constexpr int kCredits = 4;  // per connection
+
 ServiceOptions TargetOptions() {
   ServiceOptions opt;
   opt.max_batch_tokens = absl::GetFlag(FLAGS_tokens);
   opt.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  // The rounds drain the stream between them, which a trainer never does;
+  // the idle pool keeps every buffer the credits can hold, as a target
+  // serving this many streams would be configured, so no round starts by
+  // allocating what the last one gave back.
+  const int64_t batch_bytes = absl::GetFlag(FLAGS_tokens) * absl::GetFlag(FLAGS_layers) *
+                              absl::GetFlag(FLAGS_hidden) * 2;
+  opt.host_pool_bytes = std::max<int64_t>(
+      opt.host_pool_bytes, int64_t{kCredits} * absl::GetFlag(FLAGS_streams) *
+                               absl::GetFlag(FLAGS_connections) * (batch_bytes + 1));
   return opt;
 }
 
@@ -219,8 +230,9 @@ int Run(const std::string& address, int control, int report) {
   const int64_t batch_bytes = T * K * H * 2;
   std::vector<double> grpc_gbps, tcp_gbps;
   // Feeds are opened, and their buffer pools warmed by one untimed round,
-  // before any timing: a trainer streams for hours, so the first batches'
-  // fresh pages (a page fault per 4 KiB) are not the steady state. The TCP
+  // before any timing (twice the window, so every buffer it needs exists):
+  // a trainer streams for hours, so the fresh pages of its first batches (a
+  // page fault per 4 KiB) are not the steady state. The TCP
   // baseline's buffers are likewise touched before its clock starts.
   std::vector<std::unique_ptr<Feed>> feeds;
   const std::vector<int32_t> ids(static_cast<size_t>(T), 1), lens = {static_cast<int32_t>(T)};
@@ -240,7 +252,7 @@ int Run(const std::string& address, int control, int report) {
     fo.layers = layers;
     fo.prefetch = window;
     fo.prefetch_bytes = window * batch_bytes;
-    fo.credits_per_target = 4;
+    fo.credits_per_target = kCredits;
     fo.connections_per_target = absl::GetFlag(FLAGS_connections);
     if (const std::string h = absl::GetFlag(FLAGS_read_handoff); h != "auto") {
       fo.read_handoff = h == "on";
@@ -250,7 +262,7 @@ int Run(const std::string& address, int control, int report) {
       std::fprintf(stderr, "feed: %s\n", std::string(feed.status().message()).c_str());
       return 1;
     }
-    run(**feed, 8);
+    run(**feed, 2 * window + 4);
     feeds.push_back(*std::move(feed));
   }
   if (write(control, "w", 1) != 1) return 1;
