@@ -5,8 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -371,7 +374,98 @@ TEST_F(GpuTarget, NcclOnTheTargetsOwnGpuIsRefused) {
   ASSERT_FALSE(feed.ok());
   EXPECT_NE(feed.status().message().find("own GPU"), std::string::npos) << feed.status();
 }
-#endif  // DRAFTFEED_HAVE_CUDA
+#endif // DRAFTFEED_HAVE_CUDA
 
-}  // namespace
-}  // namespace draftfeed
+#if DRAFTFEED_HAVE_NCCL
+// The peer on its own, rank 0 on cuda:0 and rank 1 on cuda:1: after the
+// handshake a send is posted (and returns) while the receiver has not posted
+// yet, which the target relies on (it posts behind a forward, before the
+// trainer knows of the batch); then the receive delivers the exact bytes,
+// and both sides report the checksum of what the host wrote.
+TEST(NcclPeerTest, AfterTheHandshakeASendPostsAloneAndDeliversExactBytes) {
+  if (GpuCount() < 2)
+    GTEST_SKIP() << "needs 2 CUDA devices";
+  const size_t bytes = (size_t{48} << 20) + 4096 + 64; // not a power of two
+  std::vector<unsigned char> want(bytes);
+  for (size_t i = 0; i < bytes; ++i)
+    want[i] = static_cast<unsigned char>((i * 131) ^ (i >> 9));
+  const uint64_t want_sum = v1::PayloadChecksum(want.data(), bytes);
+  auto id = NcclPeer::NewUniqueId();
+  ASSERT_TRUE(id.ok()) << id.status();
+  std::mutex mu;
+  std::condition_variable cv;
+  bool send_posted = false;
+  absl::Status status[2];
+  uint64_t sums[2] = {0, 0};
+  std::vector<unsigned char> got(bytes, 0);
+  auto rank = [&](int r) {
+    auto started = NcclPeer::Start(*id, r, r);
+    absl::Status s = started.ok() ? (*started)->Wait(60) : started.status();
+    if (s.ok())
+      s = (*started)->Handshake(60);
+    void *buf = nullptr;
+    cudaStream_t stream = nullptr;
+    if (s.ok() && (cudaMalloc(&buf, bytes) != cudaSuccess ||
+                   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) !=
+                       cudaSuccess)) {
+      s = absl::InternalError("cuda set-up");
+    }
+    if (s.ok() && r == NcclPeer::kSenderRank) {
+      cudaMemcpy(buf, want.data(), bytes, cudaMemcpyHostToDevice);
+      auto op = (*started)->PostSend(buf, bytes, stream, 60);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        send_posted = true; // only now may the receiver post
+      }
+      cv.notify_all();
+      if (!op.ok()) {
+        s = op.status();
+      } else {
+        auto sum = (*started)->WaitOp(*op, 60);
+        if (sum.ok())
+          sums[r] = *sum;
+        else
+          s = sum.status();
+      }
+    } else if (s.ok()) {
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        if (!cv.wait_for(lock, std::chrono::seconds(60),
+                         [&] { return send_posted; })) {
+          s = absl::DeadlineExceededError("the send was never posted alone");
+        }
+      }
+      if (s.ok()) {
+        auto sum = (*started)->Recv(buf, bytes, stream, 60);
+        if (sum.ok())
+          sums[r] = *sum;
+        else
+          s = sum.status();
+      }
+      if (s.ok())
+        cudaMemcpy(got.data(), buf, bytes, cudaMemcpyDeviceToHost);
+    }
+    if (!s.ok()) {
+      std::lock_guard<std::mutex> lock(mu);
+      send_posted = true; // never leave the other rank waiting on this one
+      cv.notify_all();
+    }
+    if (stream != nullptr)
+      cudaStreamDestroy(stream);
+    if (buf != nullptr)
+      cudaFree(buf);
+    status[r] = s;
+  };
+  std::thread sender(rank, 0), receiver(rank, 1);
+  sender.join();
+  receiver.join();
+  ASSERT_TRUE(status[0].ok()) << status[0];
+  ASSERT_TRUE(status[1].ok()) << status[1];
+  EXPECT_EQ(sums[0], want_sum);
+  EXPECT_EQ(sums[1], want_sum);
+  EXPECT_TRUE(got == want) << "the received bytes differ from the sent ones";
+}
+#endif
+
+} // namespace
+} // namespace draftfeed
