@@ -202,6 +202,32 @@ TEST(SchedulerTest, EveryItemGetsExactlyOneDone) {
   EXPECT_EQ(rec.WaitFor(9, milliseconds(200)).size(), got.size());  // no late or second call
 }
 
+// A trainer's packed batches differ by a few tokens, and the pool keeps less
+// idle memory than two of them: capture buffers still come back for reuse
+// (size classes, and an idle cap raised to two buffers), so a stream of
+// such batches allocates a couple of buffers, not one per batch, and every
+// value is still the batch's own.
+TEST(SchedulerTest, BatchesOfVaryingSizeReuseTheirCaptureBuffers) {
+  OvertakingEngine engine;
+  Scheduler sched({&engine}, 64, 0, /*pool_idle_bytes=*/1);
+  Recorder rec;
+  constexpr int kItems = 24;
+  std::vector<Delivery> got;
+  for (int i = 0; i < kItems; ++i) {
+    // 900..1019 tokens; submitted one at a time, as a trainer at its credit
+    // limit would see them run.
+    ASSERT_TRUE(sched.Submit(rec.Item(200 + i, 900 + (i * 37) % 120)).ok());
+    got = rec.WaitFor(static_cast<size_t>(i + 1));
+  }
+  ASSERT_EQ(got.size(), static_cast<size_t>(kItems));
+  for (const Delivery& d : got) {
+    EXPECT_EQ(d.code, absl::StatusCode::kOk);
+    EXPECT_TRUE(d.values_ok) << "batch " << d.id;
+  }
+  EXPECT_LE(sched.pool().allocations(), 2) << "capture buffers were allocated per batch";
+  sched.Stop();
+}
+
 // Device sinks (the NCCL transport): results leave in forward order with the
 // checksum the sink's wait reported and no host buffer; a sink that refuses,
 // a wait that fails and a forward that fails each reach their item's done.
