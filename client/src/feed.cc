@@ -1303,8 +1303,9 @@ absl::StatusOr<uint64_t> Feed::Submit(std::vector<int32_t> token_ids,
   // reuse, and one on the GPU, whose memory the drafter needs (a returned
   // buffer then serves the next arrival; the pool drops idle ones when an
   // allocation fails).
-  m.pool->RaiseIdleCap(2 * bytes);
-  if (m.device_pool != nullptr) m.device_pool->RaiseIdleCap(bytes);
+  const int64_t pooled = static_cast<int64_t>(HostBufferPool::SizeClass(p.values) * 2);
+  m.pool->RaiseIdleCap(2 * pooled);
+  if (m.device_pool != nullptr) m.device_pool->RaiseIdleCap(pooled);
   m.unassigned.insert(id);
   m.outstanding_bytes += bytes;
   ++m.stats.submitted;

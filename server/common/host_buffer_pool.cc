@@ -26,6 +26,14 @@ HostBufferPool::~HostBufferPool() {
   state_->closed = true;  // buffers still out are freed when they come back
 }
 
+size_t HostBufferPool::SizeClass(size_t elements) {
+  if (elements <= 8) return elements;
+  size_t octave = 1;
+  while (octave <= elements / 2) octave *= 2;
+  const size_t quarter = octave / 4;
+  return (elements + quarter - 1) / quarter * quarter;
+}
+
 std::shared_ptr<uint16_t> HostBufferPool::Acquire(size_t elements) {
   std::shared_ptr<State> state = state_;
   uint16_t* p = nullptr;
@@ -38,7 +46,7 @@ std::shared_ptr<uint16_t> HostBufferPool::Acquire(size_t elements) {
       // pin a huge buffer).
       auto it = state->idle.lower_bound(elements);
       const bool reuse = it != state->idle.end() && it->first <= 2 * elements + 4096;
-      cap = reuse ? it->first : elements;
+      cap = reuse ? it->first : SizeClass(elements);
       const int64_t need = static_cast<int64_t>(cap * 2);
       const int64_t limit = state->max_total_bytes;
       if (limit > 0 && state->live_bytes > 0 && state->live_bytes + need > limit) {

@@ -31,6 +31,14 @@ class HostBufferPool {
   HostBufferPool(const HostBufferPool&) = delete;
   HostBufferPool& operator=(const HostBufferPool&) = delete;
 
+  // The capacity, in elements, that Acquire(elements) allocates: the next
+  // size class a quarter octave up (2^k, 1.25, 1.5 or 1.75 x 2^k). A buffer
+  // serves only requests no larger than itself, and streamed batches differ
+  // by a few tokens, so exact sizes would allocate anew for most of them
+  // (pinned memory: a cudaHostAlloc, and a cudaFreeHost that synchronises
+  // the GPU); a class costs at most a quarter more memory.
+  static size_t SizeClass(size_t elements);
+
   // At least `elements` uint16 values, uninitialised; null when the allocator
   // returns null even after the pool's idle buffers were released. Returns to
   // the pool (or is freed, past the idle cap) when the last copy of the

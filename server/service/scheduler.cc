@@ -12,19 +12,6 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// The token count a capture buffer is allocated for: the next size class a
-// quarter octave up (2^k, 1.25, 1.5 or 1.75 x 2^k tokens). A trainer's
-// packed batches differ by a few tokens, and a buffer fits only batches no
-// larger than itself, so exact sizes would allocate pinned memory anew for
-// most batches (a cudaHostAlloc, and a cudaFreeHost that synchronises the
-// GPU); classes cost at most a quarter more memory.
-int64_t CaptureTokens(int64_t tokens) {
-  if (tokens <= 8) return tokens;
-  int64_t octave = 1;
-  while (octave <= tokens / 2) octave *= 2;
-  const int64_t quarter = octave / 4;
-  return (tokens + quarter - 1) / quarter * quarter;
-}
 }  // namespace
 
 Scheduler::Scheduler(std::vector<Engine*> engines, int64_t max_queued, double throttle_tokens_per_s,
@@ -149,13 +136,11 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
     status = engine->ForwardToDevice(input, item.device_sink, second_half);
     copy_pending = status.ok();
   } else {
-    const size_t capacity = static_cast<size_t>(
-        CaptureTokens(c->tokens) * static_cast<int64_t>(item.layers.size()) *
-        engine->model().config.hidden_size);
     // Two buffers of this size stay for reuse whatever the idle cap: one
     // batch is sent while the next forward's copy fills the other.
-    pool_.RaiseIdleCap(static_cast<int64_t>(2 * capacity * sizeof(uint16_t)));
-    result.hidden = pool_.Acquire(capacity);
+    pool_.RaiseIdleCap(
+        static_cast<int64_t>(2 * HostBufferPool::SizeClass(result.hidden_size) * sizeof(uint16_t)));
+    result.hidden = pool_.Acquire(result.hidden_size);
     if (result.hidden == nullptr) {
       status = absl::ResourceExhaustedError(
           absl::StrCat("cannot allocate ", (result.hidden_size * 2) >> 20,
