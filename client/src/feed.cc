@@ -1199,7 +1199,10 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
       cudaFree(p);
       cudaSetDevice(prev);
     };
-    impl->device_pool = std::make_unique<HostBufferPool>(2 * options.prefetch_bytes, on_gpu);
+    // Exact sizes on the GPU: the drafter needs that memory (on a full H200,
+    // two 49,152-token results fit exactly and two size classes did not).
+    impl->device_pool = std::make_unique<HostBufferPool>(2 * options.prefetch_bytes, on_gpu,
+                                                         /*size_classes=*/false);
 #else
     return absl::UnimplementedError(
         "this client was built without NCCL (DRAFTFEED_ENABLE_NCCL=OFF): use transport grpc");
@@ -1303,9 +1306,8 @@ absl::StatusOr<uint64_t> Feed::Submit(std::vector<int32_t> token_ids,
   // reuse, and one on the GPU, whose memory the drafter needs (a returned
   // buffer then serves the next arrival; the pool drops idle ones when an
   // allocation fails).
-  const int64_t pooled = static_cast<int64_t>(HostBufferPool::SizeClass(p.values) * 2);
-  m.pool->RaiseIdleCap(2 * pooled);
-  if (m.device_pool != nullptr) m.device_pool->RaiseIdleCap(pooled);
+  m.pool->RaiseIdleCap(2 * static_cast<int64_t>(HostBufferPool::SizeClass(p.values) * 2));
+  if (m.device_pool != nullptr) m.device_pool->RaiseIdleCap(bytes);
   m.unassigned.insert(id);
   m.outstanding_bytes += bytes;
   ++m.stats.submitted;

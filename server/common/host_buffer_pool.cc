@@ -12,9 +12,11 @@ HostAllocator HostAllocator::Heap() {
                        .release = [](void* p) { ::operator delete(p); }};
 }
 
-HostBufferPool::HostBufferPool(int64_t max_idle_bytes, HostAllocator allocator)
+HostBufferPool::HostBufferPool(int64_t max_idle_bytes, HostAllocator allocator,
+                               bool size_classes)
     : state_(std::make_shared<State>()) {
   state_->max_idle_bytes = max_idle_bytes;
+  state_->size_classes = size_classes;
   state_->allocator = std::move(allocator);
 }
 
@@ -46,7 +48,7 @@ std::shared_ptr<uint16_t> HostBufferPool::Acquire(size_t elements) {
       // pin a huge buffer).
       auto it = state->idle.lower_bound(elements);
       const bool reuse = it != state->idle.end() && it->first <= 2 * elements + 4096;
-      cap = reuse ? it->first : SizeClass(elements);
+      cap = reuse ? it->first : state->size_classes ? SizeClass(elements) : elements;
       const int64_t need = static_cast<int64_t>(cap * 2);
       const int64_t limit = state->max_total_bytes;
       if (limit > 0 && state->live_bytes > 0 && state->live_bytes + need > limit) {

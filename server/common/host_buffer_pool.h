@@ -26,12 +26,17 @@ struct HostAllocator {
 
 class HostBufferPool {
  public:
-  explicit HostBufferPool(int64_t max_idle_bytes, HostAllocator allocator = HostAllocator::Heap());
+  // `size_classes` false: buffers of exactly the size asked (GPU memory
+  // beside a drafter that fills the GPU, where a quarter more per batch is
+  // the difference between two batches fitting and one).
+  explicit HostBufferPool(int64_t max_idle_bytes, HostAllocator allocator = HostAllocator::Heap(),
+                          bool size_classes = true);
   ~HostBufferPool();
   HostBufferPool(const HostBufferPool&) = delete;
   HostBufferPool& operator=(const HostBufferPool&) = delete;
 
-  // The capacity, in elements, that Acquire(elements) allocates: the next
+  // The capacity, in elements, that Acquire(elements) allocates (with size
+  // classes on, the default): the next
   // size class a quarter octave up (2^k, 1.25, 1.5 or 1.75 x 2^k). A buffer
   // serves only requests no larger than itself, and streamed batches differ
   // by a few tokens, so exact sizes would allocate anew for most of them
@@ -68,6 +73,7 @@ class HostBufferPool {
     int64_t live_bytes = 0;
     int64_t allocations = 0;
     int64_t max_idle_bytes = 0;
+    bool size_classes = true;
     int64_t max_total_bytes = 0;
     int64_t peak_total_bytes = 0;  // live + idle, highest seen
     std::condition_variable returned;

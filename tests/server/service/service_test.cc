@@ -585,6 +585,11 @@ TEST(HostBufferPoolTest, NearbySizesShareOneBuffer) {
     b.get()[n - 1] = 1;  // the whole request is there
   }
   EXPECT_EQ(pool.allocations(), 1);
+  HostBufferPool exact(/*max_idle_bytes=*/1 << 20, HostAllocator::Heap(), /*size_classes=*/false);
+  {
+    auto b = exact.Acquire(1025);
+    EXPECT_EQ(exact.live_bytes(), 2050);
+  }
 }
 
 TEST(HostBufferPoolTest, TotalCapMakesAcquireWaitAndDropsIdleBuffersFirst) {
