@@ -1167,8 +1167,11 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->read_handoff = options.read_handoff.value_or(std::thread::hardware_concurrency() >= 4);
-  // Idle cap: the prefetch window plus one batch in the trainer's hands.
-  impl->pool = std::make_unique<HostBufferPool>(2 * options.prefetch_bytes);
+  // Idle cap: the prefetch window plus one batch in the trainer's hands. A
+  // batch larger than prefetch_bytes is let through alone: two such buffers
+  // (the one arriving, the one in the trainer's hands) stay for reuse anyway.
+  impl->pool = std::make_unique<HostBufferPool>(2 * options.prefetch_bytes, HostAllocator::Heap(),
+                                                HostBufferPool::Reuse{.keep_buffers = 2});
   if (options.transport != Transport::kGrpc) {
 #if DRAFTFEED_HAVE_NCCL
     int devices = 0;
@@ -1199,10 +1202,13 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
       cudaFree(p);
       cudaSetDevice(prev);
     };
-    // Exact sizes on the GPU: the drafter needs that memory (on a full H200,
-    // two 49,152-token results fit exactly and two size classes did not).
-    impl->device_pool = std::make_unique<HostBufferPool>(2 * options.prefetch_bytes, on_gpu,
-                                                         /*size_classes=*/false);
+    // Exact sizes on the GPU, and one buffer kept, since the drafter needs
+    // that memory (on a full H200, two 49,152-token results fit exactly and
+    // two size classes did not); the pool drops idle buffers when an
+    // allocation fails.
+    impl->device_pool = std::make_unique<HostBufferPool>(
+        2 * options.prefetch_bytes, on_gpu,
+        HostBufferPool::Reuse{.size_classes = false, .keep_buffers = 1});
 #else
     return absl::UnimplementedError(
         "this client was built without NCCL (DRAFTFEED_ENABLE_NCCL=OFF): use transport grpc");
@@ -1301,13 +1307,6 @@ absl::StatusOr<uint64_t> Feed::Submit(std::vector<int32_t> token_ids,
   p.hasher.Reset();
   p.token_ids = std::move(token_ids);
   p.seq_lens = std::move(seq_lens);
-  // A batch larger than prefetch_bytes is let through alone: keep two such
-  // host buffers (the one arriving, the one in the trainer's hands) for
-  // reuse, and one on the GPU, whose memory the drafter needs (a returned
-  // buffer then serves the next arrival; the pool drops idle ones when an
-  // allocation fails).
-  m.pool->RaiseIdleCap(2 * static_cast<int64_t>(HostBufferPool::SizeClass(p.values) * 2));
-  if (m.device_pool != nullptr) m.device_pool->RaiseIdleCap(bytes);
   m.unassigned.insert(id);
   m.outstanding_bytes += bytes;
   ++m.stats.submitted;

@@ -12,11 +12,10 @@ HostAllocator HostAllocator::Heap() {
                        .release = [](void* p) { ::operator delete(p); }};
 }
 
-HostBufferPool::HostBufferPool(int64_t max_idle_bytes, HostAllocator allocator,
-                               bool size_classes)
+HostBufferPool::HostBufferPool(int64_t max_idle_bytes, HostAllocator allocator, Reuse reuse)
     : state_(std::make_shared<State>()) {
   state_->max_idle_bytes = max_idle_bytes;
-  state_->size_classes = size_classes;
+  state_->reuse = reuse;
   state_->allocator = std::move(allocator);
 }
 
@@ -41,14 +40,17 @@ std::shared_ptr<uint16_t> HostBufferPool::Acquire(size_t elements) {
   uint16_t* p = nullptr;
   size_t cap = 0;
   std::vector<uint16_t*> evicted;  // idle buffers dropped to stay under the cap
+  const size_t fresh = state->reuse.size_classes ? SizeClass(elements) : elements;
   {
     std::unique_lock<std::mutex> lock(state->mu);
+    state->max_idle_bytes = std::max(
+        state->max_idle_bytes, static_cast<int64_t>(state->reuse.keep_buffers * fresh * 2));
     for (;;) {
       // Best fit, but not more than twice the size (a small batch must not
       // pin a huge buffer).
       auto it = state->idle.lower_bound(elements);
       const bool reuse = it != state->idle.end() && it->first <= 2 * elements + 4096;
-      cap = reuse ? it->first : state->size_classes ? SizeClass(elements) : elements;
+      cap = reuse ? it->first : fresh;
       const int64_t need = static_cast<int64_t>(cap * 2);
       const int64_t limit = state->max_total_bytes;
       if (limit > 0 && state->live_bytes > 0 && state->live_bytes + need > limit) {
@@ -121,11 +123,6 @@ void HostBufferPool::set_max_total_bytes(int64_t bytes) {
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->max_total_bytes = std::max<int64_t>(0, bytes);
   state_->returned.notify_all();
-}
-
-void HostBufferPool::RaiseIdleCap(int64_t bytes) {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  state_->max_idle_bytes = std::max(state_->max_idle_bytes, bytes);
 }
 
 int64_t HostBufferPool::peak_total_bytes() const {

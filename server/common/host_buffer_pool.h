@@ -24,24 +24,35 @@ struct HostAllocator {
   static HostAllocator Heap();
 };
 
+// How a HostBufferPool sizes and keeps its buffers.
+struct HostBufferReuse {
+  // false: buffers of exactly the size asked (GPU memory beside a drafter
+  // that fills the GPU, where a quarter more per batch is the difference
+  // between two batches fitting and one).
+  bool size_classes = true;
+  // Buffers of the size last asked for that stay idle for reuse whatever
+  // `max_idle_bytes` says (it is raised to fit them, never lowered): a
+  // stream whose batches outgrow the cap then still allocates (and frees)
+  // nothing in steady state. 0: the cap alone decides.
+  int keep_buffers = 0;
+};
+
 class HostBufferPool {
  public:
-  // `size_classes` false: buffers of exactly the size asked (GPU memory
-  // beside a drafter that fills the GPU, where a quarter more per batch is
-  // the difference between two batches fitting and one).
+  using Reuse = HostBufferReuse;
   explicit HostBufferPool(int64_t max_idle_bytes, HostAllocator allocator = HostAllocator::Heap(),
-                          bool size_classes = true);
+                          Reuse reuse = {});
   ~HostBufferPool();
   HostBufferPool(const HostBufferPool&) = delete;
   HostBufferPool& operator=(const HostBufferPool&) = delete;
 
   // The capacity, in elements, that Acquire(elements) allocates (with size
-  // classes on, the default): the next
-  // size class a quarter octave up (2^k, 1.25, 1.5 or 1.75 x 2^k). A buffer
-  // serves only requests no larger than itself, and streamed batches differ
-  // by a few tokens, so exact sizes would allocate anew for most of them
-  // (pinned memory: a cudaHostAlloc, and a cudaFreeHost that synchronises
-  // the GPU); a class costs at most a quarter more memory.
+  // classes on, the default): the next size class a quarter octave up (2^k,
+  // 1.25, 1.5 or 1.75 x 2^k). A buffer serves only requests no larger than
+  // itself, and streamed batches differ by a few tokens, so exact sizes would
+  // allocate anew for most of them (pinned memory: a cudaHostAlloc, and a
+  // cudaFreeHost that synchronises the GPU); a class costs at most a quarter
+  // more memory.
   static size_t SizeClass(size_t elements);
 
   // At least `elements` uint16 values, uninitialised; null when the allocator
@@ -54,11 +65,6 @@ class HostBufferPool {
   // fits, dropping idle buffers first; a buffer larger than the cap alone is
   // still handed out when nothing else is live, so one batch always runs.
   void set_max_total_bytes(int64_t bytes);
-
-  // Keeps at least `bytes` of returned buffers for reuse (never lowers the
-  // idle cap): a user whose batches outgrow the cap raises it to its working
-  // set, so that steady streaming still allocates (and frees) nothing.
-  void RaiseIdleCap(int64_t bytes);
 
   int64_t live_bytes() const;  // handed out, not yet returned
   int64_t idle_bytes() const;  // kept for reuse
@@ -73,7 +79,7 @@ class HostBufferPool {
     int64_t live_bytes = 0;
     int64_t allocations = 0;
     int64_t max_idle_bytes = 0;
-    bool size_classes = true;
+    Reuse reuse;
     int64_t max_total_bytes = 0;
     int64_t peak_total_bytes = 0;  // live + idle, highest seen
     std::condition_variable returned;

@@ -257,17 +257,19 @@ absl::Status NcclPeer::Handshake(double timeout_s, const Cancelled& cancelled) {
   // First on the set-up communicator, where a peer that is gone or stuck
   // costs a timeout: after it, both sides are known to be here and talking.
   if (absl::Status s = Exchange(timeout_s, cancelled); !s.ok()) return s;
+  ncclResult_t split = ncclSuccess;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 1;
     config.splitShare = 1;  // the child reuses the parent's buffers: no more GPU memory
-    const ncclResult_t r = ncclCommSplit(impl_->comm, 0, impl_->rank, &impl_->data, &config);
-    if (r != ncclSuccess && r != ncclInProgress) {
-      impl_->data = nullptr;
-      return AbortWith(NcclError(r, "ncclCommSplit (the data communicator)"));
-    }
+    split = ncclCommSplit(impl_->comm, 0, impl_->rank, &impl_->data, &config);
+    if (split != ncclSuccess && split != ncclInProgress) impl_->data = nullptr;
+  }
+  // Outside the lock: AbortWith takes it.
+  if (split != ncclSuccess && split != ncclInProgress) {
+    return AbortWith(NcclError(split, "ncclCommSplit (the data communicator)"));
   }
   // The split is finished when neither communicator is busy any more.
   if (absl::Status s = Poll("split", nullptr, timeout_s, cancelled); !s.ok()) return s;

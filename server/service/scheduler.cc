@@ -11,12 +11,13 @@ namespace {
 double MsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
-
 }  // namespace
 
 Scheduler::Scheduler(std::vector<Engine*> engines, int64_t max_queued, double throttle_tokens_per_s,
                      int64_t pool_idle_bytes, HostAllocator host_allocator)
-    : pool_(pool_idle_bytes, std::move(host_allocator)),
+    // Two capture buffers of the size in use stay for reuse whatever the
+    // idle cap: one batch is sent while the next forward's copy fills the other.
+    : pool_(pool_idle_bytes, std::move(host_allocator), {.keep_buffers = 2}),
       max_queued_(max_queued),
       throttle_tokens_per_s_(throttle_tokens_per_s) {
   lanes_.reserve(engines.size());
@@ -136,10 +137,6 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
     status = engine->ForwardToDevice(input, item.device_sink, second_half);
     copy_pending = status.ok();
   } else {
-    // Two buffers of this size stay for reuse whatever the idle cap: one
-    // batch is sent while the next forward's copy fills the other.
-    pool_.RaiseIdleCap(
-        static_cast<int64_t>(2 * HostBufferPool::SizeClass(result.hidden_size) * sizeof(uint16_t)));
     result.hidden = pool_.Acquire(result.hidden_size);
     if (result.hidden == nullptr) {
       status = absl::ResourceExhaustedError(

@@ -577,15 +577,14 @@ TEST(HostBufferPoolTest, NearbySizesShareOneBuffer) {
     EXPECT_GE(c, n);
     EXPECT_LE(c, n + n / 4 + 1) << n;
   }
-  HostBufferPool pool(/*max_idle_bytes=*/1);
-  pool.RaiseIdleCap(2 * 2 * 1280);
+  HostBufferPool pool(/*max_idle_bytes=*/1, HostAllocator::Heap(), {.keep_buffers = 2});
   for (size_t n = 1025; n <= 1280; n += 17) {
     auto b = pool.Acquire(n);
     ASSERT_NE(b, nullptr);
     b.get()[n - 1] = 1;  // the whole request is there
   }
   EXPECT_EQ(pool.allocations(), 1);
-  HostBufferPool exact(/*max_idle_bytes=*/1 << 20, HostAllocator::Heap(), /*size_classes=*/false);
+  HostBufferPool exact(/*max_idle_bytes=*/1 << 20, HostAllocator::Heap(), {.size_classes = false});
   {
     auto b = exact.Acquire(1025);
     EXPECT_EQ(exact.live_bytes(), 2050);
