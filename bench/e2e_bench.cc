@@ -34,7 +34,7 @@
 #include "draftfeed/client.h"
 #include "server/model/cpu_engine.h"
 #if DRAFTFEED_HAVE_CUDA
-#include "server/common/host_buffer_pool.h"
+#include "common/host_buffer_pool.h"
 #include "server/model/cuda_engine.h"
 #endif
 
@@ -128,7 +128,7 @@ absl::StatusOr<std::vector<double>> EngineOnly(const Model& model, const std::st
   HostBufferPool pinned(0, PinnedHostAllocator());
   std::vector<std::shared_ptr<uint16_t>> bufs;
   for (int i = 0; i < 3; ++i) {
-    bufs.push_back(pinned.Acquire(values));
+    bufs.push_back(std::reinterpret_pointer_cast<uint16_t>(pinned.Acquire(values * 2)));
     if (bufs.back() == nullptr) return absl::ResourceExhaustedError("cannot pin host memory");
   }
   std::mutex mu;

@@ -31,7 +31,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "draftfeed/client.h"
-#include "draftfeed/v1/checksum.h"
+#include "common/payload_checksum.h"
 #include "server/model/model.h"
 #include "server/service/target_service.h"
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "proto/draftfeed/v1/checksum.h"
+#include "kernels/checksum_terms.h"
 
 namespace draftfeed::cuda {
 namespace {

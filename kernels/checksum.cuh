@@ -1,4 +1,4 @@
-// The BatchDone payload checksum (proto/draftfeed/v1/checksum.h), computed
+// The BatchDone payload checksum (kernels/checksum_terms.h), computed
 // where the payload is: on the GPU. Its eight lane sums are plain sums, so the
 // kernel adds them in any order; the host folds them (FinishPayloadChecksum).
 #pragma once

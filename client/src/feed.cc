@@ -21,10 +21,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "draftfeed/client.h"
-#include "draftfeed/v1/checksum.h"
+#include "common/payload_checksum.h"
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
-#include "server/common/host_buffer_pool.h"
-#include "server/common/thread_name.h"
+#include "common/host_buffer_pool.h"
+#include "common/thread_name.h"
 #if DRAFTFEED_HAVE_NCCL
 #include <cuda_runtime.h>
 
@@ -668,13 +668,13 @@ struct Feed::Impl {
   // fills it), it waits while the trainer still holds results, up to
   // nccl_timeout_s; null, with why, when no memory came.
   std::shared_ptr<uint16_t> DeviceBufferFor(uint64_t batch_id, size_t values, absl::Status* why) {
-    std::shared_ptr<uint16_t> buffer = device_pool->Acquire(values);
+    std::shared_ptr<uint16_t> buffer = std::reinterpret_pointer_cast<uint16_t>(device_pool->Acquire(values * 2));
     const auto give_up = Clock::now() + std::chrono::milliseconds(
                                             static_cast<int64_t>(options.nccl_timeout_s * 1000));
     while (buffer == nullptr && !closing && device_pool->live_bytes() > 0 &&
            Clock::now() < give_up) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
-      buffer = device_pool->Acquire(values);
+      buffer = std::reinterpret_pointer_cast<uint16_t>(device_pool->Acquire(values * 2));
     }
     if (buffer == nullptr) {
       *why = absl::ResourceExhaustedError(absl::StrCat(
@@ -1042,7 +1042,7 @@ struct Feed::Impl {
       if (p.conn->uses_nccl()) {
         p.hidden.reset();
       } else if (p.hidden == nullptr) {
-        p.hidden = pool->Acquire(p.values);
+        p.hidden = std::reinterpret_pointer_cast<uint16_t>(pool->Acquire(p.values * 2));
       }
       p.tokens_received = 0;
       p.last_progress = Clock::now();

@@ -24,7 +24,7 @@
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/swiglu.h"
-#include "server/common/status_macros.h"
+#include "common/status_macros.h"
 #include "server/model/weight_layout.h"
 
 namespace draftfeed {

@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/attention.cuh"
 #include "kernels/checksum.cuh"
-#include "server/common/thread_name.h"
+#include "common/thread_name.h"
 #include "server/model/cuda_gemm.h"
 #include "kernels/elementwise.cuh"
 #include "kernels/embedding.cuh"
@@ -25,7 +25,7 @@
 #include "kernels/random_init.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope.cuh"
-#include "proto/draftfeed/v1/checksum.h"
+#include "common/payload_checksum.h"
 
 namespace draftfeed {
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/common/host_buffer_pool.h"
+#include "common/host_buffer_pool.h"
 #include "server/model/engine.h"
 
 namespace draftfeed {

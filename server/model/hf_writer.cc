@@ -11,7 +11,7 @@
 #include "absl/strings/str_replace.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "server/common/status_macros.h"
+#include "common/status_macros.h"
 #include "server/model/model.h"
 #include "server/model/safetensors.h"
 #include "server/model/weight_layout.h"

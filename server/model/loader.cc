@@ -20,7 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "server/common/status_macros.h"
+#include "common/status_macros.h"
 #include "server/model/model.h"
 #include "server/model/safetensors.h"
 #include "server/model/weight_layout.h"

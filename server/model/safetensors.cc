@@ -17,7 +17,7 @@
 #include "absl/strings/string_view.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "server/common/status_macros.h"
+#include "common/status_macros.h"
 
 namespace draftfeed {
 namespace {

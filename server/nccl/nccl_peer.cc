@@ -16,7 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/checksum.cuh"
-#include "proto/draftfeed/v1/checksum.h"
+#include "common/payload_checksum.h"
 
 namespace draftfeed {
 

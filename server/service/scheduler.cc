@@ -3,7 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/common/thread_name.h"
+#include "common/thread_name.h"
 
 namespace draftfeed {
 
@@ -137,7 +137,7 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
     status = engine->ForwardToDevice(input, item.device_sink, second_half);
     copy_pending = status.ok();
   } else {
-    result.hidden = pool_.Acquire(result.hidden_size);
+    result.hidden = std::reinterpret_pointer_cast<uint16_t>(pool_.Acquire(result.hidden_size * 2));
     if (result.hidden == nullptr) {
       status = absl::ResourceExhaustedError(
           absl::StrCat("cannot allocate ", (result.hidden_size * 2) >> 20,

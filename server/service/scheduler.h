@@ -22,7 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "server/model/engine.h"
-#include "server/common/host_buffer_pool.h"
+#include "common/host_buffer_pool.h"
 
 namespace draftfeed {
 

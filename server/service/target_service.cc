@@ -14,8 +14,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "draftfeed/v1/checksum.h"
-#include "server/common/thread_name.h"
+#include "common/payload_checksum.h"
+#include "common/thread_name.h"
 #include "server/service/status_util.h"
 #include "server/service/version.h"
 #if DRAFTFEED_HAVE_NCCL

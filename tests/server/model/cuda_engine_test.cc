@@ -14,7 +14,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
-#include "draftfeed/v1/checksum.h"
+#include "common/payload_checksum.h"
 #include "server/model/cpu_engine.h"
 #include "server/model/cuda_engine.h"
 #include "server/model/tensor.h"
@@ -252,7 +252,7 @@ TEST_F(CudaEngineAsync, DoubleBufferedCopiesMatchForward) {
   std::vector<std::shared_ptr<uint16_t>> out;
   CopyLog log;
   for (size_t i = 0; i < batches.size(); ++i) {
-    out.push_back(pinned.Acquire(want[i].size()));
+    out.push_back(std::reinterpret_pointer_cast<uint16_t>(pinned.Acquire(want[i].size() * 2)));
     ASSERT_NE(out.back(), nullptr);
     std::fill_n(out.back().get(), want[i].size(), uint16_t{0xffff});  // NaN: never a capture
     absl::Status s = gpu_->ForwardAsync({batches[i].ids, batches[i].lens, layers},
@@ -314,7 +314,8 @@ TEST_F(CudaEngineAsync, ForwardToDeviceAfterForwardAsyncSeesItsOwnBatch) {
   std::vector<std::vector<uint16_t>> want;
   for (int i = 0; i < 3; ++i) want.push_back(Forward(batches[i + 1], layers));
   HostBufferPool pinned(0, PinnedHostAllocator());
-  std::shared_ptr<uint16_t> first = pinned.Acquire(want[0].size());
+  std::shared_ptr<uint16_t> first =
+      std::reinterpret_pointer_cast<uint16_t>(pinned.Acquire(want[0].size() * 2));
   CopyLog log;
   ASSERT_TRUE(gpu_->ForwardAsync({batches[1].ids, batches[1].lens, layers},
                                  {first.get(), want[0].size()}, log.For(0))

@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "draftfeed/v1/checksum.h"
+#include "common/payload_checksum.h"
 #include "server/model/model.h"
 
 namespace draftfeed {

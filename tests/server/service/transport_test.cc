@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "draftfeed/client.h"
-#include "draftfeed/v1/checksum.h"
+#include "common/payload_checksum.h"
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 #include "server/model/cpu_engine.h"
 #include "server/service/target_service.h"

@@ -9,7 +9,7 @@
 #include <random>
 #include <vector>
 
-#include "draftfeed/v1/checksum.h"
+#include "common/payload_checksum.h"
 #if DRAFTFEED_HAVE_CUDA
 #include "kernels/checksum.cuh"
 #include "tests/kernels/cuda/gpu_test_util.h"

@@ -1,4 +1,4 @@
-#include "draftfeed/v1/checksum.h"
+#include "common/payload_checksum.h"
 
 #include <algorithm>
 #include <atomic>

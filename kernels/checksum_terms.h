@@ -20,8 +20,9 @@
 // plain sums, so a GPU computes them in parallel (kernels/checksum.cuh) and
 // NCCL payloads, and a CUDA target's gRPC payloads, are checked where they are.
 //
-// This header is constexpr and intrinsic-free, so nvcc includes it too; the
-// vectorised hasher is in checksum.cc.
+// This header is constexpr and intrinsic-free and depends on nothing, so the GPU
+// kernel (kernels/checksum.cu) and the host hasher (common/payload_checksum.h)
+// share one definition.
 #pragma once
 
 #include <cstddef>
@@ -59,39 +60,5 @@ constexpr uint64_t FinishPayloadChecksum(const uint64_t* lanes, uint64_t n) {
   for (int l = 0; l < kChecksumLanes; ++l) h = Mix(h ^ lanes[l]) + static_cast<uint64_t>(l);
   return h;
 }
-
-// Fed in pieces (a batch's chunks, in order). CopyAndUpdate copies a piece to
-// its destination in the same pass, so the bytes are read once.
-class PayloadHasher {
- public:
-  PayloadHasher() { Reset(); }
-  void Reset();
-
-  void Update(const void* data, size_t n) { Consume(nullptr, data, n); }
-  // Copies n bytes from src to dst (not overlapping) and hashes them.
-  void CopyAndUpdate(void* dst, const void* src, size_t n) { Consume(dst, src, n); }
-
-  uint64_t Finish() const;
-  size_t bytes_seen() const { return seen_; }
-
- private:
-  void Consume(void* dst, const void* src, size_t n);
-
-  uint64_t lanes_[kChecksumLanes];
-  unsigned char pending_[8 * kChecksumLanes];  // a partial stripe
-  size_t pending_bytes_ = 0;
-  size_t seen_ = 0;
-};
-
-uint64_t PayloadChecksum(const void* data, size_t n);
-
-// The plain definition, word by word: the reference the vectorised hasher and
-// the GPU kernel are tested against.
-uint64_t PayloadChecksumReference(const void* data, size_t n);
-
-// Tests pin the vectorised path so each one is checked on a machine that has
-// it: 0 chooses by CPU (the default), 1 is SSE2, 2 is AVX2. False where the
-// path cannot run here (not x86-64, or no AVX2).
-bool UseChecksumPathForTesting(int path);
 
 }  // namespace draftfeed::v1

@@ -46,20 +46,20 @@ class HostBufferPool {
   HostBufferPool(const HostBufferPool&) = delete;
   HostBufferPool& operator=(const HostBufferPool&) = delete;
 
-  // The capacity, in elements, that Acquire(elements) allocates (with size
+  // The capacity, in bytes, that Acquire(bytes) allocates (with size
   // classes on, the default): the next size class a quarter octave up (2^k,
   // 1.25, 1.5 or 1.75 x 2^k). A buffer serves only requests no larger than
   // itself, and streamed batches differ by a few tokens, so exact sizes would
   // allocate anew for most of them (pinned memory: a cudaHostAlloc, and a
   // cudaFreeHost that synchronises the GPU); a class costs at most a quarter
   // more memory.
-  static size_t SizeClass(size_t elements);
+  static size_t SizeClass(size_t bytes);
 
-  // At least `elements` uint16 values, uninitialised; null when the allocator
+  // At least `bytes` bytes, uninitialised (any encoding's capture); null when the allocator
   // returns null even after the pool's idle buffers were released. Returns to
   // the pool (or is freed, past the idle cap) when the last copy of the
   // pointer drops; buffers may outlive the pool.
-  std::shared_ptr<uint16_t> Acquire(size_t elements);
+  std::shared_ptr<std::byte> Acquire(size_t bytes);
 
   // Caps live + idle bytes (0: no cap). Acquire then waits until its buffer
   // fits, dropping idle buffers first; a buffer larger than the cap alone is
@@ -74,7 +74,7 @@ class HostBufferPool {
  private:
   struct State {
     std::mutex mu;
-    std::multimap<size_t, uint16_t*> idle;  // by capacity (elements)
+    std::multimap<size_t, std::byte*> idle;  // by capacity (bytes)
     int64_t idle_bytes = 0;
     int64_t live_bytes = 0;
     int64_t allocations = 0;

@@ -1,4 +1,4 @@
-#include "server/common/host_buffer_pool.h"
+#include "common/host_buffer_pool.h"
 
 #include <algorithm>
 #include <iterator>
@@ -27,31 +27,31 @@ HostBufferPool::~HostBufferPool() {
   state_->closed = true;  // buffers still out are freed when they come back
 }
 
-size_t HostBufferPool::SizeClass(size_t elements) {
-  if (elements <= 8) return elements;
+size_t HostBufferPool::SizeClass(size_t bytes) {
+  if (bytes <= 16) return bytes;
   size_t octave = 1;
-  while (octave <= elements / 2) octave *= 2;
+  while (octave <= bytes / 2) octave *= 2;
   const size_t quarter = octave / 4;
-  return (elements + quarter - 1) / quarter * quarter;
+  return (bytes + quarter - 1) / quarter * quarter;
 }
 
-std::shared_ptr<uint16_t> HostBufferPool::Acquire(size_t elements) {
+std::shared_ptr<std::byte> HostBufferPool::Acquire(size_t bytes) {
   std::shared_ptr<State> state = state_;
-  uint16_t* p = nullptr;
+  std::byte* p = nullptr;
   size_t cap = 0;
-  std::vector<uint16_t*> evicted;  // idle buffers dropped to stay under the cap
-  const size_t fresh = state->reuse.size_classes ? SizeClass(elements) : elements;
+  std::vector<std::byte*> evicted;  // idle buffers dropped to stay under the cap
+  const size_t fresh = state->reuse.size_classes ? SizeClass(bytes) : bytes;
   {
     std::unique_lock<std::mutex> lock(state->mu);
     state->max_idle_bytes = std::max(
-        state->max_idle_bytes, static_cast<int64_t>(state->reuse.keep_buffers * fresh * 2));
+        state->max_idle_bytes, static_cast<int64_t>(state->reuse.keep_buffers * fresh));
     for (;;) {
       // Best fit, but not more than twice the size (a small batch must not
       // pin a huge buffer).
-      auto it = state->idle.lower_bound(elements);
-      const bool reuse = it != state->idle.end() && it->first <= 2 * elements + 4096;
+      auto it = state->idle.lower_bound(bytes);
+      const bool reuse = it != state->idle.end() && it->first <= 2 * bytes + 8192;
       cap = reuse ? it->first : fresh;
-      const int64_t need = static_cast<int64_t>(cap * 2);
+      const int64_t need = static_cast<int64_t>(cap);
       const int64_t limit = state->max_total_bytes;
       if (limit > 0 && state->live_bytes > 0 && state->live_bytes + need > limit) {
         state->returned.wait(lock);  // a live buffer must come back first
@@ -66,7 +66,7 @@ std::shared_ptr<uint16_t> HostBufferPool::Acquire(size_t elements) {
       while (limit > 0 && !state->idle.empty() &&
              state->live_bytes + state->idle_bytes + need > limit) {
         auto last = std::prev(state->idle.end());
-        state->idle_bytes -= static_cast<int64_t>(last->first * 2);
+        state->idle_bytes -= static_cast<int64_t>(last->first);
         evicted.push_back(last->second);
         state->idle.erase(last);
       }
@@ -76,41 +76,41 @@ std::shared_ptr<uint16_t> HostBufferPool::Acquire(size_t elements) {
       break;
     }
   }
-  for (uint16_t* q : evicted) state->allocator.release(q);
+  for (std::byte* q : evicted) state->allocator.release(q);
   if (p == nullptr) {
-    p = static_cast<uint16_t*>(state->allocator.allocate(std::max<size_t>(cap, 1) * 2));
+    p = static_cast<std::byte*>(state->allocator.allocate(std::max<size_t>(cap, 1)));
     if (p == nullptr) {
       // Out of memory (a GPU the trainer fills, say): what this pool keeps
       // idle goes back first, then one more try.
-      std::vector<uint16_t*> idle;
+      std::vector<std::byte*> idle;
       {
         std::lock_guard<std::mutex> lock(state->mu);
         for (auto& [c, q] : state->idle) idle.push_back(q);
         state->idle.clear();
         state->idle_bytes = 0;
       }
-      for (uint16_t* q : idle) state->allocator.release(q);
+      for (std::byte* q : idle) state->allocator.release(q);
       if (!idle.empty()) {
-        p = static_cast<uint16_t*>(state->allocator.allocate(std::max<size_t>(cap, 1) * 2));
+        p = static_cast<std::byte*>(state->allocator.allocate(std::max<size_t>(cap, 1)));
       }
     }
     std::lock_guard<std::mutex> lock(state->mu);
     if (p == nullptr) {
-      state->live_bytes -= static_cast<int64_t>(cap * 2);
+      state->live_bytes -= static_cast<int64_t>(cap);
       state->returned.notify_all();
       return nullptr;
     }
     ++state->allocations;
   }
-  return std::shared_ptr<uint16_t>(p, [state, cap](uint16_t* q) {
+  return std::shared_ptr<std::byte>(p, [state, cap](std::byte* q) {
     {
       std::lock_guard<std::mutex> lock(state->mu);
-      state->live_bytes -= static_cast<int64_t>(cap * 2);
+      state->live_bytes -= static_cast<int64_t>(cap);
       state->returned.notify_all();
       if (!state->closed &&
-          state->idle_bytes + static_cast<int64_t>(cap * 2) <= state->max_idle_bytes) {
+          state->idle_bytes + static_cast<int64_t>(cap) <= state->max_idle_bytes) {
         state->idle.emplace(cap, q);
-        state->idle_bytes += static_cast<int64_t>(cap * 2);
+        state->idle_bytes += static_cast<int64_t>(cap);
         return;
       }
     }
