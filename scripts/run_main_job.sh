@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-tiny-random}
 DEVICE=${DEVICE:-cpu}
 BATCHES=${BATCHES:-300}
+export BUILD_DIR=${BUILD_DIR:-build}
 bash scripts/install-deps.sh
 BUILD_TARGETS="draftfeed-target _draftfeed" bash scripts/build.sh
 
@@ -19,7 +20,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-build/bin/draftfeed-target --model "$MODEL" --device "$DEVICE" --listen 127.0.0.1:0 \
+"$BUILD_DIR"/bin/draftfeed-target --model "$MODEL" --device "$DEVICE" --listen 127.0.0.1:0 \
   --port_file "$workdir/port" &
 target_pid=$!
 for _ in $(seq 1 600); do
@@ -30,7 +31,7 @@ done
 [[ -f "$workdir/port" ]] || { echo "main job: target did not start within 60s" >&2; exit 1; }
 port=$(cat "$workdir/port")
 
-PYTHONPATH=build/python /usr/bin/python3 client/python/examples/synthetic_trainer.py \
+PYTHONPATH="$BUILD_DIR"/python /usr/bin/python3 client/python/examples/synthetic_trainer.py \
   --target "127.0.0.1:$port" --batches "$BATCHES" "$@"
 
 kill -TERM "$target_pid"
