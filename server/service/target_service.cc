@@ -19,7 +19,7 @@
 #include "server/service/status_util.h"
 #include "server/service/version.h"
 #if DRAFTFEED_HAVE_NCCL
-#include "server/nccl/nccl_peer.h"
+#include "common/nccl/nccl_peer.h"
 #endif
 
 namespace draftfeed {

@@ -1,4 +1,4 @@
-#include "server/nccl/nccl_peer.h"
+#include "common/nccl/nccl_peer.h"
 
 #include <unistd.h>
 
