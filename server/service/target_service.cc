@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/chunk_envelope.h"
 #include "common/payload_checksum.h"
 #include "common/thread_name.h"
 #include "server/service/status_util.h"
@@ -57,45 +58,13 @@ struct ReactorLink {
   std::atomic<bool> cancelled{false};
 };
 
-// Protobuf wire format of the HiddenChunk envelope (StreamResponse.chunk = 2;
-// HiddenChunk fields 1-3 varints, 4 = data), written by hand so the payload
-// can follow as its own slice.
-size_t PutVarint(uint8_t* p, uint64_t v) {
-  size_t n = 0;
-  while (v >= 0x80) {
-    p[n++] = static_cast<uint8_t>(v | 0x80);
-    v >>= 7;
-  }
-  p[n++] = static_cast<uint8_t>(v);
-  return n;
-}
-
-size_t VarintSize(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    ++n;
-  }
-  return n;
-}
-
 grpc::ByteBuffer ChunkBuffer(uint64_t batch_id, int64_t token_offset, int64_t token_count,
                              const std::shared_ptr<ForwardResult>& result, const void* data,
                              size_t bytes) {
-  const size_t inner = 1 + VarintSize(batch_id) + 1 + VarintSize(token_offset) + 1 +
-                       VarintSize(token_count) + 1 + VarintSize(bytes) + bytes;
-  uint8_t head[64];
-  size_t n = 0;
-  head[n++] = 0x12;  // field 2 (chunk), length-delimited
-  n += PutVarint(head + n, inner);
-  head[n++] = 0x08;  // batch_id
-  n += PutVarint(head + n, batch_id);
-  head[n++] = 0x10;  // token_offset
-  n += PutVarint(head + n, static_cast<uint64_t>(token_offset));
-  head[n++] = 0x18;  // token_count
-  n += PutVarint(head + n, static_cast<uint64_t>(token_count));
-  head[n++] = 0x22;  // data, length-delimited
-  n += PutVarint(head + n, bytes);
+  uint8_t head[kMaxChunkEnvelopeBytes];
+  const size_t n = EncodeChunkEnvelope(
+      {.batch_id = batch_id, .token_offset = token_offset, .token_count = token_count}, bytes,
+      head);
   grpc::Slice slices[2] = {
       grpc::Slice(head, n),
       // gRPC releases the payload slice when the bytes are on the wire; the
