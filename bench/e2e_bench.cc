@@ -103,7 +103,11 @@ absl::StatusOr<std::vector<double>> EngineOnly(const Model& model, const std::st
     if (!engine.ok()) return engine.status();
     std::vector<uint16_t> out(values);
     for (const Batch& b : batches) {
-      if (absl::Status s = (*engine)->Forward({b.ids, b.lens, layers}, out); !s.ok()) return s;
+      if (absl::Status s = (*engine)->Forward({b.ids, b.lens, layers},
+                                              std::as_writable_bytes(std::span(out)));
+          !s.ok()) {
+        return s;
+      }
       finished.push_back(Clock::now());
     }
     *copied = WindowRates(finished, warmup, per, tokens);  // the CPU engine writes host memory
@@ -143,7 +147,8 @@ absl::StatusOr<std::vector<double>> EngineOnly(const Model& model, const std::st
     }
     absl::Status s =
         (*engine)->ForwardAsync({batches[i].ids, batches[i].lens, layers},
-                                {bufs[i % 3].get(), values}, [&, i](Engine::Copied copied) {
+                                std::as_writable_bytes(std::span(bufs[i % 3].get(), values)),
+                                [&, i](Engine::Copied copied) {
                                   std::lock_guard<std::mutex> lock(mu);
                                   finished[i] = Clock::now();
                                   if (!copied.status.ok()) copy_status = copied.status;

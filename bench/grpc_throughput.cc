@@ -72,11 +72,11 @@ class FillEngine final : public Engine {
   FillEngine(const Model* m, bool device_checksum) : model_(m), device_checksum_(device_checksum) {}
   const Model& model() const override { return *model_; }
   std::string device_name() const override { return "fill"; }
-  absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) override {
+  absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override {
     Fill(out);
     return absl::OkStatus();
   }
-  absl::Status ForwardAsync(const ForwardInput& in, std::span<uint16_t> out,
+  absl::Status ForwardAsync(const ForwardInput& in, std::span<std::byte> out,
                             CopiedCallback on_copied) override {
     const uint64_t sum = Fill(out);
     on_copied(Copied{absl::OkStatus(),
@@ -85,12 +85,12 @@ class FillEngine final : public Engine {
   }
 
  private:
-  uint64_t Fill(std::span<uint16_t> out) {
+  uint64_t Fill(std::span<std::byte> out) {
     std::lock_guard<std::mutex> lock(mu_);
     auto [it, fresh] = filled_.try_emplace({out.data(), out.size()}, 0);
     if (fresh) {
-      std::memset(out.data(), 0x5a, out.size() * 2);
-      if (device_checksum_) it->second = v1::PayloadChecksum(out.data(), out.size() * 2);
+      std::memset(out.data(), 0x5a, out.size());
+      if (device_checksum_) it->second = v1::PayloadChecksum(out.data(), out.size());
     }
     return it->second;
   }
@@ -98,7 +98,7 @@ class FillEngine final : public Engine {
   const Model* model_;
   const bool device_checksum_;
   std::mutex mu_;
-  std::map<std::pair<uint16_t*, size_t>, uint64_t> filled_;  // buffer -> checksum
+  std::map<std::pair<std::byte*, size_t>, uint64_t> filled_;  // buffer -> checksum
 };
 
 double Median(std::vector<double> v) {

@@ -405,16 +405,18 @@ absl::Status CpuEngine::ForwardFloat(const ForwardInput& in, std::span<float> ou
   return absl::OkStatus();
 }
 
-absl::Status CpuEngine::Forward(const ForwardInput& in, std::span<uint16_t> out) {
+absl::Status CpuEngine::Forward(const ForwardInput& in, std::span<std::byte> out) {
   DF_ASSIGN_OR_RETURN(const int64_t n, impl_->CheckInput(in));
-  if (static_cast<int64_t>(out.size()) != n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "output has ", out.size(), " elements; tokens x layers x hidden = ", in.token_ids.size(),
-        " x ", in.layers.size(), " x ", impl_->model->config.hidden_size, " = ", n));
-  }
+  DF_RETURN_IF_ERROR(CheckCaptureOutput(*this, in, out.size()));
   std::vector<float> states(static_cast<size_t>(n));
   impl_->Run(in, states.data());
-  std::transform(states.begin(), states.end(), out.begin(), FloatToBf16);
+  // bf16 is the only encoding served: little-endian uint16 per value, written
+  // bytewise so `out` needs no alignment.
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t bits = FloatToBf16(states[static_cast<size_t>(i)]);
+    out[2 * i] = static_cast<std::byte>(bits & 0xff);
+    out[2 * i + 1] = static_cast<std::byte>(bits >> 8);
+  }
   return absl::OkStatus();
 }
 

@@ -18,7 +18,7 @@ class CpuEngine final : public Engine {
 
   const Model& model() const override;
   std::string device_name() const override { return "cpu"; }
-  absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) override;
+  absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override;
   // Same forward, fp32 capture (the residual stream is fp32 throughout here).
   absl::Status ForwardFloat(const ForwardInput& in, std::span<float> out);
 

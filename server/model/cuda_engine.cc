@@ -197,7 +197,7 @@ struct CudaEngine::Impl {
   // Hands `job` to the copy thread; its buffer stays busy until it retires.
   void Queue(PendingCopy job);
   size_t CaptureBytes(const ForwardInput& in) const {
-    return in.token_ids.size() * in.layers.size() * static_cast<size_t>(D) * 2;
+    return draftfeed::CaptureBytes(model->config, in);
   }
   void CopyLoop();
   void StopCopier();
@@ -786,20 +786,8 @@ absl::Status CudaEngine::ForwardOnDevice(const ForwardInput& in) {
   return impl_->Run(in);
 }
 
-namespace {
-absl::Status CheckOutput(const ForwardInput& in, std::span<uint16_t> out, int64_t hidden) {
-  const int64_t need = static_cast<int64_t>(in.token_ids.size()) *
-                       static_cast<int64_t>(in.layers.size()) * hidden;
-  if (static_cast<int64_t>(out.size()) < need) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("output span holds ", out.size(), " values; ", need, " needed"));
-  }
-  return absl::OkStatus();
-}
-}  // namespace
-
-absl::Status CudaEngine::Forward(const ForwardInput& in, std::span<uint16_t> out) {
-  if (absl::Status s = CheckOutput(in, out, impl_->D); !s.ok()) return s;
+absl::Status CudaEngine::Forward(const ForwardInput& in, std::span<std::byte> out) {
+  if (absl::Status s = CheckCaptureOutput(*this, in, out.size()); !s.ok()) return s;
   impl_->TakeBuffer();
   if (absl::Status s = impl_->Run(in); !s.ok()) return s;
   DF_CUDA(cudaMemcpy(out.data(), impl_->capture,
@@ -808,9 +796,9 @@ absl::Status CudaEngine::Forward(const ForwardInput& in, std::span<uint16_t> out
   return absl::OkStatus();
 }
 
-absl::Status CudaEngine::ForwardAsync(const ForwardInput& in, std::span<uint16_t> out,
+absl::Status CudaEngine::ForwardAsync(const ForwardInput& in, std::span<std::byte> out,
                                       CopiedCallback on_copied) {
-  if (absl::Status s = CheckOutput(in, out, impl_->D); !s.ok()) return s;
+  if (absl::Status s = CheckCaptureOutput(*this, in, out.size()); !s.ok()) return s;
   Impl& m = *impl_;
   const int b = m.TakeBuffer();
   // Run ends with the compute stream synchronised, so the copy stream needs
@@ -829,6 +817,7 @@ absl::Status CudaEngine::ForwardAsync(const ForwardInput& in, std::span<uint16_t
 
 absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSink& sink,
                                          CopiedCallback on_sent) {
+  if (absl::Status s = CheckEncodingServed(*this, in.encoding); !s.ok()) return s;
   Impl& m = *impl_;
   // TakeBuffer waits out any copy or send still reading the buffer; the one
   // this batch's sink starts keeps it busy until its DeviceWait returns.
@@ -839,6 +828,8 @@ absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSin
   DeviceView view;
   view.data = m.captures[b];
   view.bytes = m.CaptureBytes(in);
+  view.encoding = in.encoding;
+  view.bytes_per_token = CaptureBytesPerToken(in.encoding, static_cast<int64_t>(in.layers.size()), m.D);
   view.device = m.options.device;
   view.stream = m.send_stream;
   // The sink is called while the forward runs, so its host-side work (an

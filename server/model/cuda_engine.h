@@ -40,12 +40,12 @@ class CudaEngine final : public Engine {
   const Model& model() const override;
   std::string device_name() const override;
   // Runs the forward and copies the [T, K, H] capture to host memory.
-  absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) override;
+  absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override;
   // Runs the forward, then copies the capture on a copy stream while the next
   // forward fills the other capture buffer. `out` should be pinned
   // (PinnedHostAllocator); pageable memory works but the copy then blocks.
   // `on_copied` runs on the engine's copy thread.
-  absl::Status ForwardAsync(const ForwardInput& in, std::span<uint16_t> out,
+  absl::Status ForwardAsync(const ForwardInput& in, std::span<std::byte> out,
                             CopiedCallback on_copied) override;
   // Runs the forward only; the capture stays in device memory (DeviceCapture).
   absl::Status ForwardOnDevice(const ForwardInput& in);

@@ -1,9 +1,13 @@
 #include "server/model/engine.h"
 
+#include <algorithm>
+#include <string>
 #include <unordered_map>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
 
 namespace draftfeed {
 
@@ -59,6 +63,37 @@ absl::Status ValidateForwardInput(const ModelConfig& config, const ForwardInput&
       return absl::InvalidArgumentError(absl::StrCat("layers[", i, "] = ", id, " repeats layers[",
                                                      it->second, "]; ask for each layer once"));
     }
+  }
+  return absl::OkStatus();
+}
+
+size_t CaptureBytes(const ModelConfig& config, const ForwardInput& in) {
+  return in.token_ids.size() *
+         static_cast<size_t>(CaptureBytesPerToken(
+             in.encoding, static_cast<int64_t>(in.layers.size()), config.hidden_size));
+}
+
+absl::Status CheckEncodingServed(const Engine& engine, CaptureEncoding encoding) {
+  const std::vector<CaptureEncoding> served = engine.encodings();
+  if (std::find(served.begin(), served.end(), encoding) != served.end()) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "encoding ", std::string(EncodingName(encoding)), " (", static_cast<int>(encoding), ") is not served by ",
+      engine.device_name(), "; it serves ",
+      absl::StrJoin(served, ", ", [](std::string* out, CaptureEncoding e) {
+        absl::StrAppend(out, std::string(EncodingName(e)));
+      })));
+}
+
+absl::Status CheckCaptureOutput(const Engine& engine, const ForwardInput& in, size_t out_bytes) {
+  DF_RETURN_IF_ERROR(CheckEncodingServed(engine, in.encoding));
+  const size_t need = CaptureBytes(engine.model().config, in);
+  if (out_bytes != need) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output has ", out_bytes, " bytes; the ", std::string(EncodingName(in.encoding)), " capture of ",
+        in.token_ids.size(), " tokens x ", in.layers.size(), " layers x ",
+        engine.model().config.hidden_size, " values takes ", need));
   }
   return absl::OkStatus();
 }

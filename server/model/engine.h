@@ -2,15 +2,19 @@
 // CPU reference (fp32 maths) and, later, CUDA. Nothing here knows of RPC.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/capture_encoding.h"
+#include "common/status_macros.h"
 #include "server/model/model.h"
 
 namespace draftfeed {
@@ -23,6 +27,8 @@ struct ForwardInput {
   std::span<const int32_t> token_ids;  // [T]
   std::span<const int32_t> seq_lens;   // sum == T, every entry >= 1
   std::span<const int32_t> layers;     // K capture ids, in output order
+  // How the capture is written; an engine refuses one it does not serve.
+  CaptureEncoding encoding = CaptureEncoding::kBf16;
 };
 
 class Engine {
@@ -30,9 +36,12 @@ class Engine {
   virtual ~Engine() = default;
   virtual const Model& model() const = 0;
   virtual std::string device_name() const = 0;
-  // Writes bf16 [T, K, H] into `out` (T*K*H elements). Input errors are
+  // The capture encodings this engine writes.
+  virtual std::vector<CaptureEncoding> encodings() const { return {CaptureEncoding::kBf16}; }
+  // Writes the [T, K, H] capture in `in.encoding` into `out`, which must be
+  // exactly CaptureBytes(model().config, in) bytes. Input errors are
   // INVALID_ARGUMENT naming the bad field; `out` is then untouched.
-  virtual absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) = 0;
+  virtual absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) = 0;
 
   // Forward whose copy to `out` may still be running when it returns, so the
   // caller can start the next batch while this one's capture travels to the
@@ -50,9 +59,9 @@ class Engine {
     std::optional<uint64_t> checksum;
   };
   using CopiedCallback = std::function<void(Copied)>;
-  virtual absl::Status ForwardAsync(const ForwardInput& in, std::span<uint16_t> out,
+  virtual absl::Status ForwardAsync(const ForwardInput& in, std::span<std::byte> out,
                                     CopiedCallback on_copied) {
-    if (absl::Status s = Forward(in, out); !s.ok()) return s;
+    DF_RETURN_IF_ERROR(Forward(in, out));
     on_copied(Copied{});
     return absl::OkStatus();
   }
@@ -67,8 +76,10 @@ class Engine {
   // done. The forward may still be running when the sink is called; the
   // sink must not read the capture from the host side.
   struct DeviceView {
-    const void* data = nullptr;  // bf16 [T, K, H]
-    size_t bytes = 0;
+    const void* data = nullptr;  // [T, K, H] in `encoding`
+    size_t bytes = 0;            // T * bytes_per_token
+    CaptureEncoding encoding = CaptureEncoding::kBf16;
+    int64_t bytes_per_token = 0;
     int device = 0;
     void* stream = nullptr;
   };
@@ -95,5 +106,15 @@ class Engine {
 // ids). Shared by every backend and by the service before it queues a batch.
 absl::Status ValidateForwardInput(const ModelConfig& config, const ForwardInput& in,
                                   int64_t max_tokens);
+
+// Bytes of `in`'s capture: T * CaptureBytesPerToken(in.encoding, K, H).
+size_t CaptureBytes(const ModelConfig& config, const ForwardInput& in);
+
+// INVALID_ARGUMENT naming the encoding when `engine` does not serve it.
+absl::Status CheckEncodingServed(const Engine& engine, CaptureEncoding encoding);
+
+// CheckEncodingServed, then INVALID_ARGUMENT naming both sizes unless
+// `out_bytes` is the capture's size.
+absl::Status CheckCaptureOutput(const Engine& engine, const ForwardInput& in, size_t out_bytes);
 
 }  // namespace draftfeed

@@ -144,7 +144,8 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
                        " MiB of host memory for the batch's capture"));
     } else {
       status = engine->ForwardAsync(
-          input, std::span<uint16_t>(result.hidden.get(), result.hidden_size), second_half);
+          input, std::as_writable_bytes(std::span<uint16_t>(result.hidden.get(), result.hidden_size)),
+          second_half);
       copy_pending = status.ok();
     }
   }

@@ -396,7 +396,7 @@ TEST_P(TinyRandomTest, ForwardIsForwardFloatRoundedToBf16) {
   const std::vector<int32_t> layers = {1, kFinalLayerId, 0};
   const std::vector<float> f = RunFloat(*engine_, tokens, lens, layers);
   std::vector<uint16_t> b(f.size());
-  ASSERT_TRUE(engine_->Forward({tokens, lens, layers}, b).ok());
+  ASSERT_TRUE(engine_->Forward({tokens, lens, layers}, std::as_writable_bytes(std::span(b))).ok());
   for (size_t i = 0; i < f.size(); ++i) ASSERT_EQ(b[i], FloatToBf16(f[i])) << i;
 }
 
@@ -528,7 +528,7 @@ TEST(CpuEngineErrorsTest, BadInputLeavesTheOutputUntouched) {
   absl::Status st = engine->ForwardFloat({tokens, lens, layers}, f);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(st.message()), HasSubstr("token_ids[1] = 4096"));
-  st = engine->Forward({tokens, lens, layers}, b);
+  st = engine->Forward({tokens, lens, layers}, std::as_writable_bytes(std::span(b)));
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(f, std::vector<float>(2 * 128, 7.0f));
   EXPECT_EQ(b, std::vector<uint16_t>(2 * 128, 7));
@@ -544,6 +544,30 @@ TEST(CpuEngineErrorsTest, WrongOutputSize) {
   const absl::Status st = engine->ForwardFloat({tokens, lens, layers}, f);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(st.message(), "output has 10 elements; tokens x layers x hidden = 3 x 2 x 128 = 768");
+}
+
+TEST(CpuEngineErrorsTest, WrongCaptureBytesOrEncoding) {
+  std::unique_ptr<Model> model = Make("tiny-random");
+  ASSERT_NE(model, nullptr);
+  std::unique_ptr<CpuEngine> engine = MakeEngine(model.get(), 1);
+  ASSERT_NE(engine, nullptr);
+  EXPECT_EQ(engine->encodings(), std::vector<CaptureEncoding>{CaptureEncoding::kBf16});
+  const std::vector<int32_t> tokens = {1, 2, 3}, lens = {3}, layers = {0, -1};
+  std::vector<std::byte> out(3 * 2 * 128 * 2 - 1, std::byte{7});
+  absl::Status st = engine->Forward({tokens, lens, layers}, out);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(),
+            "output has 1535 bytes; the bf16 capture of 3 tokens x 2 layers x 128 values takes 1536");
+  out.push_back(std::byte{7});
+  // An encoding this build does not know (a future wire number).
+  ForwardInput in{tokens, lens, layers};
+  in.encoding = static_cast<CaptureEncoding>(9);
+  st = engine->Forward(in, out);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "encoding unknown (9) is not served by cpu; it serves bf16");
+  EXPECT_EQ(out, std::vector<std::byte>(1536, std::byte{7}));
+  in.encoding = CaptureEncoding::kBf16;
+  EXPECT_TRUE(engine->Forward(in, out).ok());
 }
 
 TEST(CpuEngineErrorsTest, CreateRejectsAMisshapenWeight) {

@@ -78,7 +78,7 @@ TEST_P(CudaEngineTest, MatchesCpuReferenceOnPackedBatch) {
   std::vector<float> ref(static_cast<size_t>(T * K * H));
   ASSERT_TRUE((*cpu)->ForwardFloat({ids, lens, layers}, ref).ok());
   std::vector<uint16_t> got(static_cast<size_t>(T * K * H));
-  absl::Status s = (*gpu)->Forward({ids, lens, layers}, got);
+  absl::Status s = (*gpu)->Forward({ids, lens, layers}, std::as_writable_bytes(std::span(got)));
   ASSERT_TRUE(s.ok()) << s;
 
   // The CUDA engine feeds every GEMM bf16 activations (the CPU engine keeps
@@ -118,13 +118,13 @@ TEST_P(CudaEngineTest, PackedBatchMatchesSequencesAlone) {
   const std::vector<int32_t> layers = {1, kFinalLayerId};
   const int64_t H = (*model)->config.hidden_size;
   std::vector<uint16_t> packed(201 * 2 * H);
-  ASSERT_TRUE((*gpu)->Forward({ids, lens, layers}, packed).ok());
+  ASSERT_TRUE((*gpu)->Forward({ids, lens, layers}, std::as_writable_bytes(std::span(packed))).ok());
   int64_t off = 0;
   for (int32_t l : lens) {
     std::vector<int32_t> part(ids.begin() + off, ids.begin() + off + l);
     std::vector<int32_t> one = {l};
     std::vector<uint16_t> alone(l * 2 * H);
-    ASSERT_TRUE((*gpu)->Forward({part, one, layers}, alone).ok());
+    ASSERT_TRUE((*gpu)->Forward({part, one, layers}, std::as_writable_bytes(std::span(alone))).ok());
     // GEMMs of another M may take another cuBLASLt algorithm (another
     // summation order), so allow bf16 rounding noise, not bit equality.
     double max_abs = 0, max_ref = 0;
@@ -148,7 +148,7 @@ TEST(CudaEngineErrors, RefusesBadInputWithoutCrashing) {
   ASSERT_TRUE(gpu.ok());
   std::vector<int32_t> ids(65, 1), lens = {65}, layers = {0};
   std::vector<uint16_t> out(65 * 512);
-  absl::Status s = (*gpu)->Forward({ids, lens, layers}, out);
+  absl::Status s = (*gpu)->Forward({ids, lens, layers}, std::as_writable_bytes(std::span(out)));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("token budget"), absl::string_view::npos) << s;
 }
@@ -231,7 +231,7 @@ class CudaEngineAsync : public ::testing::Test {
   }
   std::vector<uint16_t> Forward(const Batch& b, const std::vector<int32_t>& layers) {
     std::vector<uint16_t> out(b.ids.size() * layers.size() * model_->config.hidden_size);
-    absl::Status s = gpu_->Forward({b.ids, b.lens, layers}, out);
+    absl::Status s = gpu_->Forward({b.ids, b.lens, layers}, std::as_writable_bytes(std::span(out)));
     EXPECT_TRUE(s.ok()) << s;
     return out;
   }
@@ -256,7 +256,8 @@ TEST_F(CudaEngineAsync, DoubleBufferedCopiesMatchForward) {
     ASSERT_NE(out.back(), nullptr);
     std::fill_n(out.back().get(), want[i].size(), uint16_t{0xffff});  // NaN: never a capture
     absl::Status s = gpu_->ForwardAsync({batches[i].ids, batches[i].lens, layers},
-                                        {out.back().get(), want[i].size()}, log.For(i));
+                                        std::as_writable_bytes(std::span(out.back().get(), want[i].size())),
+                                        log.For(i));
     ASSERT_TRUE(s.ok()) << s;
   }
   ASSERT_TRUE(log.WaitFor(batches.size()));
@@ -273,7 +274,8 @@ TEST_F(CudaEngineAsync, DoubleBufferedCopiesMatchForward) {
   // Bad input fails at once, and the callback is never called.
   std::vector<int32_t> too_many = {0, 1, 2, 3};
   absl::Status s = gpu_->ForwardAsync({batches[0].ids, batches[0].lens, too_many},
-                                      {out[0].get(), want[0].size()}, log.For(99));
+                                      std::as_writable_bytes(std::span(out[0].get(), want[0].size())),
+                                      log.For(99));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(log.order().size(), batches.size());
 }
@@ -318,7 +320,8 @@ TEST_F(CudaEngineAsync, ForwardToDeviceAfterForwardAsyncSeesItsOwnBatch) {
       std::reinterpret_pointer_cast<uint16_t>(pinned.Acquire(want[0].size() * 2));
   CopyLog log;
   ASSERT_TRUE(gpu_->ForwardAsync({batches[1].ids, batches[1].lens, layers},
-                                 {first.get(), want[0].size()}, log.For(0))
+                                 std::as_writable_bytes(std::span(first.get(), want[0].size())),
+                                 log.For(0))
                   .ok());
   std::vector<std::vector<uint16_t>> seen(3);
   for (int i = 1; i < 3; ++i) {  // the second of these writes the buffer of the first

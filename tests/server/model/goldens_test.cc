@@ -456,7 +456,8 @@ TEST_P(GoldensTest, Bf16OutputNoWorseThanHfBf16) {
     const int64_t t = static_cast<int64_t>(s.ids.size());
     const std::vector<int32_t> lens = {static_cast<int32_t>(t)};
     std::vector<uint16_t> bits(static_cast<size_t>(t * k_total * h_));
-    const absl::Status st = engine().Forward({s.ids, lens, ids}, bits);
+    const absl::Status st =
+        engine().Forward({s.ids, lens, ids}, std::as_writable_bytes(std::span(bits)));
     ASSERT_TRUE(st.ok()) << st;
     absl::StatusOr<std::vector<float>> f32 = RunFloat(engine(), s.ids, lens, ids);
     ASSERT_TRUE(f32.ok()) << f32.status();
@@ -523,7 +524,8 @@ TEST_P(GoldensTest, CudaEngineNoWorseThanHfBf16) {
     all_lens.push_back(static_cast<int32_t>(s.ids.size()));
   }
   std::vector<uint16_t> packed(all_tokens.size() * static_cast<size_t>(k_total * h_));
-  const absl::Status pst = (*gpu)->Forward({all_tokens, all_lens, ids}, packed);
+  const absl::Status pst =
+      (*gpu)->Forward({all_tokens, all_lens, ids}, std::as_writable_bytes(std::span(packed)));
   ASSERT_TRUE(pst.ok()) << pst;
   std::vector<Err> worst(static_cast<size_t>(k_total)), hf_worst(worst.size());
   int64_t offset = 0;
@@ -532,7 +534,8 @@ TEST_P(GoldensTest, CudaEngineNoWorseThanHfBf16) {
     const int64_t t = static_cast<int64_t>(s.ids.size());
     const std::vector<int32_t> lens = {static_cast<int32_t>(t)};
     std::vector<uint16_t> bits(static_cast<size_t>(t * k_total * h_));
-    const absl::Status st = (*gpu)->Forward({s.ids, lens, ids}, bits);
+    const absl::Status st =
+        (*gpu)->Forward({s.ids, lens, ids}, std::as_writable_bytes(std::span(bits)));
     ASSERT_TRUE(st.ok()) << st;
     for (int pass = 0; pass < 2; ++pass) {
       const uint16_t* src = pass == 0 ? bits.data() : packed.data() + offset * k_total * h_;

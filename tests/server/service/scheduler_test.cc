@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -34,11 +35,11 @@ class OvertakingEngine final : public Engine {
   }
   const Model& model() const override { return *model_; }
   std::string device_name() const override { return "fake"; }
-  absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) override {
-    std::fill(out.begin(), out.end(), static_cast<uint16_t>(in.token_ids[0]));
+  absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override {
+    Fill(out, static_cast<uint16_t>(in.token_ids[0]));
     return absl::OkStatus();
   }
-  absl::Status ForwardAsync(const ForwardInput& in, std::span<uint16_t> out,
+  absl::Status ForwardAsync(const ForwardInput& in, std::span<std::byte> out,
                             CopiedCallback on_copied) override {
     ++forwards_;
     if (in.token_ids[0] == 4000) return absl::InvalidArgumentError("bad batch");
@@ -47,7 +48,7 @@ class OvertakingEngine final : public Engine {
     const uint16_t value = static_cast<uint16_t>(in.token_ids[0]);
     copies_.emplace_back([=] {
       std::this_thread::sleep_for(delay);
-      std::fill(out.begin(), out.end(), value);
+      Fill(out, value);
       on_copied({fail ? absl::InternalError("copy failed") : absl::OkStatus(), std::nullopt});
     });
     return absl::OkStatus();
@@ -65,6 +66,7 @@ class OvertakingEngine final : public Engine {
     DeviceView view;
     view.data = capture->data();
     view.bytes = capture->size() * 2;
+    view.bytes_per_token = static_cast<int64_t>(in.layers.size()) * model_->config.hidden_size * 2;
     absl::StatusOr<DeviceWait> wait = sink(view);
     if (!wait.ok()) return wait.status();
     const auto delay = milliseconds(std::max(0, 60 - 20 * (forwards_ % 4)));
@@ -79,6 +81,10 @@ class OvertakingEngine final : public Engine {
   int forwards() const { return forwards_.load(); }
 
  private:
+  // Every bf16 value of the capture set to `value`.
+  static void Fill(std::span<std::byte> out, uint16_t value) {
+    for (size_t i = 0; i + 1 < out.size(); i += 2) std::memcpy(&out[i], &value, 2);
+  }
   std::unique_ptr<Model> model_;
   std::atomic<int> forwards_{0};
   std::vector<std::thread> copies_;  // only the worker thread appends

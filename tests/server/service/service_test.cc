@@ -64,7 +64,7 @@ using testing::RandomTokens;
 std::vector<uint16_t> Direct(CpuEngine& e, const std::vector<int32_t>& tokens,
                              const std::vector<int32_t>& lens, const std::vector<int32_t>& layers) {
   std::vector<uint16_t> out(tokens.size() * layers.size() * e.model().config.hidden_size);
-  absl::Status s = e.Forward(ForwardInput{tokens, lens, layers}, out);
+  absl::Status s = e.Forward(ForwardInput{tokens, lens, layers}, std::as_writable_bytes(std::span(out)));
   EXPECT_TRUE(s.ok()) << s;
   return out;
 }
@@ -348,7 +348,7 @@ class TwoSlotEngine final : public Engine {
   explicit TwoSlotEngine(Engine* inner) : inner_(inner) {}
   const Model& model() const override { return inner_->model(); }
   std::string device_name() const override { return inner_->device_name(); }
-  absl::Status Forward(const ForwardInput& in, std::span<uint16_t> out) override {
+  absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override {
     return inner_->Forward(in, out);
   }
   int64_t max_capture_layers() const override { return 2; }
@@ -681,7 +681,9 @@ TEST(CudaServiceTest, ClientReceivesExactlyWhatTheCudaEngineComputes) {
   // The engine is idle now (every batch returned): compare with direct calls.
   for (size_t i = 0; i < lens.size(); ++i) {
     std::vector<uint16_t> direct(toks[i].size() * 3 * 512);
-    ASSERT_TRUE((*engine)->Forward({toks[i], lens[i], opt.layers}, direct).ok());
+    ASSERT_TRUE(
+        (*engine)->Forward({toks[i], lens[i], opt.layers}, std::as_writable_bytes(std::span(direct)))
+            .ok());
     EXPECT_EQ(got[i], direct) << "batch " << i;
   }
   EXPECT_TRUE((*feed)->Close().ok());
