@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <functional>
 #include <numeric>
 #include <thread>
 #include <vector>
@@ -347,57 +346,6 @@ TEST(GatedDeltaRuleCudaTest, RejectsUnsupportedHeadDim) {
   dev.args.key_dim = 16;
   dev.args.num_v_heads = 5;  // not a multiple of Nk
   EXPECT_EQ(dev.Run(), cudaErrorInvalidValue);
-}
-
-// ---------------------------------------------------------------------------
-// Timing at the 27B shape (printed, not asserted).
-
-double MedianMs(const std::function<cudaError_t()>& fn, int reps = 10) {
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  for (int i = 0; i < 3; ++i) fn();
-  std::vector<float> ms(reps);
-  for (int i = 0; i < reps; ++i) {
-    cudaEventRecord(start);
-    fn();
-    cudaEventRecord(stop);
-    cudaEventSynchronize(stop);
-    cudaEventElapsedTime(&ms[i], start, stop);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return ms[reps / 2];
-}
-
-TEST(GatedDeltaRuleCudaTest, Timing27B8192Tokens) {
-  DF_REQUIRE_GPU();
-  const GdnShape shape{16, 48, 128, 128, 0, 0};
-  for (const std::vector<int32_t>& lens :
-       {std::vector<int32_t>{8192}, std::vector<int32_t>{2048, 2048, 2048, 2048}}) {
-    const GdnInputs in = MakeInputs(shape, lens, 700);
-    GdnDevice dev(in);
-    DF_CUDA_OK(dev.Run());
-    DF_CUDA_OK(cudaDeviceSynchronize());
-    const double ms = MedianMs([&] { return dev.Run(); });
-    DF_CUDA_OK(cudaGetLastError());
-    std::printf("GatedDeltaRule 27B shape, %zu x %d tokens: %.3f ms/layer (median of 10), "
-                "workspace %.1f MB\n",
-                lens.size(), lens[0], ms, dev.ws.size() / 1e6);
-  }
-  // The conv of the same layer: [8192, 10240], kernel 4.
-  const int64_t T = 8192, C = 10240;
-  const std::vector<int32_t> cu = {0, static_cast<int32_t>(T)};
-  DeviceBuffer<bf16> x(ToBf16(RandomBf16Values(T * C, 1.0f, 5))), y(T * C);
-  DeviceBuffer<bf16> w(ToBf16(RandomBf16Values(C * 4, 0.5f, 6)));
-  DeviceBuffer<int32_t> d_cu(cu);
-  const double ms = MedianMs([&] {
-    return CausalConv1dSilu(x.get(), C, w.get(), T, C, 4, d_cu.get(), 1, y.get(), nullptr);
-  });
-  DF_CUDA_OK(cudaGetLastError());
-  std::printf("CausalConv1dSilu 8192 x 10240, K=4: %.3f ms (%.0f GB/s)\n", ms,
-              2.0 * T * C * sizeof(bf16) / (ms * 1e6));
 }
 
 }  // namespace
