@@ -151,8 +151,10 @@ void BM_ApplyRopeQk(benchmark::State& state) {
   const std::vector<int32_t> cu = Offsets({8192, 4096, 2048, 1024, 1024});
   DeviceArray<int32_t> d_cu(cu), pos(kT);
   FillRandom(proj, 1);
-  cuda::PositionsFromCuSeqlens(d_cu.get(), static_cast<int32_t>(cu.size() - 1), kT, pos.get(),
-                               nullptr);
+  if (SetupError() == cudaSuccess) {
+    NoteSetup(cuda::PositionsFromCuSeqlens(d_cu.get(), static_cast<int32_t>(cu.size() - 1), kT,
+                                           pos.get(), nullptr));
+  }
   const int64_t q_head_stride = 2 * kHeadDim, q_rows = kQHeads * q_head_stride;
   TimeKernel(state, {2.0 * kT * (kQHeads + kKvHeads) * kRotaryDim * kBf16}, [&] {
     cudaError_t e = cuda::ApplyRope(proj.get(), kT, kQHeads, kHeadDim, kAttnRow, q_head_stride,
@@ -220,11 +222,8 @@ DF_GPU_BENCHMARK(BM_EmbeddingLookup);
 void BM_PayloadLanes(benchmark::State& state) {
   DeviceArray<bf16> capture(kT * kCaptureSlots * kD);
   DeviceArray<unsigned long long> scratch(v1::kChecksumLanes);
-  uint64_t* lanes = nullptr;
-  if (cudaMallocHost(&lanes, v1::kChecksumLanes * sizeof(uint64_t)) != cudaSuccess) {
-    state.SkipWithError("cudaMallocHost failed");
-    return;
-  }
+  uint64_t* lanes = nullptr;  // pinned: the kernel's lane sums land here
+  NoteSetup(cudaMallocHost(&lanes, v1::kChecksumLanes * sizeof(uint64_t)));
   FillRandom(capture, 1);
   TimeKernel(state, {static_cast<double>(capture.bytes())}, [&] {
     return cuda::EnqueuePayloadLanes(capture.get(), static_cast<size_t>(capture.bytes()),
