@@ -15,6 +15,7 @@
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 #include "server/model/engine.h"
 #include "server/service/scheduler.h"
+#include "server/service/stream_transport.h"
 
 namespace draftfeed {
 
@@ -74,10 +75,8 @@ class TargetService final
   // the error for a stream or batch that asks for more.
   int64_t max_capture_layers() const;
   absl::Status CheckCaptureLayers(size_t asked) const;
-  // The GPU that NCCL streams send from, or -1 when NCCL is not offered.
-  int nccl_device() const;
-  // Empty when this Open may use NCCL; otherwise why not (for errors and notes).
-  std::string NcclUnavailableReason(const v1::Open& open) const;
+  // What the stream transports need of this target.
+  TransportEnv transport_env() const;
   Scheduler& scheduler() { return scheduler_; }
   bool draining() const { return draining_.load(); }
 

@@ -25,7 +25,7 @@
 
 #include "server/model/cuda_engine.h"
 #if DRAFTFEED_HAVE_NCCL
-#include "server/nccl/nccl_peer.h"
+#include "common/nccl/nccl_peer.h"
 #endif
 #endif
 
@@ -207,8 +207,8 @@ TEST_F(CpuTarget, SeveralConnectionsPerTargetShareTheWorkExactly) {
     auto a = single->Next();
     auto b = multi->Next();
     ASSERT_TRUE(a.ok() && b.ok());
-    EXPECT_TRUE(std::equal(a->hidden().begin(), a->hidden().end(), b->hidden().begin(),
-                           b->hidden().end()));
+    EXPECT_TRUE(std::equal(a->bf16().begin(), a->bf16().end(), b->bf16().begin(),
+                           b->bf16().end()));
   }
   opt.connections_per_target = 0;
   EXPECT_EQ(Feed::Open(opt).status().code(), absl::StatusCode::kInvalidArgument);
@@ -253,16 +253,16 @@ class GpuTarget : public ::testing::Test {
       auto b = (*feed)->Next();
       EXPECT_TRUE(b.ok()) << b.status();
       if (!b.ok()) return {};
-      std::vector<uint16_t> v(b->num_values);
+      std::vector<uint16_t> v(b->num_bytes / 2);
       if (b->device >= 0) {
         EXPECT_EQ(b->device, cuda_device);
-        EXPECT_EQ(b->buffer, nullptr);
-        EXPECT_EQ(cudaMemcpy(v.data(), b->device_buffer.get(), v.size() * 2,
+        EXPECT_TRUE(b->bytes().empty());
+        EXPECT_EQ(cudaMemcpy(v.data(), b->buffer.get(), v.size() * 2,
                              cudaMemcpyDeviceToHost),
                   cudaSuccess);
         EXPECT_EQ(b->checksum, v1::PayloadChecksum(v.data(), v.size() * 2));
       } else {
-        v.assign(b->hidden().begin(), b->hidden().end());
+        v.assign(b->bf16().begin(), b->bf16().end());
       }
       out.push_back(std::move(v));
     }

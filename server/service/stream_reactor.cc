@@ -1,0 +1,401 @@
+#include "server/service/stream_reactor.h"
+
+#include <algorithm>
+#include <atomic>
+#include <utility>
+
+#include <grpcpp/support/proto_buffer_reader.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/payload_checksum.h"
+#include "server/service/status_util.h"
+#include "server/service/target_service.h"
+#include "server/service/transport_registry.h"
+
+namespace draftfeed {
+
+using v1::StreamRequest;
+using v1::StreamResponse;
+
+// Lets scheduler callbacks and the transport reach a reactor that may already
+// be gone: OnDone clears `reactor` under `mu` before the reactor deletes itself.
+class ReactorLink final : public StreamLink {
+ public:
+  explicit ReactorLink(StreamReactor* r) : reactor(r) {}
+
+  bool cancelled() const override { return cancelled_flag.load(); }
+  void Opened(TransportOpened opened) override {
+    std::lock_guard<std::mutex> lock(mu);
+    if (reactor != nullptr) reactor->OnTransportOpened(std::move(opened));
+  }
+  void Ready() override {
+    std::lock_guard<std::mutex> lock(mu);
+    if (reactor != nullptr) reactor->OnTransportReady();
+  }
+  bool Send(StreamResponse msg) override {
+    std::lock_guard<std::mutex> lock(mu);
+    if (reactor == nullptr) return false;
+    reactor->OnSend(std::move(msg));
+    return true;
+  }
+  void Fail(absl::Status status) override {
+    std::lock_guard<std::mutex> lock(mu);
+    if (reactor != nullptr) reactor->OnTransportFailed(std::move(status));
+  }
+
+  // Called on the scheduler's completion thread (the engine has moved on to
+  // the next batch). A GPU engine has already checksummed the payload on the
+  // device; otherwise (a CPU engine) the pass over it runs here.
+  void Deliver(uint64_t batch_id, absl::StatusOr<ForwardResult> result) {
+    uint64_t checksum = 0;
+    if (result.ok()) {
+      checksum = result->checksum.has_value()
+                     ? *result->checksum
+                     : v1::PayloadChecksum(result->hidden.get(), result->hidden_size * 2);
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    if (reactor == nullptr) return;
+    reactor->OnResult(batch_id, std::move(result), checksum);
+  }
+
+  std::mutex mu;
+  StreamReactor* reactor = nullptr;
+  std::atomic<bool> cancelled_flag{false};
+};
+
+namespace {
+
+grpc::ByteBuffer Serialize(const StreamResponse& msg) {
+  const std::string bytes = msg.SerializeAsString();
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+StreamResponse DoneMessage(uint64_t batch_id, const ForwardResult& r, uint64_t checksum) {
+  StreamResponse msg;
+  v1::BatchDone* done = msg.mutable_done();
+  done->set_batch_id(batch_id);
+  done->set_tokens(r.tokens);
+  done->set_checksum(checksum);
+  done->mutable_timings()->set_queue_ms(r.queue_ms);
+  done->mutable_timings()->set_forward_ms(r.forward_ms);
+  done->mutable_timings()->set_send_ms(r.send_ms);
+  return msg;
+}
+
+absl::Status ValidateLayers(const ModelConfig& config, std::span<const int32_t> layers) {
+  // Token checks need a batch; reuse the shared validator with one token.
+  const int32_t token = 0;
+  const int32_t len = 1;
+  return ValidateForwardInput(config, ForwardInput{{&token, 1}, {&len, 1}, layers}, 1);
+}
+
+const char* EncodingName(v1::Encoding e) {
+  switch (e) {
+    case v1::ENCODING_UNSPECIFIED:
+    case v1::ENCODING_BF16: return "bf16";
+    case v1::ENCODING_FP8_E4M3: return "fp8_e4m3";
+    case v1::ENCODING_BF16_ZSTD: return "bf16_zstd";
+    default: return "unknown";
+  }
+}
+
+}  // namespace
+
+StreamReactor::StreamReactor(TargetService* service, grpc::CallbackServerContext* ctx)
+    : service_(service), ctx_(ctx), link_(std::make_shared<ReactorLink>(this)) {
+  service_->Register(this);
+  std::lock_guard<std::mutex> lock(mu_);
+  Pump();
+}
+
+void StreamReactor::OnReadDone(bool ok) {
+  std::lock_guard<std::mutex> lock(mu_);
+  read_pending_ = false;
+  if (ok) {
+    grpc::ProtoBufferReader reader(&raw_req_);
+    req_.Clear();
+    if (!req_.ParseFromZeroCopyStream(&reader)) {
+      FailStream(absl::InvalidArgumentError("malformed StreamRequest (protobuf parse failed)"));
+      Pump();
+      return;
+    }
+  }
+  if (!ok) {
+    reads_done_ = true;
+  } else if (!opened_) {
+    HandleOpen();
+  } else {
+    HandleRequest();
+  }
+  Pump();
+}
+
+void StreamReactor::OnWriteDone(bool ok) {
+  std::lock_guard<std::mutex> lock(mu_);
+  write_pending_ = false;
+  if (!ok) {
+    // The client is gone; nothing more can be sent. Queued batches skip.
+    broken_ = true;
+    link_->cancelled_flag = true;
+    outbox_.clear();
+  }
+  Pump();
+}
+
+void StreamReactor::OnCancel() {
+  std::lock_guard<std::mutex> lock(mu_);
+  broken_ = true;
+  link_->cancelled_flag = true;
+  outbox_.clear();
+  Pump();
+}
+
+void StreamReactor::OnDone() {
+  {
+    std::lock_guard<std::mutex> lock(link_->mu);
+    link_->reactor = nullptr;
+    link_->cancelled_flag = true;
+  }
+  service_->Unregister(this);
+  delete this;  // the transport's destructor joins its threads
+}
+
+void StreamReactor::Drain() {
+  std::lock_guard<std::mutex> lock(mu_);
+  draining_ = true;
+  Pump();
+}
+
+void StreamReactor::OnResult(uint64_t batch_id, absl::StatusOr<ForwardResult> result,
+                             uint64_t checksum) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (finished_ || broken_) return;
+  if (!result.ok()) {
+    PushError(batch_id, result.status(), /*releases_credit=*/true);
+  } else {
+    Outgoing out;
+    out.batch_id = batch_id;
+    out.result = std::make_shared<ForwardResult>(*std::move(result));
+    out.payload = transport_->WritePayload(batch_id, out.result);
+    out.checksum = checksum;
+    out.releases_credit = true;
+    outbox_.push_back(std::move(out));
+  }
+  Pump();
+}
+
+void StreamReactor::OnTransportOpened(TransportOpened opened) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (finished_ || broken_) {
+    opening_ = false;
+    Pump();
+    return;
+  }
+  SendOpened(opened);
+  opening_ = !opened.ready;
+  Pump();
+}
+
+void StreamReactor::OnTransportReady() {
+  std::lock_guard<std::mutex> lock(mu_);
+  opening_ = false;
+  Pump();
+}
+
+void StreamReactor::OnTransportFailed(absl::Status status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  opening_ = false;
+  FailStream(std::move(status));
+  Pump();
+}
+
+void StreamReactor::OnSend(StreamResponse msg) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (finished_ || broken_) return;
+  outbox_.push_back(Outgoing{.message = std::move(msg)});
+  Pump();
+}
+
+void StreamReactor::HandleOpen() {
+  if (req_.msg_case() != StreamRequest::kOpen) {
+    FailStream(absl::InvalidArgumentError(
+        "the first message of StreamHiddenStates must be Open (layers, encoding, transport)"));
+    return;
+  }
+  const v1::Open& open = req_.open();
+  const ModelConfig& config = service_->model().config;
+  if (!open.expected_fingerprint().empty() &&
+      open.expected_fingerprint() != service_->model().fingerprint) {
+    FailStream(absl::FailedPreconditionError(absl::StrCat(
+        "model fingerprint mismatch: the client expects ", open.expected_fingerprint(),
+        " but this target serves ", service_->model().id, " with fingerprint ",
+        service_->model().fingerprint)));
+    return;
+  }
+  if (open.encoding() != v1::ENCODING_UNSPECIFIED && open.encoding() != v1::ENCODING_BF16) {
+    FailStream(absl::UnimplementedError(absl::StrCat(
+        "encoding ", EncodingName(open.encoding()), " is not served by this target; offered: bf16")));
+    return;
+  }
+  if (absl::Status s = CheckTransportKnown(open.transport()); !s.ok()) {
+    FailStream(std::move(s));
+    return;
+  }
+  std::vector<int32_t> layers(open.layers().begin(), open.layers().end());
+  if (absl::Status s = ValidateLayers(config, layers); !s.ok()) {
+    FailStream(std::move(s));
+    return;
+  }
+  if (absl::Status s = service_->CheckCaptureLayers(layers.size()); !s.ok()) {
+    FailStream(std::move(s));
+    return;
+  }
+  const ServiceOptions& opt = service_->options();
+  credits_ = open.max_inflight_batches() <= 0
+                 ? opt.default_credits
+                 : std::min(open.max_inflight_batches(), opt.max_credits);
+  layers_ = std::move(layers);
+
+  absl::StatusOr<std::unique_ptr<StreamTransport>> transport =
+      OpenStreamTransport(service_->transport_env(), open, link_);
+  if (!transport.ok()) {
+    FailStream(transport.status());
+    return;
+  }
+  transport_ = *std::move(transport);
+  std::optional<TransportOpened> opened = transport_->Start();
+  if (opened.has_value()) {
+    SendOpened(*opened);
+  } else {
+    opening_ = true;  // Opened follows from the transport (OnTransportOpened)
+  }
+}
+
+void StreamReactor::SendOpened(const TransportOpened& transport) {
+  const ServiceOptions& opt = service_->options();
+  opened_ = true;
+  StreamResponse resp;
+  v1::Opened* opened = resp.mutable_opened();
+  *opened->mutable_info() = service_->Info();
+  for (int32_t l : layers_) opened->add_layers(l);
+  opened->set_encoding(v1::ENCODING_BF16);
+  opened->set_transport(transport.transport);
+  opened->set_max_inflight_batches(credits_);
+  opened->set_chunk_bytes(opt.chunk_bytes);
+  opened->set_transport_note(transport.note);
+  outbox_.push_back(Outgoing{.message = std::move(resp)});
+}
+
+void StreamReactor::HandleRequest() {
+  if (req_.msg_case() == StreamRequest::kOpen) {
+    FailStream(absl::InvalidArgumentError("Open was sent twice on one stream"));
+    return;
+  }
+  if (req_.msg_case() != StreamRequest::kBatch) {
+    FailStream(absl::InvalidArgumentError("empty StreamRequest (neither open nor batch)"));
+    return;
+  }
+  v1::Batch* batch = req_.mutable_batch();
+  const uint64_t batch_id = batch->batch_id();
+  if (draining_ || service_->draining()) {
+    PushError(batch_id, absl::UnavailableError("target is shutting down; send this batch elsewhere"),
+              false);
+    return;
+  }
+  WorkItem item;
+  item.token_ids.assign(batch->token_ids().begin(), batch->token_ids().end());
+  item.seq_lens.assign(batch->seq_lens().begin(), batch->seq_lens().end());
+  if (batch->layers_size() > 0) {
+    item.layers.assign(batch->layers().begin(), batch->layers().end());
+  } else {
+    item.layers = layers_;
+  }
+  absl::Status valid = ValidateForwardInput(service_->model().config,
+                                            ForwardInput{item.token_ids, item.seq_lens, item.layers},
+                                            service_->options().max_batch_tokens);
+  if (valid.ok()) valid = service_->CheckCaptureLayers(item.layers.size());
+  if (!valid.ok()) {
+    PushError(batch_id,
+              absl::Status(valid.code(), absl::StrCat("batch ", batch_id, ": ", valid.message())),
+              false);
+    return;
+  }
+  std::shared_ptr<ReactorLink> link = link_;
+  item.cancelled = [link] { return link->cancelled(); };
+  item.done = [link, batch_id](absl::StatusOr<ForwardResult> r) {
+    link->Deliver(batch_id, std::move(r));
+  };
+  transport_->Post(batch_id, item);
+  ++inflight_;
+  if (absl::Status s = service_->scheduler().Submit(std::move(item)); !s.ok()) {
+    --inflight_;
+    PushError(batch_id, s, false);
+  }
+}
+
+void StreamReactor::PushError(uint64_t batch_id, const absl::Status& status,
+                              bool releases_credit) {
+  StreamResponse resp;
+  v1::BatchError* err = resp.mutable_error();
+  err->set_batch_id(batch_id);
+  err->set_code(static_cast<int32_t>(status.code()));
+  err->set_message(std::string(status.message()));
+  outbox_.push_back(Outgoing{.message = std::move(resp), .releases_credit = releases_credit});
+}
+
+void StreamReactor::FailStream(absl::Status status) {
+  if (finish_status_.ok()) finish_status_ = std::move(status);
+  reads_done_ = true;
+}
+
+void StreamReactor::NextMessage() {
+  Outgoing& out = outbox_.front();
+  if (out.message.has_value()) {
+    raw_resp_ = Serialize(*out.message);
+    if (out.releases_credit) --inflight_;
+    outbox_.pop_front();
+    return;
+  }
+  if (out.payload != nullptr && out.payload->Next(&raw_resp_)) return;
+  raw_resp_ = Serialize(DoneMessage(out.batch_id, *out.result, out.checksum));
+  if (out.releases_credit) --inflight_;
+  outbox_.pop_front();
+}
+
+void StreamReactor::Pump() {
+  if (finished_) return;
+  if (broken_) {
+    if (!write_pending_) {
+      finished_ = true;
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "client went away"));
+    }
+    return;
+  }
+  if (!write_pending_ && !outbox_.empty()) {
+    NextMessage();
+    write_pending_ = true;
+    StartWrite(&raw_resp_);
+  }
+  const bool draining = draining_ || service_->draining();
+  if (!read_pending_ && !reads_done_ && !draining && !opening_ &&
+      (!opened_ || inflight_ < credits_)) {
+    read_pending_ = true;
+    StartRead(&raw_req_);
+  }
+  const bool input_over = reads_done_ || draining;
+  if (input_over && inflight_ == 0 && outbox_.empty() && !write_pending_) {
+    finished_ = true;
+    if (!finish_status_.ok()) {
+      Finish(ToGrpcStatus(finish_status_));
+    } else if (draining && !reads_done_) {
+      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "target is shutting down; every accepted batch was sent, "
+                          "send further batches to another target"));
+    } else {
+      Finish(grpc::Status::OK);
+    }
+  }
+}
+
+}  // namespace draftfeed

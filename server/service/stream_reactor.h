@@ -1,0 +1,96 @@
+// One StreamHiddenStates stream: reads Open, then Batches (at most its
+// credits in flight), hands them to the scheduler, and writes each result
+// (through the stream's transport), BatchDone and BatchError in order.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "draftfeed/v1/draftfeed.pb.h"
+#include "server/service/scheduler.h"
+#include "server/service/stream_transport.h"
+
+namespace draftfeed {
+
+class TargetService;
+class ReactorLink;
+
+class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  StreamReactor(TargetService* service, grpc::CallbackServerContext* ctx);
+
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override;
+
+  // The target drains: no more batches are read.
+  void Drain();
+
+ private:
+  friend class ReactorLink;
+
+  // One thing to send: a ready message, or a batch result sent as its
+  // payload then BatchDone. `releases_credit` marks the last message of an
+  // accepted batch.
+  struct Outgoing {
+    std::optional<v1::StreamResponse> message;
+    uint64_t batch_id = 0;
+    std::shared_ptr<ForwardResult> result;
+    std::unique_ptr<PayloadWriter> payload;
+    uint64_t checksum = 0;
+    bool releases_credit = false;
+  };
+
+  // From the link (the scheduler's completion thread, the transport's).
+  void OnResult(uint64_t batch_id, absl::StatusOr<ForwardResult> result, uint64_t checksum);
+  void OnTransportOpened(TransportOpened opened);
+  void OnTransportReady();
+  void OnTransportFailed(absl::Status status);
+  void OnSend(v1::StreamResponse msg);
+
+  void HandleOpen();
+  void SendOpened(const TransportOpened& opened);
+  void HandleRequest();
+  void PushError(uint64_t batch_id, const absl::Status& status, bool releases_credit);
+  // Ends the stream with `status` once what is already queued has been sent.
+  void FailStream(absl::Status status);
+  // Fills raw_resp_ with the next message of the outbox front.
+  void NextMessage();
+  // Advances the stream: next write, next read, or Finish. Called with mu_ held.
+  void Pump();
+
+  TargetService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  const std::shared_ptr<ReactorLink> link_;
+  std::unique_ptr<StreamTransport> transport_;  // from Open on
+  bool opening_ = false;  // the transport is not ready yet: no batch is read
+
+  std::mutex mu_;
+  grpc::ByteBuffer raw_req_;
+  grpc::ByteBuffer raw_resp_;
+  v1::StreamRequest req_;
+  std::deque<Outgoing> outbox_;
+  std::vector<int32_t> layers_;
+  absl::Status finish_status_;
+  int32_t credits_ = 0;
+  int64_t inflight_ = 0;  // accepted batches whose last message is not yet written
+  bool opened_ = false;
+  bool read_pending_ = false;
+  bool write_pending_ = false;
+  bool reads_done_ = false;
+  bool draining_ = false;
+  bool broken_ = false;
+  bool finished_ = false;
+};
+
+}  // namespace draftfeed

@@ -1,0 +1,28 @@
+// The one place that knows which transports exist: what this build and this
+// target offer (TargetInfo.transports), and which transport carries a stream
+// by its Open (transport=grpc, nccl, or auto: NCCL when it can, else gRPC).
+// A new transport is its own file pair behind StreamTransport plus its lines
+// here.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "draftfeed/v1/draftfeed.pb.h"
+#include "server/service/stream_transport.h"
+
+namespace draftfeed {
+
+std::vector<v1::Transport> OfferedTransports(const TransportEnv& env);
+
+// UNIMPLEMENTED for a transport value this version does not know.
+absl::Status CheckTransportKnown(v1::Transport transport);
+
+// The transport for a stream opened with `open` (its value already known);
+// FAILED_PRECONDITION when transport=nccl was asked and cannot be served.
+absl::StatusOr<std::unique_ptr<StreamTransport>> OpenStreamTransport(
+    const TransportEnv& env, const v1::Open& open, std::shared_ptr<StreamLink> link);
+
+}  // namespace draftfeed
