@@ -30,9 +30,7 @@ ChunkWriter::ChunkWriter(uint64_t batch_id, std::shared_ptr<ForwardResult> resul
                          int64_t chunk_bytes)
     : batch_id_(batch_id),
       result_(std::move(result)),
-      bytes_per_token_(result_->tokens > 0
-                           ? static_cast<int64_t>(result_->hidden_size) / result_->tokens * 2
-                           : 0),
+      bytes_per_token_(result_->bytes_per_token),
       tokens_per_chunk_(std::max<int64_t>(1, chunk_bytes / std::max<int64_t>(1, bytes_per_token_))) {}
 
 bool ChunkWriter::Next(grpc::ByteBuffer* out) {
@@ -46,7 +44,7 @@ bool ChunkWriter::Next(grpc::ByteBuffer* out) {
     return false;
   }
   const int64_t count = std::min(tokens_per_chunk_, r.tokens - next_token_);
-  const auto* base = reinterpret_cast<const std::byte*>(r.hidden.get());
+  const std::byte* base = r.capture.get();
   *out = ChunkBuffer({.batch_id = batch_id_, .token_offset = next_token_, .token_count = count},
                      result_, base + next_token_ * bytes_per_token_,
                      static_cast<size_t>(count * bytes_per_token_));

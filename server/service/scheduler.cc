@@ -4,14 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/thread_name.h"
+#include "server/service/elapsed.h"
 
 namespace draftfeed {
-
-namespace {
-double MsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-}  // namespace
 
 Scheduler::Scheduler(std::vector<Engine*> engines, int64_t max_queued, double throttle_tokens_per_s,
                      int64_t pool_idle_bytes, HostAllocator host_allocator)
@@ -119,9 +114,11 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
   ForwardResult& result = c->result;
   result.queue_ms = MsSince(entry.enqueued);
   result.tokens = c->tokens;
-  result.hidden_size = static_cast<size_t>(c->tokens * static_cast<int64_t>(item.layers.size()) *
-                                           engine->model().config.hidden_size);
-  const ForwardInput input{item.token_ids, item.seq_lens, item.layers};
+  result.encoding = item.encoding;
+  result.bytes_per_token = CaptureBytesPerToken(
+      item.encoding, static_cast<int64_t>(item.layers.size()), engine->model().config.hidden_size);
+  result.bytes = static_cast<size_t>(c->tokens * result.bytes_per_token);
+  const ForwardInput input{item.token_ids, item.seq_lens, item.layers, item.encoding};
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status status;
   bool copy_pending = false;
@@ -137,15 +134,14 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
     status = engine->ForwardToDevice(input, item.device_sink, second_half);
     copy_pending = status.ok();
   } else {
-    result.hidden = std::reinterpret_pointer_cast<uint16_t>(pool_.Acquire(result.hidden_size * 2));
-    if (result.hidden == nullptr) {
+    result.capture = pool_.Acquire(result.bytes);
+    if (result.capture == nullptr) {
       status = absl::ResourceExhaustedError(
-          absl::StrCat("cannot allocate ", (result.hidden_size * 2) >> 20,
+          absl::StrCat("cannot allocate ", result.bytes >> 20,
                        " MiB of host memory for the batch's capture"));
     } else {
-      status = engine->ForwardAsync(
-          input, std::as_writable_bytes(std::span<uint16_t>(result.hidden.get(), result.hidden_size)),
-          second_half);
+      status = engine->ForwardAsync(input, std::span<std::byte>(result.capture.get(), result.bytes),
+                                    second_half);
       copy_pending = status.ok();
     }
   }
@@ -177,7 +173,7 @@ void Scheduler::CompletionLoop(Lane& lane) {
     if (c->status.ok()) {
       c->done(std::move(c->result));
     } else {
-      c->result.hidden.reset();  // back to the pool before the error is handled
+      c->result.capture.reset();  // back to the pool before the error is handled
       c->done(std::move(c->status));
     }
     std::lock_guard<std::mutex> lock(mu_);

@@ -21,15 +21,19 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "server/model/engine.h"
+#include "common/capture_encoding.h"
 #include "common/host_buffer_pool.h"
+#include "server/model/engine.h"
 
 namespace draftfeed {
 
-// The captured states of one batch, bf16 [T, K, H], in a pooled host buffer.
+// The captured states of one batch, [T, K, H] in `encoding`, in a pooled
+// host buffer of tokens * bytes_per_token bytes.
 struct ForwardResult {
-  std::shared_ptr<uint16_t> hidden;
-  size_t hidden_size = 0;  // elements
+  std::shared_ptr<std::byte> capture;  // null when the capture went from the device
+  size_t bytes = 0;
+  CaptureEncoding encoding = CaptureEncoding::kBf16;
+  int64_t bytes_per_token = 0;
   int64_t tokens = 0;
   double queue_ms = 0;
   double forward_ms = 0;
@@ -43,6 +47,7 @@ struct WorkItem {
   std::vector<int32_t> token_ids;
   std::vector<int32_t> seq_lens;
   std::vector<int32_t> layers;
+  CaptureEncoding encoding = CaptureEncoding::kBf16;
   // Called exactly once on the engine's completion thread, in the order the
   // engine took its items: with the result, or with the error that stopped
   // it (cancelled items get CANCELLED without running). It may take its time
@@ -51,7 +56,7 @@ struct WorkItem {
   // Checked before the forward starts; true skips the work.
   std::function<bool()> cancelled;
   // When set (NCCL transport), the capture is handed over while still on the
-  // device and `done` gets a result without a host buffer (`hidden` null),
+  // device and `done` gets a result without a host buffer (`capture` null),
   // once the sink's work is done (the engine is on the next batch by then).
   Engine::DeviceSink device_sink;
 };

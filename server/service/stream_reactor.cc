@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/payload_checksum.h"
 #include "server/service/status_util.h"
+#include "server/service/stream_open.h"
 #include "server/service/target_service.h"
 #include "server/service/transport_registry.h"
 
@@ -51,7 +52,7 @@ class ReactorLink final : public StreamLink {
     if (result.ok()) {
       checksum = result->checksum.has_value()
                      ? *result->checksum
-                     : v1::PayloadChecksum(result->hidden.get(), result->hidden_size * 2);
+                     : v1::PayloadChecksum(result->capture.get(), result->bytes);
     }
     std::lock_guard<std::mutex> lock(mu);
     if (reactor == nullptr) return;
@@ -81,23 +82,6 @@ StreamResponse DoneMessage(uint64_t batch_id, const ForwardResult& r, uint64_t c
   done->mutable_timings()->set_forward_ms(r.forward_ms);
   done->mutable_timings()->set_send_ms(r.send_ms);
   return msg;
-}
-
-absl::Status ValidateLayers(const ModelConfig& config, std::span<const int32_t> layers) {
-  // Token checks need a batch; reuse the shared validator with one token.
-  const int32_t token = 0;
-  const int32_t len = 1;
-  return ValidateForwardInput(config, ForwardInput{{&token, 1}, {&len, 1}, layers}, 1);
-}
-
-const char* EncodingName(v1::Encoding e) {
-  switch (e) {
-    case v1::ENCODING_UNSPECIFIED:
-    case v1::ENCODING_BF16: return "bf16";
-    case v1::ENCODING_FP8_E4M3: return "fp8_e4m3";
-    case v1::ENCODING_BF16_ZSTD: return "bf16_zstd";
-    default: return "unknown";
-  }
 }
 
 }  // namespace
@@ -224,39 +208,14 @@ void StreamReactor::HandleOpen() {
     return;
   }
   const v1::Open& open = req_.open();
-  const ModelConfig& config = service_->model().config;
-  if (!open.expected_fingerprint().empty() &&
-      open.expected_fingerprint() != service_->model().fingerprint) {
-    FailStream(absl::FailedPreconditionError(absl::StrCat(
-        "model fingerprint mismatch: the client expects ", open.expected_fingerprint(),
-        " but this target serves ", service_->model().id, " with fingerprint ",
-        service_->model().fingerprint)));
+  absl::StatusOr<StreamPlan> plan = PlanStream(*service_, open);
+  if (!plan.ok()) {
+    FailStream(plan.status());
     return;
   }
-  if (open.encoding() != v1::ENCODING_UNSPECIFIED && open.encoding() != v1::ENCODING_BF16) {
-    FailStream(absl::UnimplementedError(absl::StrCat(
-        "encoding ", EncodingName(open.encoding()), " is not served by this target; offered: bf16")));
-    return;
-  }
-  if (absl::Status s = CheckTransportKnown(open.transport()); !s.ok()) {
-    FailStream(std::move(s));
-    return;
-  }
-  std::vector<int32_t> layers(open.layers().begin(), open.layers().end());
-  if (absl::Status s = ValidateLayers(config, layers); !s.ok()) {
-    FailStream(std::move(s));
-    return;
-  }
-  if (absl::Status s = service_->CheckCaptureLayers(layers.size()); !s.ok()) {
-    FailStream(std::move(s));
-    return;
-  }
-  const ServiceOptions& opt = service_->options();
-  credits_ = open.max_inflight_batches() <= 0
-                 ? opt.default_credits
-                 : std::min(open.max_inflight_batches(), opt.max_credits);
-  layers_ = std::move(layers);
-
+  credits_ = plan->credits;
+  layers_ = std::move(plan->layers);
+  encoding_ = plan->encoding;
   absl::StatusOr<std::unique_ptr<StreamTransport>> transport =
       OpenStreamTransport(service_->transport_env(), open, link_);
   if (!transport.ok()) {
@@ -279,7 +238,7 @@ void StreamReactor::SendOpened(const TransportOpened& transport) {
   v1::Opened* opened = resp.mutable_opened();
   *opened->mutable_info() = service_->Info();
   for (int32_t l : layers_) opened->add_layers(l);
-  opened->set_encoding(v1::ENCODING_BF16);
+  opened->set_encoding(static_cast<v1::Encoding>(encoding_));
   opened->set_transport(transport.transport);
   opened->set_max_inflight_batches(credits_);
   opened->set_chunk_bytes(opt.chunk_bytes);
@@ -311,8 +270,10 @@ void StreamReactor::HandleRequest() {
   } else {
     item.layers = layers_;
   }
+  item.encoding = encoding_;
   absl::Status valid = ValidateForwardInput(service_->model().config,
-                                            ForwardInput{item.token_ids, item.seq_lens, item.layers},
+                                            ForwardInput{item.token_ids, item.seq_lens, item.layers,
+                                                         item.encoding},
                                             service_->options().max_batch_tokens);
   if (valid.ok()) valid = service_->CheckCaptureLayers(item.layers.size());
   if (!valid.ok()) {

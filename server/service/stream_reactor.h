@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/capture_encoding.h"
 #include "draftfeed/v1/draftfeed.pb.h"
 #include "server/service/scheduler.h"
 #include "server/service/stream_transport.h"
@@ -81,6 +82,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   v1::StreamRequest req_;
   std::deque<Outgoing> outbox_;
   std::vector<int32_t> layers_;
+  CaptureEncoding encoding_ = CaptureEncoding::kBf16;
   absl::Status finish_status_;
   int32_t credits_ = 0;
   int64_t inflight_ = 0;  // accepted batches whose last message is not yet written

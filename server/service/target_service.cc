@@ -36,7 +36,7 @@ v1::TargetInfo TargetService::Info() const {
   for (Engine* e : engines_) info.add_devices(e->device_name());
   info.set_max_batch_tokens(options_.max_batch_tokens);
   for (v1::Transport t : OfferedTransports(transport_env())) info.add_transports(t);
-  info.add_encodings(v1::ENCODING_BF16);
+  for (CaptureEncoding e : encodings()) info.add_encodings(static_cast<v1::Encoding>(e));
   info.set_server_version(std::string(kDraftfeedVersion));
   for (LayerKind k : m.config.layer_types) {
     info.add_layer_types(k == LayerKind::kFullAttention ? "full_attention" : "linear_attention");
@@ -44,6 +44,17 @@ v1::TargetInfo TargetService::Info() const {
   info.set_max_credits(options_.max_credits);
   info.set_max_capture_layers(static_cast<int32_t>(max_capture_layers()));
   return info;
+}
+
+std::vector<CaptureEncoding> TargetService::encodings() const {
+  std::vector<CaptureEncoding> served = engines_.front()->encodings();
+  for (Engine* e : engines_) {
+    const std::vector<CaptureEncoding> its = e->encodings();
+    std::erase_if(served, [&](CaptureEncoding c) {
+      return std::find(its.begin(), its.end(), c) == its.end();
+    });
+  }
+  return served;
 }
 
 int64_t TargetService::max_capture_layers() const {

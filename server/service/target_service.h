@@ -12,6 +12,7 @@
 
 #include <grpcpp/server.h>
 
+#include "common/capture_encoding.h"
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 #include "server/model/engine.h"
 #include "server/service/scheduler.h"
@@ -71,6 +72,8 @@ class TargetService final
   const ServiceOptions& options() const { return options_; }
   const Model& model() const { return engines_.front()->model(); }
   v1::TargetInfo Info() const;
+  // The capture encodings every engine writes, in the first engine's order.
+  std::vector<CaptureEncoding> encodings() const;
   // Most layers one batch may capture on every engine (0 = no limit), and
   // the error for a stream or batch that asks for more.
   int64_t max_capture_layers() const;

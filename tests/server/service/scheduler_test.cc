@@ -103,11 +103,13 @@ class Recorder {
     item.token_ids.assign(static_cast<size_t>(tokens), id);
     item.seq_lens = {tokens};
     item.layers = {0, -1};
-    item.done = [this, id](absl::StatusOr<ForwardResult> r) {
+    item.done = [this, id, tokens](absl::StatusOr<ForwardResult> r) {
       Delivery d{id, r.status().code(), false};
       if (r.ok()) {
-        d.values_ok = r->hidden_size > 0;
-        for (size_t i = 0; i < r->hidden_size; ++i) d.values_ok &= r->hidden.get()[i] == id;
+        d.values_ok = r->bytes > 0 && r->encoding == CaptureEncoding::kBf16 &&
+                      r->bytes == static_cast<size_t>(tokens * r->bytes_per_token);
+        const auto* values = reinterpret_cast<const uint16_t*>(r->capture.get());
+        for (size_t i = 0; i < r->bytes / 2; ++i) d.values_ok &= values[i] == id;
       }
       std::lock_guard<std::mutex> lock(mu_);
       got_.push_back(d);
@@ -268,7 +270,7 @@ TEST(SchedulerTest, DeviceSinksDeliverInForwardOrderWithTheirChecksums) {
       item.done = [&, id](absl::StatusOr<ForwardResult> r) {
         std::lock_guard<std::mutex> lock(mu);
         got.push_back({id, r.status().code(), r.ok() ? r->checksum : std::nullopt,
-                       r.ok() && r->hidden != nullptr});
+                       r.ok() && r->capture != nullptr});
         cv.notify_all();
       };
       ASSERT_TRUE(sched.Submit(std::move(item)).ok());

@@ -319,7 +319,7 @@ TEST(ServiceTest, StreamLevelRefusals) {
   {
     v1::Open o = OpenFor({1});
     o.set_encoding(v1::ENCODING_FP8_E4M3);
-    cases.push_back({o, grpc::StatusCode::UNIMPLEMENTED, "encoding fp8_e4m3"});
+    cases.push_back({o, grpc::StatusCode::INVALID_ARGUMENT, "encoding fp8_e4m3"});
   }
   {
     v1::Open o = OpenFor({1});

@@ -1,0 +1,71 @@
+#include "server/service/stream_open.h"
+
+#include <algorithm>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "server/model/engine.h"
+#include "server/service/target_service.h"
+#include "server/service/transport_registry.h"
+
+namespace draftfeed {
+
+namespace {
+
+// The wire's name in the short form the client's options use ("fp8_e4m3").
+std::string WireEncodingName(v1::Encoding e) {
+  const std::string& full = v1::Encoding_Name(e);
+  if (full.empty()) return absl::StrCat("unknown (", static_cast<int>(e), ")");
+  return absl::AsciiStrToLower(absl::string_view(full).substr(sizeof("ENCODING_") - 1));
+}
+
+absl::StatusOr<CaptureEncoding> ResolveEncoding(const TargetService& service, v1::Encoding asked) {
+  // ENCODING_UNSPECIFIED is what an older client sends: bf16, the first encoding.
+  const v1::Encoding wire = asked == v1::ENCODING_UNSPECIFIED ? v1::ENCODING_BF16 : asked;
+  const std::vector<CaptureEncoding> served = service.encodings();
+  const std::optional<CaptureEncoding> encoding = EncodingFromWire(wire);
+  if (encoding.has_value() && std::find(served.begin(), served.end(), *encoding) != served.end()) {
+    return *encoding;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "encoding ", WireEncodingName(wire), " is not served by this target; offered: ",
+      absl::StrJoin(served, ", ", [](std::string* out, CaptureEncoding e) {
+        absl::StrAppend(out, std::string(EncodingName(e)));
+      })));
+}
+
+absl::Status ValidateLayers(const ModelConfig& config, std::span<const int32_t> layers) {
+  // Token checks need a batch; reuse the shared validator with one token.
+  const int32_t token = 0;
+  const int32_t len = 1;
+  return ValidateForwardInput(config, ForwardInput{{&token, 1}, {&len, 1}, layers}, 1);
+}
+
+}  // namespace
+
+absl::StatusOr<StreamPlan> PlanStream(const TargetService& service, const v1::Open& open) {
+  const Model& model = service.model();
+  if (!open.expected_fingerprint().empty() && open.expected_fingerprint() != model.fingerprint) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model fingerprint mismatch: the client expects ", open.expected_fingerprint(),
+        " but this target serves ", model.id, " with fingerprint ", model.fingerprint));
+  }
+  StreamPlan plan;
+  DF_ASSIGN_OR_RETURN(plan.encoding, ResolveEncoding(service, open.encoding()));
+  DF_RETURN_IF_ERROR(CheckTransportKnown(open.transport()));
+  plan.layers.assign(open.layers().begin(), open.layers().end());
+  DF_RETURN_IF_ERROR(ValidateLayers(model.config, plan.layers));
+  DF_RETURN_IF_ERROR(service.CheckCaptureLayers(plan.layers.size()));
+  const ServiceOptions& opt = service.options();
+  plan.credits = open.max_inflight_batches() <= 0
+                     ? opt.default_credits
+                     : std::min(open.max_inflight_batches(), opt.max_credits);
+  return plan;
+}
+
+}  // namespace draftfeed
