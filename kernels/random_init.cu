@@ -11,18 +11,28 @@ __device__ __forceinline__ uint64_t Mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-__device__ __forceinline__ float Uniform(uint64_t seed, int64_t i) {
+// 24 random bits of (seed, i) -> [0, 1).
+__device__ __forceinline__ float Unit(uint64_t seed, int64_t i) {
   const uint64_t h = Mix(seed ^ Mix(static_cast<uint64_t>(i)));
-  // 24 random bits -> [0, 1), then to [−√3, √3).
-  const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
-  return (u * 2.0f - 1.0f) * 1.7320508f;
+  return static_cast<float>(h >> 40) * (1.0f / 16777216.0f);
 }
 
-template <typename T>
-__global__ void FillKernel(T* p, int64_t n, uint64_t seed, float scale, float offset) {
+// [0, 1) to [−√3, √3): unit variance.
+__device__ __forceinline__ float Uniform(uint64_t seed, int64_t i) {
+  return (Unit(seed, i) * 2.0f - 1.0f) * 1.7320508f;
+}
+
+// kLogUniform: p[i] = log(a + b·u); otherwise p[i] = b + a·Uniform (a = scale, b = offset).
+template <typename T, bool kLogUniform>
+__global__ void FillKernel(T* p, int64_t n, uint64_t seed, float a, float b) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float v = offset + scale * Uniform(seed, i);
+    float v;
+    if constexpr (kLogUniform) {
+      v = logf(a + b * Unit(seed, i));
+    } else {
+      v = b + a * Uniform(seed, i);
+    }
     if constexpr (sizeof(T) == 2) {
       p[i] = __float2bfloat16(v);
     } else {
@@ -31,12 +41,13 @@ __global__ void FillKernel(T* p, int64_t n, uint64_t seed, float scale, float of
   }
 }
 
-template <typename T>
-cudaError_t Fill(T* p, int64_t n, uint64_t seed, float scale, float offset, cudaStream_t stream) {
+template <typename T, bool kLogUniform = false>
+cudaError_t Fill(T* p, int64_t n, uint64_t seed, float a, float b, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 132 * 32);
-  FillKernel<T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, n, seed, scale, offset);
+  FillKernel<T, kLogUniform><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, n, seed, a,
+                                                                                   b);
   return cudaGetLastError();
 }
 
@@ -50,6 +61,16 @@ cudaError_t FillRandomBf16(bf16* p, int64_t n, uint64_t seed, float scale, float
 cudaError_t FillRandomF32(float* p, int64_t n, uint64_t seed, float scale, float offset,
                           cudaStream_t stream) {
   return Fill(p, n, seed, scale, offset, stream);
+}
+
+cudaError_t FillLogUniformBf16(bf16* p, int64_t n, uint64_t seed, float lo, float hi,
+                               cudaStream_t stream) {
+  return Fill<bf16, true>(p, n, seed, lo, hi - lo, stream);
+}
+
+cudaError_t FillLogUniformF32(float* p, int64_t n, uint64_t seed, float lo, float hi,
+                              cudaStream_t stream) {
+  return Fill<float, true>(p, n, seed, lo, hi - lo, stream);
 }
 
 }  // namespace draftfeed::cuda

@@ -13,5 +13,11 @@ cudaError_t FillRandomBf16(bf16* p, int64_t n, uint64_t seed, float scale, float
 // The same in fp32 (A_log, dt_bias).
 cudaError_t FillRandomF32(float* p, int64_t n, uint64_t seed, float scale, float offset,
                           cudaStream_t stream);
+// p[i] = log(lo + (hi − lo)·u_i), u_i uniform in [0, 1) from the same hash (a
+// log-uniform, as for GDN's A_log = log(U(1, 16))).
+cudaError_t FillLogUniformBf16(bf16* p, int64_t n, uint64_t seed, float lo, float hi,
+                               cudaStream_t stream);
+cudaError_t FillLogUniformF32(float* p, int64_t n, uint64_t seed, float lo, float hi,
+                              cudaStream_t stream);
 
 }  // namespace draftfeed::cuda

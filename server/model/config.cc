@@ -154,6 +154,28 @@ constexpr ArchInfo kArchitectures[] = {
     {"Qwen3ForCausalLM", "qwen3", Arch::kQwen3Dense},
 };
 
+}  // namespace
+
+ArchFeatures FeaturesOf(Arch arch) {
+  switch (arch) {
+    case Arch::kQwen35Hybrid:
+      return {.norm = NormConvention::kOffsetOne,
+              .gated_attention = true,
+              .qk_norm = true,
+              .linear_attention = true,
+              .mlp = MlpKind::kDenseSwiGlu};
+    case Arch::kQwen3Dense:
+      return {.norm = NormConvention::kPlain,
+              .gated_attention = false,
+              .qk_norm = true,
+              .linear_attention = false,
+              .mlp = MlpKind::kDenseSwiGlu};
+  }
+  return {};
+}
+
+namespace {
+
 std::optional<Arch> ArchOfModelType(absl::string_view model_type) {
   for (const ArchInfo& a : kArchitectures) {
     if (a.model_type == model_type) return a.arch;
@@ -172,10 +194,10 @@ absl::StatusOr<LayerKind> ParseLayerType(const std::string& name, Arch arch,
                                          absl::string_view source, absl::string_view path) {
   // "attention" and "mamba" are transformers' legacy spellings.
   if (name == "full_attention" || name == "attention") return LayerKind::kFullAttention;
-  if (arch == Arch::kQwen35Hybrid && (name == "linear_attention" || name == "mamba")) {
+  if (FeaturesOf(arch).linear_attention && (name == "linear_attention" || name == "mamba")) {
     return LayerKind::kLinearAttention;
   }
-  const absl::string_view accepted = arch == Arch::kQwen35Hybrid
+  const absl::string_view accepted = FeaturesOf(arch).linear_attention
                                          ? "full_attention, linear_attention (or legacy "
                                            "attention, mamba)"
                                          : "full_attention (or legacy attention)";
@@ -273,7 +295,7 @@ absl::Status ParseDecoder(const JsonObject& dec, Arch arch, absl::string_view so
     }
   }
 
-  if (hybrid) {
+  if (FeaturesOf(arch).linear_attention) {
     struct {
       absl::string_view key;
       int64_t* dst;
@@ -420,7 +442,7 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view json,
   }
 
   ModelConfig cfg;
-  cfg.arch = *arch;
+  cfg.SetArch(*arch);
   if (*model_type == "qwen3_5") {
     cfg.multimodal = true;
     DF_ASSIGN_OR_RETURN(const Struct* text, top.Object("text_config"));
@@ -484,7 +506,7 @@ absl::Status ModelConfig::Validate() const {
   if (static_cast<int64_t>(layer_types.size()) != num_layers) {
     return bad("layer_types has ", layer_types.size(), " entries, num_hidden_layers=", num_layers);
   }
-  if (arch == Arch::kQwen35Hybrid) {
+  if (features.linear_attention) {
     const struct {
       absl::string_view name;
       int64_t value;
@@ -505,7 +527,8 @@ absl::Status ModelConfig::Validate() const {
   } else {
     for (size_t i = 0; i < layer_types.size(); ++i) {
       if (layer_types[i] != LayerKind::kFullAttention) {
-        return bad("layer ", i, " is linear_attention, which qwen3 does not have");
+        return bad("layer ", i, " is linear_attention, which ", std::string(ArchName(arch)),
+                   " does not have");
       }
     }
   }

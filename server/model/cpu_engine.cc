@@ -48,7 +48,6 @@ struct GdnWeights {
 };
 
 struct LayerF32 {
-  LayerKind kind = LayerKind::kFullAttention;
   Buffer input_norm, post_norm, gate, up, down;
   AttentionWeights attn;
   GdnWeights gdn;
@@ -132,7 +131,6 @@ float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 struct CpuEngine::Impl {
   const Model* model = nullptr;
   int threads = 1;
-  bool hybrid = true;
   cpu::RmsNormKind norm_kind = cpu::RmsNormKind::kZeroCentred;
   float eps = 1e-6f;
   Buffer embed_f32;  // a copy only when the stored table is misaligned for its dtype
@@ -155,6 +153,8 @@ struct CpuEngine::Impl {
   void Attention(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
   void GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
   void Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
+  // The mixer or MLP `kind` of layer `w`: m = block(u).
+  void Block(BlockKind kind, const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
   void Linear(const Buffer& x, const Buffer& w, int64_t rows, int64_t out_dim, int64_t in_dim,
               Buffer& y) const {
     y.resize(static_cast<size_t>(rows * out_dim));
@@ -170,11 +170,10 @@ absl::Status CpuEngine::Impl::Load() {
                                                    " layers of weights, config says ",
                                                    c.num_layers));
   }
-  hybrid = c.arch == Arch::kQwen35Hybrid;
-  norm_kind = hybrid ? cpu::RmsNormKind::kZeroCentred : cpu::RmsNormKind::kMultiplicative;
+  norm_kind = c.features.norm == NormConvention::kOffsetOne ? cpu::RmsNormKind::kZeroCentred
+                                                            : cpu::RmsNormKind::kMultiplicative;
   eps = static_cast<float>(c.rms_norm_eps);
   layers.resize(static_cast<size_t>(c.num_layers));
-  for (size_t i = 0; i < layers.size(); ++i) layers[i].kind = c.layer_types[i];
 
   for (const WeightSpec& spec : DecoderWeightSpecs(c)) {
     if (spec.layer < 0 && spec.global == &ModelWeights::embed_tokens) {
@@ -191,7 +190,7 @@ absl::Status CpuEngine::Impl::Load() {
       continue;
     }
     LayerF32& l = layers[static_cast<size_t>(spec.layer)];
-    if (spec.member == &LayerWeights::q_proj && hybrid) {
+    if (spec.member == &LayerWeights::q_proj && c.features.gated_attention) {
       SplitQueryGate(w, c.num_heads, c.head_dim, c.hidden_size, l.attn.wq, l.attn.wg);
     } else {
       *LayerSlot(l, spec.member) = std::move(w);
@@ -234,9 +233,10 @@ void CpuEngine::Impl::Attention(const LayerF32& w, const Batch& b, const Buffer&
   Linear(u, w.attn.wq, t, hq * hd, d, q);
   Linear(u, w.attn.wk, t, hkv * hd, d, k);
   Linear(u, w.attn.wv, t, hkv * hd, d, v);
-  // Per-head norms come before RoPE.
-  cpu::RmsNorm(q.data(), w.attn.q_norm.data(), t * hq, hd, eps, norm_kind, q.data());
-  cpu::RmsNorm(k.data(), w.attn.k_norm.data(), t * hkv, hd, eps, norm_kind, k.data());
+  if (c.features.qk_norm) {  // per-head norms come before RoPE
+    cpu::RmsNorm(q.data(), w.attn.q_norm.data(), t * hq, hd, eps, norm_kind, q.data());
+    cpu::RmsNorm(k.data(), w.attn.k_norm.data(), t * hkv, hd, eps, norm_kind, k.data());
+  }
   const float theta = static_cast<float>(c.rope_theta);
   cpu::ApplyRope(q.data(), t, hq, hd, c.rotary_dim(), b.positions.data(), theta);
   cpu::ApplyRope(k.data(), t, hkv, hd, c.rotary_dim(), b.positions.data(), theta);
@@ -316,6 +316,21 @@ void CpuEngine::Impl::Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Bu
   Linear(gate, w.down, t, d, f, m);
 }
 
+void CpuEngine::Impl::Block(BlockKind kind, const LayerF32& w, const Batch& b, const Buffer& u,
+                            Buffer& m) const {
+  switch (kind) {
+    case BlockKind::kAttention:
+      return Attention(w, b, u, m);
+    case BlockKind::kGatedDeltaNet:
+      return GatedDeltaNet(w, b, u, m);
+    case BlockKind::kDenseMlp:
+      return Ffn(w, b, u, m);
+    case BlockKind::kNorms:
+      break;  // applied by Run around the blocks
+  }
+  std::abort();  // BlocksOfLayer gives a mixer and an MLP only
+}
+
 void CpuEngine::Impl::Run(const ForwardInput& in, float* out) const {
   const ModelConfig& c = model->config;
   const int64_t d = c.hidden_size;
@@ -348,15 +363,12 @@ void CpuEngine::Impl::Run(const ForwardInput& in, float* out) const {
   Embed(in, h.data());
   for (int64_t i = 0; i <= last_layer; ++i) {
     const LayerF32& w = layers[static_cast<size_t>(i)];
+    const LayerBlocks blocks = BlocksOfLayer(c, i);
     cpu::RmsNorm(h.data(), w.input_norm.data(), b.tokens, d, eps, norm_kind, u.data());
-    if (w.kind == LayerKind::kFullAttention) {
-      Attention(w, b, u, m);
-    } else {
-      GatedDeltaNet(w, b, u, m);
-    }
+    Block(blocks.mixer, w, b, u, m);
     AddInto(h, m);
     cpu::RmsNorm(h.data(), w.post_norm.data(), b.tokens, d, eps, norm_kind, u.data());
-    Ffn(w, b, u, m);
+    Block(blocks.mlp, w, b, u, m);
     AddInto(h, m);
     if (slot[static_cast<size_t>(i + 1)] >= 0) capture(h, slot[static_cast<size_t>(i + 1)]);
   }

@@ -26,6 +26,8 @@
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope.cuh"
 #include "common/payload_checksum.h"
+#include "common/status_macros.h"
+#include "server/model/weight_layout.h"
 
 namespace draftfeed {
 
@@ -73,25 +75,16 @@ class Arena {
 }  // namespace
 
 struct CudaEngine::Impl {
+  // One block's device buffers, in its BlockDeviceBuffers order
+  // (weight_layout.h); null where the config has no such tensor.
+  struct DeviceBlock {
+    BlockKind kind = BlockKind::kNorms;
+    std::vector<void*> buffers;
+    bf16* bf(int i) const { return static_cast<bf16*>(buffers[static_cast<size_t>(i)]); }
+    float* f32(int i) const { return static_cast<float*>(buffers[static_cast<size_t>(i)]); }
+  };
   struct Layer {
-    LayerKind kind;
-    bf16* input_norm = nullptr;
-    bf16* post_norm = nullptr;
-    bf16* w_gate_up = nullptr;  // [2F, D]: gate rows then up rows
-    bf16* w_down = nullptr;     // [D, F]
-    // attention
-    bf16* w_qkv = nullptr;  // [q_proj; k_proj; v_proj]
-    bf16* w_o = nullptr;
-    bf16* q_norm = nullptr;
-    bf16* k_norm = nullptr;
-    // GDN
-    bf16* w_in = nullptr;  // [in_proj_qkv; in_proj_b; in_proj_a]
-    bf16* w_z = nullptr;
-    bf16* conv = nullptr;  // [C, K]
-    float* a_log = nullptr;
-    float* dt_bias = nullptr;
-    bf16* gnorm = nullptr;
-    bf16* w_out = nullptr;
+    DeviceBlock norms, mixer, mlp;
   };
 
   const Model* model = nullptr;
@@ -110,7 +103,8 @@ struct CudaEngine::Impl {
   int64_t C = 0, Nk = 0, Nv = 0, dk = 0, dv = 0, KC = 0;
   int64_t q_rows = 0;  // rows of q_proj: Hq·hd·(2 with the output gate)
   int64_t p_attn = 0, p_gdn = 0;
-  bool gated = true;
+  bool gated = true;    // features.gated_attention
+  bool qk_norm = true;  // features.qk_norm
 
   // Workspace.
   int32_t* d_ids = nullptr;
@@ -205,7 +199,11 @@ struct CudaEngine::Impl {
   // Enqueues the forward on `stream`; `sync` waits for it (and surfaces
   // errors of its kernels) before returning.
   absl::Status Run(const ForwardInput& in, bool sync = true);
-  absl::Status Mixer(const Layer& w, int64_t T, int32_t nseq, int32_t max_len);
+  // mix = block(u) for the mixer or MLP `b` of a layer.
+  absl::Status Block(const DeviceBlock& b, int64_t T, int32_t nseq, int32_t max_len);
+  absl::Status Attention(const DeviceBlock& b, int64_t T, int32_t nseq, int32_t max_len);
+  absl::Status GatedDeltaNet(const DeviceBlock& b, int64_t T, int32_t nseq);
+  absl::Status DenseMlp(const DeviceBlock& b, int64_t T);
 };
 
 absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt) {
@@ -219,11 +217,13 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   Hkv = c.num_kv_heads;
   hd = c.head_dim;
   R = c.rotary_dim();
-  gated = c.arch == Arch::kQwen35Hybrid;
-  norm_kind = gated ? cuda::NormKind::kZeroCentred : cuda::NormKind::kMultiplicative;
+  gated = c.features.gated_attention;
+  qk_norm = c.features.qk_norm;
+  norm_kind = c.features.norm == NormConvention::kOffsetOne ? cuda::NormKind::kZeroCentred
+                                                            : cuda::NormKind::kMultiplicative;
   q_rows = Hq * hd * (gated ? 2 : 1);
   p_attn = q_rows + 2 * Hkv * hd;
-  if (gated) {
+  if (c.features.linear_attention) {
     Nk = c.linear_num_key_heads;
     Nv = c.linear_num_value_heads;
     dk = c.linear_key_head_dim;
@@ -255,7 +255,7 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   probe.key_dim = dk;
   probe.value_dim = dv;
   probe.num_seqs = static_cast<int32_t>(options.max_seqs);
-  const size_t gdn_bytes = gated ? cuda::GdnWorkspaceBytes(probe) : 0;
+  const size_t gdn_bytes = c.features.linear_attention ? cuda::GdnWorkspaceBytes(probe) : 0;
   const size_t gemm_ws = 64 << 20;
   size_t total = 0;
   auto add = [&](size_t bytes) { total += Arena::Round(std::max<size_t>(bytes, 1)); };
@@ -382,209 +382,210 @@ void CudaEngine::Impl::StopCopier() {
 
 absl::Status CudaEngine::Impl::UploadWeights() {
   const ModelWeights& mw = model->weights;
+  const std::vector<WeightSpec> specs = DecoderWeightSpecs(model->config);
+  // Where each tensor (by its index in `specs`) goes on the device: a
+  // block's device buffer stacks its tensors row after row.
+  std::vector<char*> dst(specs.size(), nullptr);
+  std::vector<std::vector<size_t>> of_layer(static_cast<size_t>(L));
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].layer >= 0) of_layer[static_cast<size_t>(specs[i].layer)].push_back(i);
+  }
+  auto element_bytes = [&](size_t i) -> size_t { return specs[i].device_f32 ? 4 : 2; };
+  // The members of one device buffer that this layer has, as spec indices.
+  auto members = [&](int64_t l, const DeviceBuffer& buffer) {
+    std::vector<size_t> out;
+    for (Tensor LayerWeights::*m : buffer) {
+      for (size_t i : of_layer[static_cast<size_t>(l)]) {
+        if (specs[i].member == m) out.push_back(i);
+      }
+    }
+    return out;
+  };
+  auto bytes_of = [&](const std::vector<size_t>& idx) {
+    size_t bytes = 0;
+    for (size_t i : idx) bytes += static_cast<size_t>(specs[i].numel()) * element_bytes(i);
+    return bytes;
+  };
+
   // Sizes first, then one allocation.
-  auto n_of = [](const Tensor& t) { return t.numel(); };
-  size_t total = Arena::Round(n_of(mw.embed_tokens) * 2) + Arena::Round(D * 2);
-  for (const LayerWeights& lw : mw.layers) {
-    total += 2 * Arena::Round(D * 2) + Arena::Round(2 * F * D * 2) + Arena::Round(D * F * 2);
-    if (lw.kind == LayerKind::kFullAttention) {
-      total += Arena::Round(p_attn * D * 2) + Arena::Round(D * Hq * hd * 2) + 2 * Arena::Round(hd * 2);
-    } else {
-      total += Arena::Round(p_gdn * D * 2) + Arena::Round(Nv * dv * D * 2) +
-               Arena::Round(C * KC * 2) + 2 * Arena::Round(Nv * 4) + Arena::Round(dv * 2) +
-               Arena::Round(D * Nv * dv * 2);
+  size_t total = 0;
+  size_t embed_index = 0, norm_index = 0;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].layer >= 0) continue;
+    total += Arena::Round(static_cast<size_t>(specs[i].numel()) * element_bytes(i));
+    (specs[i].global == &ModelWeights::embed_tokens ? embed_index : norm_index) = i;
+  }
+  layers.resize(static_cast<size_t>(L));
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerBlocks blocks = BlocksOfLayer(model->config, l);
+    Layer& w = layers[static_cast<size_t>(l)];
+    w.norms.kind = BlockKind::kNorms;
+    w.mixer.kind = blocks.mixer;
+    w.mlp.kind = blocks.mlp;
+    for (DeviceBlock* b : {&w.norms, &w.mixer, &w.mlp}) {
+      for (const DeviceBuffer& buffer : BlockDeviceBuffers(b->kind)) {
+        const size_t bytes = bytes_of(members(l, buffer));
+        if (bytes > 0) total += Arena::Round(bytes);
+      }
     }
   }
   if (absl::Status s = weights.Reserve(total); !s.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", total >> 20, " MiB for the weights: ", s.message()));
   }
+  embed = weights.Take<bf16>(specs[embed_index].numel());
+  dst[embed_index] = reinterpret_cast<char*>(embed);
+  final_norm = weights.Take<bf16>(specs[norm_index].numel());
+  dst[norm_index] = reinterpret_cast<char*>(final_norm);
+  for (int64_t l = 0; l < L; ++l) {
+    Layer& w = layers[static_cast<size_t>(l)];
+    for (DeviceBlock* b : {&w.norms, &w.mixer, &w.mlp}) {
+      for (const DeviceBuffer& buffer : BlockDeviceBuffers(b->kind)) {
+        const std::vector<size_t> idx = members(l, buffer);
+        const size_t bytes = bytes_of(idx);
+        char* base = bytes > 0 ? weights.Take<char>(static_cast<int64_t>(bytes)) : nullptr;
+        b->buffers.push_back(base);
+        for (size_t i : idx) {
+          dst[i] = base;
+          base += static_cast<size_t>(specs[i].numel()) * element_bytes(i);
+        }
+      }
+    }
+  }
+  if (weights.used() > total) return absl::InternalError("weight carve overflow");
 
+  // Then each tensor, in canonical order: copied from the host, or filled by
+  // its RandomInit (seeded by its canonical index, so the values do not
+  // depend on the device layout).
   const bool random = model->weights_on_device_random;
-  uint64_t tensor_index = 0;
-  // Copies rows [row0, row0 + rows) of `dst` from a host tensor, or fills
-  // them with the random-model initialisation.
-  auto put = [&](bf16* dst, const Tensor& t, float scale, float offset) -> absl::Status {
-    const int64_t n = t.numel();
-    ++tensor_index;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const WeightSpec& spec = specs[i];
+    const int64_t n = spec.numel();
     if (random) {
-      return Check(cuda::FillRandomBf16(dst, n, model->device_random_seed * 1000003 + tensor_index,
-                                        scale, offset, stream),
-                   "FillRandomBf16");
+      const uint64_t seed = model->device_random_seed * 1000003 + i + 1;
+      const RandomInit& r = spec.init;
+      const bool log_uniform = r.dist == RandomInit::Dist::kLogUniform;
+      const float a = static_cast<float>(log_uniform ? r.lo : r.scale);
+      const float b = static_cast<float>(log_uniform ? r.hi : r.offset);
+      cudaError_t e;
+      if (spec.device_f32) {
+        float* p = reinterpret_cast<float*>(dst[i]);
+        e = log_uniform ? cuda::FillLogUniformF32(p, n, seed, a, b, stream)
+                        : cuda::FillRandomF32(p, n, seed, a, b, stream);
+      } else {
+        bf16* p = reinterpret_cast<bf16*>(dst[i]);
+        e = log_uniform ? cuda::FillLogUniformBf16(p, n, seed, a, b, stream)
+                        : cuda::FillRandomBf16(p, n, seed, a, b, stream);
+      }
+      if (e != cudaSuccess) return CudaError(e, "random weight fill");
+      continue;
+    }
+    const Tensor& t = WeightSlot(mw, spec);
+    if (spec.device_f32) {
+      std::vector<float> f = ToFloat(t);
+      DF_CUDA(cudaMemcpy(dst[i], f.data(), f.size() * 4, cudaMemcpyHostToDevice));
+      continue;
     }
     std::vector<uint16_t> host(static_cast<size_t>(n));
     if (t.dtype == DType::kBF16) {
       std::memcpy(host.data(), t.data, static_cast<size_t>(n) * 2);
     } else {
       std::vector<float> f = ToFloat(t);
-      for (int64_t i = 0; i < n; ++i) host[i] = FloatToBf16(f[i]);
+      for (int64_t k = 0; k < n; ++k) host[k] = FloatToBf16(f[k]);
     }
-    DF_CUDA(cudaMemcpy(dst, host.data(), static_cast<size_t>(n) * 2, cudaMemcpyHostToDevice));
-    return absl::OkStatus();
-  };
-  auto put_f32 = [&](float* dst, const Tensor& t, float scale, float offset) -> absl::Status {
-    ++tensor_index;
-    if (random) {
-      return Check(cuda::FillRandomF32(dst, t.numel(), model->device_random_seed * 1000003 + tensor_index,
-                                       scale, offset, stream),
-                   "FillRandomF32");
-    }
-    std::vector<float> f = ToFloat(t);
-    DF_CUDA(cudaMemcpy(dst, f.data(), f.size() * 4, cudaMemcpyHostToDevice));
-    return absl::OkStatus();
-  };
-  const float norm_offset = gated ? 0.0f : 1.0f;
-  auto proj_scale = [](const Tensor& t) {
-    return static_cast<float>(1.0 / std::sqrt(static_cast<double>(t.shape.back())));
-  };
-#define DF_PUT(...)                                         \
-  do {                                                      \
-    if (absl::Status s_ = put(__VA_ARGS__); !s_.ok()) return s_; \
-  } while (0)
-#define DF_PUT_F32(...)                                         \
-  do {                                                          \
-    if (absl::Status s_ = put_f32(__VA_ARGS__); !s_.ok()) return s_; \
-  } while (0)
-
-  embed = weights.Take<bf16>(n_of(mw.embed_tokens));
-  DF_PUT(embed, mw.embed_tokens, 1.0f, 0.0f);
-  final_norm = weights.Take<bf16>(D);
-  DF_PUT(final_norm, mw.norm, 0.1f, norm_offset);
-  layers.resize(static_cast<size_t>(L));
-  for (int64_t i = 0; i < L; ++i) {
-    const LayerWeights& lw = mw.layers[static_cast<size_t>(i)];
-    Layer& w = layers[static_cast<size_t>(i)];
-    w.kind = lw.kind;
-    w.input_norm = weights.Take<bf16>(D);
-    DF_PUT(w.input_norm, lw.input_layernorm, 0.1f, norm_offset);
-    w.post_norm = weights.Take<bf16>(D);
-    DF_PUT(w.post_norm, lw.post_attention_layernorm, 0.1f, norm_offset);
-    w.w_gate_up = weights.Take<bf16>(2 * F * D);
-    DF_PUT(w.w_gate_up, lw.gate_proj, proj_scale(lw.gate_proj), 0.0f);
-    DF_PUT(w.w_gate_up + F * D, lw.up_proj, proj_scale(lw.up_proj), 0.0f);
-    w.w_down = weights.Take<bf16>(D * F);
-    DF_PUT(w.w_down, lw.down_proj, proj_scale(lw.down_proj), 0.0f);
-    if (lw.kind == LayerKind::kFullAttention) {
-      w.w_qkv = weights.Take<bf16>(p_attn * D);
-      DF_PUT(w.w_qkv, lw.q_proj, proj_scale(lw.q_proj), 0.0f);
-      DF_PUT(w.w_qkv + q_rows * D, lw.k_proj, proj_scale(lw.k_proj), 0.0f);
-      DF_PUT(w.w_qkv + (q_rows + Hkv * hd) * D, lw.v_proj, proj_scale(lw.v_proj), 0.0f);
-      w.w_o = weights.Take<bf16>(D * Hq * hd);
-      DF_PUT(w.w_o, lw.o_proj, proj_scale(lw.o_proj), 0.0f);
-      w.q_norm = weights.Take<bf16>(hd);
-      DF_PUT(w.q_norm, lw.q_norm, 0.1f, norm_offset);
-      w.k_norm = weights.Take<bf16>(hd);
-      DF_PUT(w.k_norm, lw.k_norm, 0.1f, norm_offset);
-    } else {
-      w.w_in = weights.Take<bf16>(p_gdn * D);
-      DF_PUT(w.w_in, lw.in_proj_qkv, proj_scale(lw.in_proj_qkv), 0.0f);
-      DF_PUT(w.w_in + C * D, lw.in_proj_b, proj_scale(lw.in_proj_b), 0.0f);
-      DF_PUT(w.w_in + (C + Nv) * D, lw.in_proj_a, proj_scale(lw.in_proj_a), 0.0f);
-      w.w_z = weights.Take<bf16>(Nv * dv * D);
-      DF_PUT(w.w_z, lw.in_proj_z, proj_scale(lw.in_proj_z), 0.0f);
-      w.conv = weights.Take<bf16>(C * KC);
-      DF_PUT(w.conv, lw.conv1d, 0.3f, 0.0f);
-      w.a_log = weights.Take<float>(Nv);
-      // log(U(1, 16)) spans [0, 2.77]: a uniform of that range.
-      DF_PUT_F32(w.a_log, lw.A_log, 1.386f / 1.7320508f, 1.386f);
-      w.dt_bias = weights.Take<float>(Nv);
-      DF_PUT_F32(w.dt_bias, lw.dt_bias, 0.1f, 0.0f);
-      w.gnorm = weights.Take<bf16>(dv);
-      DF_PUT(w.gnorm, lw.norm, 0.1f, 1.0f);
-      w.w_out = weights.Take<bf16>(D * Nv * dv);
-      DF_PUT(w.w_out, lw.out_proj, proj_scale(lw.out_proj), 0.0f);
-    }
+    DF_CUDA(cudaMemcpy(dst[i], host.data(), static_cast<size_t>(n) * 2, cudaMemcpyHostToDevice));
   }
-#undef DF_PUT
-#undef DF_PUT_F32
   DF_CUDA(cudaStreamSynchronize(stream));
   return absl::OkStatus();
 }
 
-absl::Status CudaEngine::Impl::Mixer(const Layer& w, int64_t T, int32_t nseq, int32_t max_len) {
+absl::Status CudaEngine::Impl::Block(const DeviceBlock& b, int64_t T, int32_t nseq,
+                                     int32_t max_len) {
+  switch (b.kind) {
+    case BlockKind::kAttention:
+      return Attention(b, T, nseq, max_len);
+    case BlockKind::kGatedDeltaNet:
+      return GatedDeltaNet(b, T, nseq);
+    case BlockKind::kDenseMlp:
+      return DenseMlp(b, T);
+    case BlockKind::kNorms:
+      break;  // fused into the residual adds by Run
+  }
+  return absl::InternalError("a layer's mixer or MLP is a norms block");
+}
+
+// §3.7: in_proj (qkv, b, a fused) and z, causal conv + SiLU, the gated delta
+// rule, the gated norm and out_proj.
+absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, int32_t nseq) {
   const float eps = static_cast<float>(model->config.rms_norm_eps);
-  if (w.kind == LayerKind::kLinearAttention) {
-    if (absl::Status s = Timed("gemm", [&] { return gemm.Run(u, w.w_in, proj, T, p_gdn, D, stream); });
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = Timed("gemm", [&] { return gemm.Run(u, w.w_z, zbuf, T, Nv * dv, D, stream); });
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = Timed("gdn_conv", [&] {
-          return Check(cuda::CausalConv1dSilu(proj, p_gdn, w.conv, T, C, KC, d_cu, nseq, conv_out,
-                                              stream),
-                       "CausalConv1dSilu");
-        });
-        !s.ok()) {
-      return s;
-    }
-    cuda::GdnArgs g;
-    g.qkv = conv_out;
-    g.qkv_stride = C;
-    g.b = proj + C;
-    g.a = proj + C + Nv;
-    g.ab_stride = p_gdn;
-    g.a_log = w.a_log;
-    g.dt_bias = w.dt_bias;
-    g.num_tokens = T;
-    g.num_k_heads = Nk;
-    g.num_v_heads = Nv;
-    g.key_dim = dk;
-    g.value_dim = dv;
-    g.cu_seqlens = d_cu;
-    g.num_seqs = nseq;
-    g.out = core;
-    if (absl::Status s = Timed("gdn_rule", [&] {
-          return Check(cuda::GatedDeltaRule(g, gdn_ws, stream), "GatedDeltaRule");
-        });
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = Timed("norm", [&] {
-          return Check(cuda::GatedRmsNorm(core, zbuf, dv, w.gnorm, T * Nv, dv, eps, normed, stream),
-                       "GatedRmsNorm");
-        });
-        !s.ok()) {
-      return s;
-    }
-    return Timed("gemm", [&] { return gemm.Run(normed, w.w_out, mix, T, D, Nv * dv, stream); });
-  }
-  // Full attention.
-  if (absl::Status s = Timed("gemm", [&] { return gemm.Run(u, w.w_qkv, proj, T, p_attn, D, stream); });
-      !s.ok()) {
-    return s;
-  }
+  DF_RETURN_IF_ERROR(
+      Timed("gemm", [&] { return gemm.Run(u, w.bf(kGdnInQkvBA), proj, T, p_gdn, D, stream); }));
+  DF_RETURN_IF_ERROR(
+      Timed("gemm", [&] { return gemm.Run(u, w.bf(kGdnZ), zbuf, T, Nv * dv, D, stream); }));
+  DF_RETURN_IF_ERROR(Timed("gdn_conv", [&] {
+    return Check(cuda::CausalConv1dSilu(proj, p_gdn, w.bf(kGdnConv), T, C, KC, d_cu, nseq,
+                                        conv_out, stream),
+                 "CausalConv1dSilu");
+  }));
+  cuda::GdnArgs g;
+  g.qkv = conv_out;
+  g.qkv_stride = C;
+  g.b = proj + C;
+  g.a = proj + C + Nv;
+  g.ab_stride = p_gdn;
+  g.a_log = w.f32(kGdnALog);
+  g.dt_bias = w.f32(kGdnDtBias);
+  g.num_tokens = T;
+  g.num_k_heads = Nk;
+  g.num_v_heads = Nv;
+  g.key_dim = dk;
+  g.value_dim = dv;
+  g.cu_seqlens = d_cu;
+  g.num_seqs = nseq;
+  g.out = core;
+  DF_RETURN_IF_ERROR(Timed("gdn_rule", [&] {
+    return Check(cuda::GatedDeltaRule(g, gdn_ws, stream), "GatedDeltaRule");
+  }));
+  DF_RETURN_IF_ERROR(Timed("norm", [&] {
+    return Check(
+        cuda::GatedRmsNorm(core, zbuf, dv, w.bf(kGdnNorm), T * Nv, dv, eps, normed, stream),
+        "GatedRmsNorm");
+  }));
+  return Timed("gemm",
+               [&] { return gemm.Run(normed, w.bf(kGdnOut), mix, T, D, Nv * dv, stream); });
+}
+
+// §3.6 (gated: the sigmoid output gate interleaved in q_proj) and §4.
+absl::Status CudaEngine::Impl::Attention(const DeviceBlock& w, int64_t T, int32_t nseq,
+                                         int32_t max_len) {
+  const float eps = static_cast<float>(model->config.rms_norm_eps);
+  DF_RETURN_IF_ERROR(
+      Timed("gemm", [&] { return gemm.Run(u, w.bf(kAttnQkv), proj, T, p_attn, D, stream); }));
   const int64_t q_head_stride = gated ? 2 * hd : hd;
   bf16* q = proj;
   bf16* k = proj + q_rows;
   bf16* v = k + Hkv * hd;
-  if (absl::Status s = Timed("norm", [&]() -> absl::Status {
-        for (int64_t h = 0; h < Hq; ++h) {
-          cudaError_t e = cuda::RmsNormBf16InPlace(q + h * q_head_stride, p_attn, w.q_norm, T, hd,
-                                                   eps, norm_kind, stream);
-          if (e != cudaSuccess) return CudaError(e, "q_norm");
-        }
-        for (int64_t h = 0; h < Hkv; ++h) {
-          cudaError_t e = cuda::RmsNormBf16InPlace(k + h * hd, p_attn, w.k_norm, T, hd, eps,
-                                                   norm_kind, stream);
-          if (e != cudaSuccess) return CudaError(e, "k_norm");
-        }
-        return absl::OkStatus();
-      });
-      !s.ok()) {
-    return s;
+  if (qk_norm) {
+    DF_RETURN_IF_ERROR(Timed("norm", [&]() -> absl::Status {
+      for (int64_t h = 0; h < Hq; ++h) {
+        cudaError_t e = cuda::RmsNormBf16InPlace(q + h * q_head_stride, p_attn, w.bf(kAttnQNorm),
+                                                 T, hd, eps, norm_kind, stream);
+        if (e != cudaSuccess) return CudaError(e, "q_norm");
+      }
+      for (int64_t h = 0; h < Hkv; ++h) {
+        cudaError_t e = cuda::RmsNormBf16InPlace(k + h * hd, p_attn, w.bf(kAttnKNorm), T, hd, eps,
+                                                 norm_kind, stream);
+        if (e != cudaSuccess) return CudaError(e, "k_norm");
+      }
+      return absl::OkStatus();
+    }));
   }
   const float theta = static_cast<float>(model->config.rope_theta);
-  if (absl::Status s = Timed("rope", [&]() -> absl::Status {
-        cudaError_t e = cuda::ApplyRope(q, T, Hq, hd, p_attn, q_head_stride, R, d_pos, theta, stream);
-        if (e == cudaSuccess) e = cuda::ApplyRope(k, T, Hkv, hd, p_attn, hd, R, d_pos, theta, stream);
-        return Check(e, "ApplyRope");
-      });
-      !s.ok()) {
-    return s;
-  }
+  DF_RETURN_IF_ERROR(Timed("rope", [&]() -> absl::Status {
+    cudaError_t e = cuda::ApplyRope(q, T, Hq, hd, p_attn, q_head_stride, R, d_pos, theta, stream);
+    if (e == cudaSuccess) e = cuda::ApplyRope(k, T, Hkv, hd, p_attn, hd, R, d_pos, theta, stream);
+    return Check(e, "ApplyRope");
+  }));
   cuda::AttentionArgs a;
   a.q = q;
   a.q_stride = p_attn;
@@ -602,29 +603,30 @@ absl::Status CudaEngine::Impl::Mixer(const Layer& w, int64_t T, int32_t nseq, in
   a.max_seqlen = max_len;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   a.out = core;
-  if (absl::Status s = Timed("attention", [&] {
-        return Check(cuda::VarlenCausalAttention(a, stream), "VarlenCausalAttention");
-      });
-      !s.ok()) {
-    return s;
-  }
+  DF_RETURN_IF_ERROR(Timed("attention", [&] {
+    return Check(cuda::VarlenCausalAttention(a, stream), "VarlenCausalAttention");
+  }));
   if (gated) {
-    if (absl::Status s = Timed("elementwise", [&] {
-          return Check(cuda::SigmoidGateMul(core, q + hd, T, Hq, hd, p_attn, q_head_stride, stream),
-                       "SigmoidGateMul");
-        });
-        !s.ok()) {
-      return s;
-    }
+    DF_RETURN_IF_ERROR(Timed("elementwise", [&] {
+      return Check(cuda::SigmoidGateMul(core, q + hd, T, Hq, hd, p_attn, q_head_stride, stream),
+                   "SigmoidGateMul");
+    }));
   }
-  return Timed("gemm", [&] { return gemm.Run(core, w.w_o, mix, T, D, Hq * hd, stream); });
+  return Timed("gemm", [&] { return gemm.Run(core, w.bf(kAttnO), mix, T, D, Hq * hd, stream); });
+}
+
+// §3.9: down_proj(SiLU(gate) * up), gate and up from one fused GEMM.
+absl::Status CudaEngine::Impl::DenseMlp(const DeviceBlock& w, int64_t T) {
+  DF_RETURN_IF_ERROR(
+      Timed("gemm", [&] { return gemm.Run(u, w.bf(kMlpGateUp), proj, T, 2 * F, D, stream); }));
+  DF_RETURN_IF_ERROR(
+      Timed("elementwise", [&] { return Check(cuda::SwiGlu(proj, T, F, act, stream), "SwiGlu"); }));
+  return Timed("gemm", [&] { return gemm.Run(act, w.bf(kMlpDown), mix, T, D, F, stream); });
 }
 
 absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
   DF_CUDA(cudaSetDevice(options.device));
-  if (absl::Status s = ValidateForwardInput(model->config, in, options.max_tokens); !s.ok()) {
-    return s;
-  }
+  DF_RETURN_IF_ERROR(ValidateForwardInput(model->config, in, options.max_tokens));
   const int64_t T = static_cast<int64_t>(in.token_ids.size());
   const int64_t K = static_cast<int64_t>(in.layers.size());
   if (static_cast<int64_t>(in.seq_lens.size()) > options.max_seqs) {
@@ -663,79 +665,48 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
     }
   }
   const float eps = static_cast<float>(model->config.rms_norm_eps);
-  if (absl::Status s = Timed("embed", [&]() -> absl::Status {
-        cudaError_t e = cuda::PositionsFromCuSeqlens(d_cu, nseq, T, d_pos, stream);
-        if (e == cudaSuccess) e = cuda::EmbeddingLookup(d_ids, T, embed, D, residual, stream);
-        return Check(e, "embedding");
-      });
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = Timed("norm", [&] {
-        return Check(cuda::RmsNormF32(residual, D, layers[0].input_norm, T, D, eps, norm_kind, u, D,
-                                      stream),
-                     "RmsNormF32");
-      });
-      !s.ok()) {
-    return s;
-  }
+  DF_RETURN_IF_ERROR(Timed("embed", [&]() -> absl::Status {
+    cudaError_t e = cuda::PositionsFromCuSeqlens(d_cu, nseq, T, d_pos, stream);
+    if (e == cudaSuccess) e = cuda::EmbeddingLookup(d_ids, T, embed, D, residual, stream);
+    return Check(e, "embedding");
+  }));
+  DF_RETURN_IF_ERROR(Timed("norm", [&] {
+    return Check(cuda::RmsNormF32(residual, D, layers[0].norms.bf(kInputNorm), T, D, eps,
+                                  norm_kind, u, D, stream),
+                 "RmsNormF32");
+  }));
   for (int64_t l = 0; l <= last; ++l) {
     const Layer& w = layers[static_cast<size_t>(l)];
-    if (absl::Status s = Mixer(w, T, nseq, max_len); !s.ok()) return s;
-    if (absl::Status s = Timed("norm", [&] {
-          return Check(cuda::AddRmsNormF32(residual, mix, w.post_norm, T, D, eps, norm_kind, u,
-                                           stream),
-                       "AddRmsNormF32");
-        });
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = Timed("gemm", [&] { return gemm.Run(u, w.w_gate_up, proj, T, 2 * F, D, stream); });
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = Timed("elementwise", [&] {
-          return Check(cuda::SwiGlu(proj, T, F, act, stream), "SwiGlu");
-        });
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = Timed("gemm", [&] { return gemm.Run(act, w.w_down, mix, T, D, F, stream); });
-        !s.ok()) {
-      return s;
-    }
+    DF_RETURN_IF_ERROR(Block(w.mixer, T, nseq, max_len));
+    DF_RETURN_IF_ERROR(Timed("norm", [&] {
+      return Check(cuda::AddRmsNormF32(residual, mix, w.norms.bf(kPostNorm), T, D, eps, norm_kind,
+                                       u, stream),
+                   "AddRmsNormF32");
+    }));
+    DF_RETURN_IF_ERROR(Block(w.mlp, T, nseq, max_len));
     // After the last layer run no next input is needed: the final norm, when
     // asked for, is written straight into its capture slot below.
-    const bf16* next_norm = l + 1 < L ? layers[static_cast<size_t>(l + 1)].input_norm : final_norm;
-    if (absl::Status s = Timed("norm", [&] {
-          return Check(l == last
-                           ? cuda::AddResidual(residual, mix, T, D, stream)
-                           : cuda::AddRmsNormF32(residual, mix, next_norm, T, D, eps, norm_kind, u,
-                                                 stream),
-                       "AddRmsNormF32");
-        });
-        !s.ok()) {
-      return s;
-    }
+    const bf16* next_norm =
+        l + 1 < L ? layers[static_cast<size_t>(l + 1)].norms.bf(kInputNorm) : final_norm;
+    DF_RETURN_IF_ERROR(Timed("norm", [&] {
+      return Check(l == last ? cuda::AddResidual(residual, mix, T, D, stream)
+                             : cuda::AddRmsNormF32(residual, mix, next_norm, T, D, eps, norm_kind,
+                                                   u, stream),
+                   "AddRmsNormF32");
+    }));
     if (slot_of[l] >= 0) {
-      if (absl::Status s = Timed("capture", [&] {
-            return Check(cuda::CaptureResidual(residual, T, D, capture, K, slot_of[l], stream),
-                         "CaptureResidual");
-          });
-          !s.ok()) {
-        return s;
-      }
+      DF_RETURN_IF_ERROR(Timed("capture", [&] {
+        return Check(cuda::CaptureResidual(residual, T, D, capture, K, slot_of[l], stream),
+                     "CaptureResidual");
+      }));
     }
   }
   if (final_slot >= 0) {
-    if (absl::Status s = Timed("capture", [&] {
-          return Check(cuda::RmsNormF32(residual, D, final_norm, T, D, eps, norm_kind,
-                                        capture + final_slot * D, K * D, stream),
-                       "final norm");
-        });
-        !s.ok()) {
-      return s;
-    }
+    DF_RETURN_IF_ERROR(Timed("capture", [&] {
+      return Check(cuda::RmsNormF32(residual, D, final_norm, T, D, eps, norm_kind,
+                                    capture + final_slot * D, K * D, stream),
+                   "final norm");
+    }));
   }
   capture_tokens = T;
   capture_slots = K;

@@ -116,10 +116,9 @@ void HashTensor(Digest& d, std::string_view name, const Tensor& t, bool whole) {
 
 std::string ComputeFingerprint(const Model& model) {
   const ModelConfig& c = model.config;
-  const bool hybrid = c.arch == Arch::kQwen35Hybrid;
   Digest d;
   d.Str("draftfeed-fingerprint-v1");
-  d.Str(ArchName(c.arch));
+  d.Str(ArchName(c.arch));  // stands for c.features too: FeaturesOf(arch) fixes them
   for (int64_t v : {c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
                     c.num_kv_heads, c.head_dim, c.rotary_dim()}) {
     d.U64(static_cast<uint64_t>(v));
@@ -128,7 +127,7 @@ std::string ComputeFingerprint(const Model& model) {
   d.F64(c.rope_theta);
   d.F64(c.partial_rotary_factor);
   d.U64(c.tie_word_embeddings ? 1 : 0);
-  if (hybrid) {  // the GDN fields mean nothing to a dense model
+  if (c.features.linear_attention) {  // the GDN fields mean nothing to a dense model
     for (int64_t v : {c.linear_conv_kernel, c.linear_key_head_dim, c.linear_value_head_dim,
                       c.linear_num_key_heads, c.linear_num_value_heads}) {
       d.U64(static_cast<uint64_t>(v));

@@ -1,8 +1,8 @@
 // Built-in random-weight models, so the whole system runs without a
 // checkpoint. Shapes come from a table that can grow (tiny today, real-size
 // shapes later); weights are drawn from a seeded mt19937_64 in the canonical
-// tensor order of weight_layout.h, scaled so activations stay O(1) through
-// every layer.
+// tensor order of weight_layout.h, each by its RandomInit there (scaled so
+// activations stay O(1) through every layer).
 #include <cmath>
 #include <cstdint>
 #include <numbers>
@@ -146,7 +146,7 @@ std::string ValidSpecs() {
 
 ModelConfig ConfigFor(const RandomShape& s) {
   ModelConfig c;
-  c.arch = s.arch;
+  c.SetArch(s.arch);
   c.vocab_size = s.vocab;
   c.hidden_size = s.hidden;
   c.intermediate_size = s.intermediate;
@@ -158,7 +158,7 @@ ModelConfig ConfigFor(const RandomShape& s) {
   c.rope_theta = s.rope_theta;
   c.partial_rotary_factor = s.partial_rotary_factor;
   c.tie_word_embeddings = s.tie_word_embeddings;
-  if (s.arch == Arch::kQwen35Hybrid) {
+  if (c.features.linear_attention) {
     c.linear_conv_kernel = s.conv_kernel;
     c.linear_key_head_dim = s.key_head_dim;
     c.linear_value_head_dim = s.value_head_dim;
@@ -198,39 +198,6 @@ class Sampler {
   bool has_spare_ = false;
 };
 
-// How one tensor is initialised: value = offset + scale·N(0,1), or for A_log
-// log(U(1, 16)) so the decay rates A = exp(A_log) span the range HF uses.
-struct Init {
-  double offset = 0.0, scale = 1.0;
-  bool log_uniform_1_16 = false;
-};
-
-Init InitFor(const WeightSpec& spec, Arch arch) {
-  // Zero-centred norms (Qwen3.5) store w ≈ 0, multiplicative ones w ≈ 1.
-  const Init norm = arch == Arch::kQwen35Hybrid ? Init{0.0, 0.1} : Init{1.0, 0.1};
-  if (spec.layer < 0) {
-    if (spec.global == &ModelWeights::norm) return norm;
-    if (spec.global == &ModelWeights::embed_tokens) return {0.0, 1.0};
-  } else {
-    const auto m = spec.member;
-    if (m == &LayerWeights::input_layernorm || m == &LayerWeights::post_attention_layernorm ||
-        m == &LayerWeights::q_norm || m == &LayerWeights::k_norm) {
-      return norm;
-    }
-    if (m == &LayerWeights::norm) return {1.0, 0.1};  // GDN gated norm: multiplicative
-    if (m == &LayerWeights::A_log) return {.log_uniform_1_16 = true};
-    if (m == &LayerWeights::dt_bias) return {0.0, 0.1};
-    if (m == &LayerWeights::conv1d) return {0.0, 0.3};
-  }
-  // Projections [out, in]: std 1/sqrt(in) keeps each output O(1).
-  return {0.0, 1.0 / std::sqrt(static_cast<double>(spec.shape.back()))};
-}
-
-int64_t Numel(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
 
 }  // namespace
 
@@ -286,17 +253,18 @@ absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) 
     return model;
   }
   int64_t total = 0;
-  for (const WeightSpec& s : specs) total += Numel(s.shape);
+  for (const WeightSpec& s : specs) total += s.numel();
   auto buffer = std::make_shared<std::vector<uint16_t>>(static_cast<size_t>(total));
   Sampler sampler(seed);
   int64_t offset = 0;
   for (const WeightSpec& s : specs) {
-    const Init init = InitFor(s, config.arch);
-    const int64_t n = Numel(s.shape);
+    const RandomInit& init = s.init;
+    const int64_t n = s.numel();
     uint16_t* dst = buffer->data() + offset;
     for (int64_t i = 0; i < n; ++i) {
-      const double v = init.log_uniform_1_16 ? std::log(1.0 + 15.0 * sampler.Uniform())
-                                             : init.offset + init.scale * sampler.Normal();
+      const double v = init.dist == RandomInit::Dist::kLogUniform
+                           ? std::log(init.lo + (init.hi - init.lo) * sampler.Uniform())
+                           : init.offset + init.scale * sampler.Normal();
       dst[i] = FloatToBf16(static_cast<float>(v));
     }
     Tensor& t = WeightSlot(model->weights, s);

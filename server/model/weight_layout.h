@@ -1,7 +1,17 @@
-// The decoder tensors a config implies, in one canonical order, with the shape
-// each must have and the config fields that fix it. The loader checks
-// checkpoints against this list, the writer names tensors from it and the
-// fingerprint walks it, so the three cannot drift apart.
+// The one description of a decoder's structure: which blocks each layer is
+// made of (from the config's features), and for each block kind its tensors,
+// their shapes, their random-init rule and how the CUDA engine packs them.
+// The loader checks checkpoints against it, the HF writer names tensors from
+// it, the fingerprint and the random models walk it, and both engines load
+// (and the CUDA engine uploads or fills) their weights from it, so none of
+// them can drift apart.
+//
+// Adding a block kind (an MoE MLP, say):
+//   1. a BlockKind enumerator and, if its tensors are new, LayerWeights members;
+//   2. its entry in weight_layout.cc: BlockSpecs (tensors, shapes, init) and
+//      BlockDeviceBuffers (the CUDA layout, with its index enum below);
+//   3. LayerBlocks picks it from a config feature (e.g. ArchFeatures::mlp);
+//   4. its forward in each engine (a case of the block switch) and its kernels.
 #pragma once
 
 #include <cstdint>
@@ -14,6 +24,31 @@
 
 namespace draftfeed {
 
+enum class BlockKind : uint8_t {
+  kNorms,          // input_layernorm, post_attention_layernorm
+  kAttention,      // self_attn.*: full causal attention (gated or not)
+  kGatedDeltaNet,  // linear_attn.*
+  kDenseMlp,       // mlp.*: SwiGLU
+};
+
+// The blocks of one layer, in forward order: norms, mixer, MLP.
+struct LayerBlocks {
+  BlockKind mixer;
+  BlockKind mlp;
+};
+LayerBlocks BlocksOfLayer(const ModelConfig& config, int64_t layer);
+
+// How a random model initialises a tensor.
+struct RandomInit {
+  enum class Dist : uint8_t {
+    kNormal,      // offset + scale * N(0, 1) (the GPU fill: a unit-variance uniform)
+    kLogUniform,  // log(U(lo, hi)): A_log, so that A = exp(A_log) spans HF's range
+  };
+  Dist dist = Dist::kNormal;
+  double offset = 0.0, scale = 1.0;
+  double lo = 1.0, hi = 16.0;
+};
+
 struct WeightSpec {
   std::string name;  // HF suffix after the model prefix, e.g. "layers.3.self_attn.k_proj.weight"
   std::vector<int64_t> shape;
@@ -21,14 +56,33 @@ struct WeightSpec {
   int layer = -1;      // -1 for the global tensors
   Tensor ModelWeights::*global = nullptr;  // set when layer == -1
   Tensor LayerWeights::*member = nullptr;  // set when layer >= 0
+  BlockKind block = BlockKind::kNorms;     // layer tensors only
+  RandomInit init;
+  bool device_f32 = false;  // the CUDA engine keeps it fp32 (GDN gate parameters), else bf16
+  int64_t numel() const;
 };
 
-// Every decoder tensor (not lm_head): embed_tokens, the layers in order, the
-// final norm. Expects a validated config.
+// Every decoder tensor (not lm_head): embed_tokens, the layers in order (each
+// layer's blocks in forward order), the final norm. Expects a validated
+// config. This order is canonical: the fingerprint and the random init walk it.
 std::vector<WeightSpec> DecoderWeightSpecs(const ModelConfig& config);
 
 // lm_head.weight, which lives outside the decoder prefix.
 WeightSpec LmHeadSpec(const ModelConfig& config);
+
+// The tensors of one block of `layer`, in canonical order.
+std::vector<WeightSpec> BlockSpecs(const ModelConfig& config, BlockKind kind, int layer);
+
+// How the CUDA engine lays a block out: each entry is one device buffer, the
+// named tensors stacked row after row (a fused GEMM's weight operand, say
+// [q_proj; k_proj; v_proj]). Indexed by the block's enum below.
+using DeviceBuffer = std::vector<Tensor LayerWeights::*>;
+const std::vector<DeviceBuffer>& BlockDeviceBuffers(BlockKind kind);
+
+enum NormsBuffer { kInputNorm, kPostNorm };
+enum AttentionBuffer { kAttnQkv, kAttnO, kAttnQNorm, kAttnKNorm };
+enum GdnBuffer { kGdnInQkvBA, kGdnZ, kGdnConv, kGdnALog, kGdnDtBias, kGdnNorm, kGdnOut };
+enum DenseMlpBuffer { kMlpGateUp, kMlpDown };
 
 // The tensor of `weights` that `spec` names (`weights.layers` must be sized).
 Tensor& WeightSlot(ModelWeights& weights, const WeightSpec& spec);

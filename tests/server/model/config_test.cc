@@ -416,9 +416,9 @@ TEST(ConfigTest, ValidateOnStruct) {
   c.head_dim = 8;
   c.layer_types = {kLin, kFull};
   EXPECT_TRUE(c.Validate().ok()) << c.Validate();
-  c.arch = Arch::kQwen3Dense;
+  c.SetArch(Arch::kQwen3Dense);
   EXPECT_EQ(c.Validate().message(), "layer 0 is linear_attention, which qwen3 does not have");
-  c.arch = Arch::kQwen35Hybrid;
+  c.SetArch(Arch::kQwen35Hybrid);
   c.linear_num_key_heads = 0;
   EXPECT_EQ(c.Validate().message(), "linear_num_key_heads must be positive, got 0");
 }

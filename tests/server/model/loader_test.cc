@@ -29,7 +29,7 @@ constexpr LayerKind kFull = LayerKind::kFullAttention;
 
 ModelConfig TinyHybrid() {
   ModelConfig c;
-  c.arch = Arch::kQwen35Hybrid;
+  c.SetArch(Arch::kQwen35Hybrid);
   c.vocab_size = 64;
   c.hidden_size = 32;
   c.intermediate_size = 48;
@@ -52,7 +52,7 @@ ModelConfig TinyHybrid() {
 
 ModelConfig TinyDense() {
   ModelConfig c;
-  c.arch = Arch::kQwen3Dense;
+  c.SetArch(Arch::kQwen3Dense);
   c.vocab_size = 64;
   c.hidden_size = 32;
   c.intermediate_size = 48;
