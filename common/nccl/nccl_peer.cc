@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/checksum.cuh"
 #include "common/payload_checksum.h"
+#include "common/status_macros.h"
 
 namespace draftfeed {
 
@@ -256,7 +257,7 @@ absl::Status NcclPeer::Exchange(double timeout_s, const Cancelled& cancelled) {
 absl::Status NcclPeer::Handshake(double timeout_s, const Cancelled& cancelled) {
   // First on the set-up communicator, where a peer that is gone or stuck
   // costs a timeout: after it, both sides are known to be here and talking.
-  if (absl::Status s = Exchange(timeout_s, cancelled); !s.ok()) return s;
+  DF_RETURN_IF_ERROR(Exchange(timeout_s, cancelled));
   ncclResult_t split = ncclSuccess;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
@@ -272,7 +273,7 @@ absl::Status NcclPeer::Handshake(double timeout_s, const Cancelled& cancelled) {
     return AbortWith(NcclError(split, "ncclCommSplit (the data communicator)"));
   }
   // The split is finished when neither communicator is busy any more.
-  if (absl::Status s = Poll("split", nullptr, timeout_s, cancelled); !s.ok()) return s;
+  DF_RETURN_IF_ERROR(Poll("split", nullptr, timeout_s, cancelled));
   // Then the same on the data communicator, which connects its two GPUs (a
   // blocking post waits there for the other side's, which is right behind).
   return Exchange(timeout_s, cancelled);
@@ -327,7 +328,7 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
   // connects the two GPUs, which needs the other side): poll, so that a peer
   // that never posts its half costs a timeout, not a stuck thread.
   if (!blocking) {
-    if (absl::Status s = Wait(timeout_s, cancelled); !s.ok()) return s;
+    DF_RETURN_IF_ERROR(Wait(timeout_s, cancelled));
   }
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (impl_->aborted) return absl::AbortedError("nccl communicator was aborted");

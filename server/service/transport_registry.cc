@@ -45,7 +45,8 @@ absl::Status CheckTransportKnown(v1::Transport transport) {
 }
 
 absl::StatusOr<std::unique_ptr<StreamTransport>> OpenStreamTransport(
-    const TransportEnv& env, const v1::Open& open, std::shared_ptr<StreamLink> link) {
+    const TransportEnv& env, const v1::Open& open,
+    [[maybe_unused]] std::shared_ptr<StreamLink> link) {  // unused without NCCL
   if (open.transport() != v1::TRANSPORT_NCCL && open.transport() != v1::TRANSPORT_AUTO) {
     return MakeGrpcStreamTransport(env, "");
   }
