@@ -24,6 +24,7 @@ struct DLDataType {
   uint8_t bits;
   uint16_t lanes;
 };
+constexpr uint8_t kDLBfloat = 4;
 struct DLTensor {
   void* data;
   DLDevice device;
@@ -47,6 +48,18 @@ struct DlpackHolder {
 
 void DeleteHolder(DLManagedTensor* t) { delete static_cast<DlpackHolder*>(t->manager_ctx); }
 
+// The DLPack element type of a capture's encoding; an encoding without one
+// (say, one with per-token scales beside its values) is refused by name.
+DLDataType DlpackType(Encoding e) {
+  switch (e) {
+    case Encoding::kBf16:
+      return DLDataType{kDLBfloat, 16, 1};
+  }
+  throw py::value_error("draftfeed: encoding " + std::string(EncodingName(e)) + " (" +
+                        std::to_string(static_cast<int>(e)) +
+                        ") has no tensor type in this client");
+}
+
 py::tuple Ok(py::object value) { return py::make_tuple(0, "", std::move(value)); }
 py::tuple Err(const absl::Status& s) {
   return py::make_tuple(static_cast<int>(s.code()), std::string(s.message()), py::none());
@@ -62,6 +75,8 @@ class PyResult {
   int64_t num_layers() const { return batch_->num_layers; }
   int64_t hidden_size() const { return batch_->hidden_size; }
   uint64_t checksum() const { return batch_->checksum; }
+  std::string encoding() const { return std::string(EncodingName(batch_->encoding)); }
+  int64_t bytes_per_token() const { return batch_->bytes_per_token; }
   std::string target() const { return batch_->target; }
   py::dict timings() const {
     py::dict d;
@@ -76,34 +91,36 @@ class PyResult {
   py::array seq_lens() const { return View(batch_->seq_lens.data(), {batch_->seq_lens.size()}); }
   // -1 when the values are in host memory, else the CUDA device holding them.
   int device() const { return batch_->device; }
-  // bf16 bit patterns [T, K, H] as uint16, no copy (host results only).
+  // The capture's values [T, K, H] as the unsigned integers of their bit
+  // patterns (uint16 for bf16), no copy (host results only).
   py::array hidden_bits() const {
     if (batch_->device >= 0) {
       throw py::value_error("this result is in GPU memory (cuda:" +
                             std::to_string(batch_->device) +
                             "; transport nccl): use .torch() or DLPack, not numpy");
     }
-    return View(static_cast<const uint16_t*>(batch_->buffer.get()),
-                {static_cast<size_t>(batch_->num_tokens), static_cast<size_t>(batch_->num_layers),
-                 static_cast<size_t>(batch_->hidden_size)});
+    const std::vector<size_t> shape = {static_cast<size_t>(batch_->num_tokens),
+                                       static_cast<size_t>(batch_->num_layers),
+                                       static_cast<size_t>(batch_->hidden_size)};
+    switch (batch_->encoding) {
+      case Encoding::kBf16:
+        return View(batch_->bf16().data(), shape);
+    }
+    throw py::value_error("draftfeed: encoding " + encoding() + " has no numpy view in this client");
   }
 
   py::capsule Dlpack() const {
+    const DLDataType dtype = DlpackType(batch_->encoding);  // throws before anything is made
     auto* h = new DlpackHolder;
     h->batch = batch_;
     h->shape[0] = batch_->num_tokens;
     h->shape[1] = batch_->num_layers;
     h->shape[2] = batch_->hidden_size;
     DLTensor& t = h->managed.dl_tensor;
-    if (batch_->device >= 0) {
-      t.data = batch_->device_buffer.get();
-      t.device = DLDevice{2, batch_->device};
-    } else {
-      t.data = batch_->buffer.get();
-      t.device = DLDevice{1, 0};
-    }
+    t.dtype = dtype;
+    t.data = batch_->buffer.get();
+    t.device = batch_->device >= 0 ? DLDevice{2, batch_->device} : DLDevice{1, 0};
     t.ndim = 3;
-    t.dtype = DLDataType{4, 16, 1};
     t.shape = h->shape;
     t.strides = nullptr;  // compact row-major
     t.byte_offset = 0;
@@ -300,6 +317,8 @@ PYBIND11_MODULE(_draftfeed, m) {
       .def_property_readonly("num_layers", &PyResult::num_layers)
       .def_property_readonly("hidden_size", &PyResult::hidden_size)
       .def_property_readonly("checksum", &PyResult::checksum)
+      .def_property_readonly("encoding", &PyResult::encoding)
+      .def_property_readonly("bytes_per_token", &PyResult::bytes_per_token)
       .def_property_readonly("target", &PyResult::target)
       .def_property_readonly("timings", &PyResult::timings)
       .def_property_readonly("token_ids", &PyResult::token_ids)

@@ -33,7 +33,8 @@ def test_results_have_shape_order_and_checksum(target):
     for (tok, sl), r in zip(batches, results):
         np.testing.assert_array_equal(r.token_ids, tok)
         np.testing.assert_array_equal(r.seq_lens, sl)
-        assert r.hidden_bits.shape == (len(tok), 3, 128)
+        assert r.encoding == "bf16" and r.bytes_per_token == 3 * 128 * 2
+        assert r.hidden_bits.shape == (len(tok), 3, 128) and r.hidden_bits.dtype == np.uint16
         assert r.hidden.dtype == np.float32 and r.hidden.shape == (len(tok), 3, 128)
         # float32 view is the exact widening of the bf16 bits
         np.testing.assert_array_equal(r.hidden.view(np.uint32) >> 16, r.hidden_bits)
@@ -195,3 +196,20 @@ def test_synthetic_trainer_is_deterministic(target):
         assert "6/6 batches" in r.stdout
     checksum = [r.stdout.strip().split("checksum ")[-1] for r in runs]
     assert checksum[0] == checksum[1] and len(checksum[0]) == 16
+
+
+class _OtherEncoding:
+    """A compiled result whose capture is in an encoding the Python layer lacks."""
+    encoding = "fp8_e4m3"
+    device = -1
+    hidden_bits = np.zeros((1, 1, 4), dtype=np.uint8)
+
+
+def test_an_unknown_encoding_fails_by_name():
+    r = draftfeed.Result(_OtherEncoding())
+    with pytest.raises(draftfeed.DraftfeedError, match="fp8_e4m3") as e:
+        r.hidden
+    assert e.value.code_name == "UNIMPLEMENTED"
+    pytest.importorskip("torch")
+    with pytest.raises(draftfeed.DraftfeedError, match="cannot read captures encoded as 'fp8_e4m3'"):
+        r.torch()

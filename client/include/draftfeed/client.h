@@ -1,5 +1,6 @@
 // draftfeed client: feeds packed token batches to target servers and hands
-// back their hidden states, token-major [T, K, H] in bf16.
+// back their hidden states, token-major [T, K, H], as bytes in the encoding
+// the target sent (bf16 today).
 //
 //   draftfeed::FeedOptions opt;
 //   opt.targets = {"127.0.0.1:50051"};
@@ -15,11 +16,13 @@
 // Thread safety: Submit and Next may be called from different threads.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -41,7 +44,7 @@ struct FeedOptions {
   std::vector<int32_t> layers;
   // Batches submitted but not yet returned by Next(); Submit blocks beyond it.
   int32_t prefetch = 8;
-  // The same bound in hidden-state bytes (T*K*H*2 per batch); a single batch
+  // The same bound in hidden-state bytes (T * bytes per token); a single batch
   // larger than this is still accepted when nothing else is outstanding.
   int64_t prefetch_bytes = int64_t{1} << 30;
   // true: Next() returns batches in submission order; false: as they complete.
@@ -99,6 +102,20 @@ struct TargetDescription {
   std::vector<std::string> layer_types;
 };
 
+// How a capture's bytes encode its [T, K, H] values (the wire's numbers;
+// mirrored here so that this header stands alone).
+enum class Encoding : uint8_t {
+  kBf16 = 1,  // 2 bytes per value: bf16 bit patterns, little endian
+};
+
+inline constexpr std::string_view EncodingName(Encoding e) {
+  switch (e) {
+    case Encoding::kBf16:
+      return "bf16";
+  }
+  return "unknown";
+}
+
 struct HiddenBatch {
   uint64_t batch_id = 0;
   std::vector<int32_t> token_ids;
@@ -106,17 +123,26 @@ struct HiddenBatch {
   int64_t num_tokens = 0;
   int64_t num_layers = 0;  // K
   int64_t hidden_size = 0;  // H
-  // bf16 bit patterns, [T, K, H], in a buffer from the feed's pool: it goes
-  // back there when the last copy of `buffer` is released.
-  std::shared_ptr<uint16_t> buffer;
-  size_t num_values = 0;  // T*K*H
-  std::span<const uint16_t> hidden() const {
-    return {buffer.get(), buffer ? num_values : 0};
+  // The capture: [T, K, H] in `encoding`, `bytes_per_token` bytes a token
+  // (num_bytes = T * bytes_per_token), in a buffer from the feed's pool: it
+  // goes back there when the last copy of `buffer` is released. `device` -1:
+  // host memory; else the CUDA device whose memory holds it (NCCL transport).
+  Encoding encoding = Encoding::kBf16;
+  int64_t bytes_per_token = 0;
+  std::shared_ptr<std::byte> buffer;
+  size_t num_bytes = 0;
+  int device = -1;
+  // The bytes of a result in host memory (empty for one on a GPU).
+  std::span<const std::byte> bytes() const {
+    return device < 0 && buffer ? std::span<const std::byte>(buffer.get(), num_bytes)
+                                : std::span<const std::byte>();
   }
-  // NCCL transport: the same [T, K, H] bf16 values in GPU memory of `device`
-  // (pooled like `buffer`); `buffer` is then empty.
-  std::shared_ptr<uint16_t> device_buffer;
-  int device = -1;  // -1: the values are in host memory
+  // The bf16 bit patterns of a bf16 result in host memory (else empty).
+  std::span<const uint16_t> bf16() const {
+    if (encoding != Encoding::kBf16) return {};
+    const std::span<const std::byte> b = bytes();
+    return {reinterpret_cast<const uint16_t*>(b.data()), b.size() / 2};
+  }
   uint64_t checksum = 0;  // as sent in BatchDone (verified when asked)
   std::string target;     // address that computed it
   double queue_ms = 0, forward_ms = 0, send_ms = 0;

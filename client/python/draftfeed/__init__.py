@@ -3,7 +3,7 @@
     import draftfeed
     with draftfeed.Feed(targets=["127.0.0.1:50051"], layers=[1, 3, -1], prefetch=8) as feed:
         for result in feed.map(batches):          # batches: (token_ids, seq_lens) pairs
-            h = result.torch()                     # bf16 [T, K, H] (DLPack, no copy)
+            h = result.torch()                     # [T, K, H] in the capture's dtype (bf16)
             x = h.view(result.num_tokens, -1)      # the concatenation DFlash's fc takes
 
 Layer ids: i is the raw output of decoder layer i (transformers' hidden_states[i+1]);
@@ -42,6 +42,18 @@ class DraftfeedError(RuntimeError):
         super().__init__(f"{self.code_name}: {message}")
 
 
+# Per capture encoding: the torch dtype it is, and how its bit patterns
+# (Result.hidden_bits) widen to float32 losslessly. An encoding missing here
+# fails by name (UNIMPLEMENTED) instead of being read as another.
+_TORCH_DTYPES = {"bf16": "bfloat16"}
+_TO_FLOAT32 = {"bf16": lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)}
+
+
+def _unsupported(encoding: str) -> "DraftfeedError":
+    return DraftfeedError(12, f"this draftfeed client cannot read captures encoded as "
+                              f"{encoding!r} (it reads {sorted(_TORCH_DTYPES)})")
+
+
 def _check(triple):
     code, message, value = triple
     if code != 0:
@@ -72,7 +84,11 @@ class Result:
     token_ids = property(lambda self: self._r.token_ids, doc="int32 [T], as submitted")
     seq_lens = property(lambda self: self._r.seq_lens, doc="int32 [num_sequences]")
     hidden_bits = property(lambda self: self._r.hidden_bits,
-                           doc="uint16 [T, K, H]: the bf16 bit patterns, no copy")
+                           doc="[T, K, H] bit patterns, no copy (uint16 for bf16)")
+    encoding = property(lambda self: self._r.encoding,
+                        doc='how the capture\'s bytes encode its values: "bf16"')
+    bytes_per_token = property(lambda self: self._r.bytes_per_token,
+                               doc="capture bytes per token (K * H * 2 for bf16)")
 
     device = property(lambda self: self._r.device,
                       doc="-1: host memory (gRPC); else the CUDA device holding it (NCCL)")
@@ -82,11 +98,14 @@ class Result:
         """float32 numpy [T, K, H] for host results; exact (bf16 widens losslessly).
 
         Results that came by NCCL are already on the GPU: `hidden` is then the
-        bf16 torch tensor on that device (no copy), as `torch()` returns.
+        torch tensor on that device (no copy), as `torch()` returns.
         """
         if self._r.device >= 0:
             return self.torch()
-        return (self._r.hidden_bits.astype(np.uint32) << 16).view(np.float32)
+        widen = _TO_FLOAT32.get(self._r.encoding)
+        if widen is None:
+            raise _unsupported(self._r.encoding)
+        return widen(self._r.hidden_bits)
 
     def __dlpack__(self, stream=None):
         # NCCL results are complete before they are returned (the receive was
@@ -98,27 +117,34 @@ class Result:
         return (2, d) if d >= 0 else (1, 0)  # kDLCUDA / kDLCPU
 
     def torch(self, device=None, non_blocking: bool = True):
-        """bf16 torch tensor [T, K, H] through DLPack (no copy on CPU).
+        """Torch tensor [T, K, H] in the capture's dtype (bf16: torch.bfloat16)
+        through DLPack (no copy on CPU).
 
         With `device` (e.g. "cuda:0") it is copied there; from pinned memory the
         copy is asynchronous when `non_blocking`.
         """
         import torch
 
+        dtype_name = _TORCH_DTYPES.get(self._r.encoding)
+        if dtype_name is None:
+            raise _unsupported(self._r.encoding)
+        dtype = getattr(torch, dtype_name)
         try:
             t = torch.utils.dlpack.from_dlpack(self)
         except (TypeError, RuntimeError, BufferError):
             if self._r.device >= 0:
                 raise
-            # Older torch without bf16 DLPack import: same bytes, reinterpreted.
-            t = torch.from_numpy(self._r.hidden_bits.view(np.int16)).view(torch.bfloat16)
+            # Older torch without this dtype's DLPack import: the same bytes,
+            # reinterpreted (signed integers of the same width, which torch has).
+            bits = self._r.hidden_bits
+            t = torch.from_numpy(bits.view(np.dtype(f"i{bits.dtype.itemsize}"))).view(dtype)
         if device is not None:
             t = t.to(device, non_blocking=non_blocking)
         return t
 
     def __repr__(self):
         return (f"Result(batch_id={self.batch_id}, hidden=[{self.num_tokens}, {self.num_layers}, "
-                f"{self.hidden_size}] bf16, target={self.target!r})")
+                f"{self.hidden_size}] {self.encoding}, target={self.target!r})")
 
 
 Batch = Tuple[Sequence[int], Sequence[int]]
