@@ -56,7 +56,7 @@ class Server {
 };
 
 std::vector<uint16_t> Values(const HiddenBatch& b) {
-  return std::vector<uint16_t>(b.hidden().begin(), b.hidden().end());
+  return std::vector<uint16_t>(b.bf16().begin(), b.bf16().end());
 }
 
 using testing::RandomTokens;
@@ -124,7 +124,7 @@ TEST_P(FeedPaths, ClientReceivesExactlyWhatTheEngineComputes) {
     EXPECT_EQ(b->seq_lens, lens[i]);
     EXPECT_EQ(b->num_layers, 3);
     EXPECT_EQ(Values(*b), Direct(server.engine(), toks[i], lens[i], layers)) << "batch " << i;
-    EXPECT_EQ(b->checksum, v1::PayloadChecksum(b->hidden().data(), b->hidden().size() * 2));
+    EXPECT_EQ(b->checksum, v1::PayloadChecksum(b->bf16().data(), b->bf16().size() * 2));
   }
   EXPECT_TRUE((*feed)->Close().ok());
   FeedStats st = (*feed)->Stats();
@@ -153,8 +153,8 @@ TEST(ServiceTest, PackedBatchEqualsEachSequenceAlone) {
   offset = 0;
   for (int32_t l : lens) {
     HiddenBatch alone = *feed->Next();
-    std::vector<uint16_t> slice(packed.hidden().begin() + offset * stride,
-                                packed.hidden().begin() + (offset + l) * stride);
+    std::vector<uint16_t> slice(packed.bf16().begin() + offset * stride,
+                                packed.bf16().begin() + (offset + l) * stride);
     EXPECT_EQ(slice, Values(alone)) << "sequence at offset " << offset;
     offset += l;
   }
