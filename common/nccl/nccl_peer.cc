@@ -15,6 +15,7 @@
 #include <nccl.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/cuda_status.h"
 #include "kernels/checksum.cuh"
 #include "common/payload_checksum.h"
 #include "common/status_macros.h"
@@ -27,10 +28,6 @@ using Clock = std::chrono::steady_clock;
 
 absl::Status NcclError(ncclResult_t r, const char* what) {
   return absl::InternalError(absl::StrCat("nccl ", what, ": ", ncclGetErrorString(r)));
-}
-
-absl::Status CudaError(cudaError_t e, const char* what) {
-  return absl::InternalError(absl::StrCat("cuda ", what, ": ", cudaGetErrorString(e)));
 }
 
 // Poll's `done` for an event: true once it has completed.

@@ -47,14 +47,13 @@ class CudaEngine final : public Engine {
   // `on_copied` runs on the engine's copy thread.
   absl::Status ForwardAsync(const ForwardInput& in, std::span<std::byte> out,
                             CopiedCallback on_copied) override;
-  // Runs the forward only; the capture stays in device memory (DeviceCapture).
+  // Runs the forward only, the capture left in device memory (for benchmarks
+  // of the forward alone).
   absl::Status ForwardOnDevice(const ForwardInput& in);
   absl::Status ForwardToDevice(const ForwardInput& in, const DeviceSink& sink,
                                CopiedCallback on_sent) override;
   bool has_device_capture() const override { return true; }
   int64_t max_capture_layers() const override;
-  // The capture buffer of the last forward.
-  const void* DeviceCapture() const;
 
   int64_t weight_bytes() const;
   int64_t workspace_bytes() const;

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 
 namespace draftfeed {
 
@@ -66,7 +67,7 @@ class CublasLtGemm {
       DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, k));
       DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, k));
       DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, n, m, n));
-      if (absl::Status s = ChooseAlgo(p, x, w, y, m, n, k, stream); !s.ok()) return s;
+      DF_RETURN_IF_ERROR(ChooseAlgo(p, x, w, y, m, n, k, stream));
       it = plans_.emplace(key, p).first;
     }
     const Plan& plan = it->second;

@@ -1,0 +1,236 @@
+// The forward on the compute stream: embedding, then per layer the input
+// norm, its mixer block, the post norm and its MLP block (weight_layout's
+// BlockKind), the residual adds fused into the next norm, and the captures.
+#include "server/model/cuda_engine_impl.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "kernels/attention.cuh"
+#include "kernels/elementwise.cuh"
+#include "kernels/embedding.cuh"
+#include "kernels/gdn.cuh"
+#include "kernels/rmsnorm.cuh"
+#include "kernels/rope.cuh"
+
+namespace draftfeed {
+
+absl::Status CudaEngine::Impl::Block(const DeviceBlock& b, int64_t T, int32_t nseq,
+                                     int32_t max_len) {
+  switch (b.kind) {
+    case BlockKind::kAttention:
+      return Attention(b, T, nseq, max_len);
+    case BlockKind::kGatedDeltaNet:
+      return GatedDeltaNet(b, T, nseq);
+    case BlockKind::kDenseMlp:
+      return DenseMlp(b, T);
+    case BlockKind::kNorms:
+      break;  // fused into the residual adds by Run
+  }
+  return absl::InternalError("a layer's mixer or MLP is a norms block");
+}
+
+// §3.7: in_proj (qkv, b, a fused) and z, causal conv + SiLU, the gated delta
+// rule, the gated norm and out_proj.
+absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, int32_t nseq) {
+  const float eps = static_cast<float>(model->config.rms_norm_eps);
+  DF_RETURN_IF_ERROR(
+      Timed("gemm", [&] { return gemm.Run(u, w.bf(kGdnInQkvBA), proj, T, p_gdn, D, stream); }));
+  DF_RETURN_IF_ERROR(
+      Timed("gemm", [&] { return gemm.Run(u, w.bf(kGdnZ), zbuf, T, Nv * dv, D, stream); }));
+  DF_RETURN_IF_ERROR(Timed("gdn_conv", [&] {
+    return CudaStatus(cuda::CausalConv1dSilu(proj, p_gdn, w.bf(kGdnConv), T, C, KC, d_cu, nseq,
+                                        conv_out, stream),
+                 "CausalConv1dSilu");
+  }));
+  cuda::GdnArgs g;
+  g.qkv = conv_out;
+  g.qkv_stride = C;
+  g.b = proj + C;
+  g.a = proj + C + Nv;
+  g.ab_stride = p_gdn;
+  g.a_log = w.f32(kGdnALog);
+  g.dt_bias = w.f32(kGdnDtBias);
+  g.num_tokens = T;
+  g.num_k_heads = Nk;
+  g.num_v_heads = Nv;
+  g.key_dim = dk;
+  g.value_dim = dv;
+  g.cu_seqlens = d_cu;
+  g.num_seqs = nseq;
+  g.out = core;
+  DF_RETURN_IF_ERROR(Timed("gdn_rule", [&] {
+    return CudaStatus(cuda::GatedDeltaRule(g, gdn_ws, stream), "GatedDeltaRule");
+  }));
+  DF_RETURN_IF_ERROR(Timed("norm", [&] {
+    return CudaStatus(
+        cuda::GatedRmsNorm(core, zbuf, dv, w.bf(kGdnNorm), T * Nv, dv, eps, normed, stream),
+        "GatedRmsNorm");
+  }));
+  return Timed("gemm",
+               [&] { return gemm.Run(normed, w.bf(kGdnOut), mix, T, D, Nv * dv, stream); });
+}
+
+// §3.6 (gated: the sigmoid output gate interleaved in q_proj) and §4.
+absl::Status CudaEngine::Impl::Attention(const DeviceBlock& w, int64_t T, int32_t nseq,
+                                         int32_t max_len) {
+  const float eps = static_cast<float>(model->config.rms_norm_eps);
+  DF_RETURN_IF_ERROR(
+      Timed("gemm", [&] { return gemm.Run(u, w.bf(kAttnQkv), proj, T, p_attn, D, stream); }));
+  const int64_t q_head_stride = gated ? 2 * hd : hd;
+  bf16* q = proj;
+  bf16* k = proj + q_rows;
+  bf16* v = k + Hkv * hd;
+  if (qk_norm) {
+    DF_RETURN_IF_ERROR(Timed("norm", [&]() -> absl::Status {
+      for (int64_t h = 0; h < Hq; ++h) {
+        cudaError_t e = cuda::RmsNormBf16InPlace(q + h * q_head_stride, p_attn, w.bf(kAttnQNorm),
+                                                 T, hd, eps, norm_kind, stream);
+        if (e != cudaSuccess) return CudaError(e, "q_norm");
+      }
+      for (int64_t h = 0; h < Hkv; ++h) {
+        cudaError_t e = cuda::RmsNormBf16InPlace(k + h * hd, p_attn, w.bf(kAttnKNorm), T, hd, eps,
+                                                 norm_kind, stream);
+        if (e != cudaSuccess) return CudaError(e, "k_norm");
+      }
+      return absl::OkStatus();
+    }));
+  }
+  const float theta = static_cast<float>(model->config.rope_theta);
+  DF_RETURN_IF_ERROR(Timed("rope", [&]() -> absl::Status {
+    cudaError_t e = cuda::ApplyRope(q, T, Hq, hd, p_attn, q_head_stride, R, d_pos, theta, stream);
+    if (e == cudaSuccess) e = cuda::ApplyRope(k, T, Hkv, hd, p_attn, hd, R, d_pos, theta, stream);
+    return CudaStatus(e, "ApplyRope");
+  }));
+  cuda::AttentionArgs a;
+  a.q = q;
+  a.q_stride = p_attn;
+  a.q_head_stride = q_head_stride;
+  a.k = k;
+  a.k_stride = p_attn;
+  a.v = v;
+  a.v_stride = p_attn;
+  a.num_tokens = T;
+  a.num_q_heads = Hq;
+  a.num_kv_heads = Hkv;
+  a.head_dim = hd;
+  a.cu_seqlens = d_cu;
+  a.num_seqs = nseq;
+  a.max_seqlen = max_len;
+  a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  a.out = core;
+  DF_RETURN_IF_ERROR(Timed("attention", [&] {
+    return CudaStatus(cuda::VarlenCausalAttention(a, stream), "VarlenCausalAttention");
+  }));
+  if (gated) {
+    DF_RETURN_IF_ERROR(Timed("elementwise", [&] {
+      return CudaStatus(cuda::SigmoidGateMul(core, q + hd, T, Hq, hd, p_attn, q_head_stride, stream),
+                   "SigmoidGateMul");
+    }));
+  }
+  return Timed("gemm", [&] { return gemm.Run(core, w.bf(kAttnO), mix, T, D, Hq * hd, stream); });
+}
+
+// §3.9: down_proj(SiLU(gate) * up), gate and up from one fused GEMM.
+absl::Status CudaEngine::Impl::DenseMlp(const DeviceBlock& w, int64_t T) {
+  DF_RETURN_IF_ERROR(
+      Timed("gemm", [&] { return gemm.Run(u, w.bf(kMlpGateUp), proj, T, 2 * F, D, stream); }));
+  DF_RETURN_IF_ERROR(
+      Timed("elementwise", [&] { return CudaStatus(cuda::SwiGlu(proj, T, F, act, stream), "SwiGlu"); }));
+  return Timed("gemm", [&] { return gemm.Run(act, w.bf(kMlpDown), mix, T, D, F, stream); });
+}
+
+absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
+  DF_CUDA(cudaSetDevice(options.device));
+  DF_RETURN_IF_ERROR(ValidateForwardInput(model->config, in, options.max_tokens));
+  const int64_t T = static_cast<int64_t>(in.token_ids.size());
+  const int64_t K = static_cast<int64_t>(in.layers.size());
+  if (static_cast<int64_t>(in.seq_lens.size()) > options.max_seqs) {
+    return absl::InvalidArgumentError(absl::StrCat("batch has ", in.seq_lens.size(),
+                                                   " sequences; this engine takes at most ",
+                                                   options.max_seqs));
+  }
+  if (K > options.max_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(K, " capture layers; this engine has ", options.max_layers, " slots"));
+  }
+  times.ms.clear();
+  const int32_t nseq = static_cast<int32_t>(in.seq_lens.size());
+  int32_t max_len = 0;
+  h_cu[0] = 0;
+  for (int32_t i = 0; i < nseq; ++i) {
+    h_cu[i + 1] = h_cu[i] + in.seq_lens[i];
+    max_len = std::max(max_len, in.seq_lens[i]);
+  }
+  std::memcpy(h_ids, in.token_ids.data(), static_cast<size_t>(T) * 4);
+  DF_CUDA(cudaMemcpyAsync(d_ids, h_ids, T * 4, cudaMemcpyHostToDevice, stream));
+  DF_CUDA(cudaMemcpyAsync(d_cu, h_cu, (nseq + 1) * 4, cudaMemcpyHostToDevice, stream));
+
+  // Which layers to run and where each capture goes.
+  std::vector<int64_t> slot_of(static_cast<size_t>(L), -1);
+  int64_t final_slot = -1;
+  int64_t last = -1;
+  for (int64_t s = 0; s < K; ++s) {
+    const int32_t id = in.layers[s];
+    if (id == kFinalLayerId) {
+      final_slot = s;
+      last = L - 1;
+    } else {
+      slot_of[id] = s;
+      last = std::max<int64_t>(last, id);
+    }
+  }
+  const float eps = static_cast<float>(model->config.rms_norm_eps);
+  DF_RETURN_IF_ERROR(Timed("embed", [&]() -> absl::Status {
+    cudaError_t e = cuda::PositionsFromCuSeqlens(d_cu, nseq, T, d_pos, stream);
+    if (e == cudaSuccess) e = cuda::EmbeddingLookup(d_ids, T, embed, D, residual, stream);
+    return CudaStatus(e, "embedding");
+  }));
+  DF_RETURN_IF_ERROR(Timed("norm", [&] {
+    return CudaStatus(cuda::RmsNormF32(residual, D, layers[0].norms.bf(kInputNorm), T, D, eps,
+                                  norm_kind, u, D, stream),
+                 "RmsNormF32");
+  }));
+  for (int64_t l = 0; l <= last; ++l) {
+    const Layer& w = layers[static_cast<size_t>(l)];
+    DF_RETURN_IF_ERROR(Block(w.mixer, T, nseq, max_len));
+    DF_RETURN_IF_ERROR(Timed("norm", [&] {
+      return CudaStatus(cuda::AddRmsNormF32(residual, mix, w.norms.bf(kPostNorm), T, D, eps, norm_kind,
+                                       u, stream),
+                   "AddRmsNormF32");
+    }));
+    DF_RETURN_IF_ERROR(Block(w.mlp, T, nseq, max_len));
+    // After the last layer run no next input is needed: the final norm, when
+    // asked for, is written straight into its capture slot below.
+    const bf16* next_norm =
+        l + 1 < L ? layers[static_cast<size_t>(l + 1)].norms.bf(kInputNorm) : final_norm;
+    DF_RETURN_IF_ERROR(Timed("norm", [&] {
+      return CudaStatus(l == last ? cuda::AddResidual(residual, mix, T, D, stream)
+                             : cuda::AddRmsNormF32(residual, mix, next_norm, T, D, eps, norm_kind,
+                                                   u, stream),
+                   "AddRmsNormF32");
+    }));
+    if (slot_of[l] >= 0) {
+      DF_RETURN_IF_ERROR(Timed("capture", [&] {
+        return CudaStatus(cuda::CaptureResidual(residual, T, D, capture, K, slot_of[l], stream),
+                     "CaptureResidual");
+      }));
+    }
+  }
+  if (final_slot >= 0) {
+    DF_RETURN_IF_ERROR(Timed("capture", [&] {
+      return CudaStatus(cuda::RmsNormF32(residual, D, final_norm, T, D, eps, norm_kind,
+                                    capture + final_slot * D, K * D, stream),
+                   "final norm");
+    }));
+  }
+  capture_tokens = T;
+  capture_slots = K;
+  if (sync) DF_CUDA(cudaStreamSynchronize(stream));
+  return absl::OkStatus();
+}
+
+}  // namespace draftfeed

@@ -1,0 +1,186 @@
+// Internal to the CUDA engine: its state (CudaEngine::Impl) and the arena
+// everything device-side is carved from, shared by the files of its jobs:
+//   cuda_workspace.cc  device set-up and the workspace, sized once;
+//   cuda_weights.cc    weight upload and GPU random init, from weight_layout;
+//   cuda_blocks.cc     the forward: per-layer blocks and the capture slots;
+//   cuda_capture.cc    the double-buffered capture, its copy thread and the
+//                      device sink;
+//   cuda_engine.cc     creation, teardown and the accessors.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "common/cuda_status.h"
+#include "kernels/common.cuh"
+#include "kernels/rmsnorm.cuh"
+#include "server/model/cuda_engine.h"
+#include "server/model/cuda_gemm.h"
+#include "server/model/weight_layout.h"
+
+namespace draftfeed {
+
+// A bump allocator over one cudaMalloc: everything is carved at start-up.
+class DeviceArena {
+ public:
+  ~DeviceArena() {
+    if (base_) cudaFree(base_);
+  }
+  absl::Status Reserve(size_t bytes) {
+    DF_CUDA(cudaMalloc(&base_, bytes));
+    size_ = bytes;
+    return absl::OkStatus();
+  }
+  template <typename T>
+  T* Take(int64_t n) {
+    const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 255) & ~size_t{255};
+    T* p = reinterpret_cast<T*>(static_cast<char*>(base_) + used_);
+    used_ += bytes;
+    return used_ <= size_ ? p : nullptr;
+  }
+  static size_t Round(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
+  size_t used() const { return used_; }
+
+ private:
+  void* base_ = nullptr;
+  size_t size_ = 0;
+  size_t used_ = 0;
+};
+
+struct CudaEngine::Impl {
+  using bf16 = cuda::bf16;
+
+  // One block's device buffers, in its BlockDeviceBuffers order
+  // (weight_layout.h); null where the config has no such tensor.
+  struct DeviceBlock {
+    BlockKind kind = BlockKind::kNorms;
+    std::vector<void*> buffers;
+    bf16* bf(int i) const { return static_cast<bf16*>(buffers[static_cast<size_t>(i)]); }
+    float* f32(int i) const { return static_cast<float*>(buffers[static_cast<size_t>(i)]); }
+  };
+  struct Layer {
+    DeviceBlock norms, mixer, mlp;
+  };
+
+  const Model* model = nullptr;
+  CudaEngineOptions options;
+  cudaStream_t stream = nullptr;
+  DeviceArena weights;
+  DeviceArena work;
+  CublasLtGemm gemm;
+  std::vector<Layer> layers;
+  bf16* embed = nullptr;
+  bf16* final_norm = nullptr;
+  cuda::NormKind norm_kind = cuda::NormKind::kZeroCentred;
+
+  // Dimensions.
+  int64_t D = 0, F = 0, L = 0, Hq = 0, Hkv = 0, hd = 0, R = 0;
+  int64_t C = 0, Nk = 0, Nv = 0, dk = 0, dv = 0, KC = 0;
+  int64_t q_rows = 0;  // rows of q_proj: Hq·hd·(2 with the output gate)
+  int64_t p_attn = 0, p_gdn = 0;
+  bool gated = true;    // features.gated_attention
+  bool qk_norm = true;  // features.qk_norm
+
+  // Workspace.
+  int32_t* d_ids = nullptr;
+  int32_t* d_cu = nullptr;
+  int32_t* d_pos = nullptr;
+  int32_t* h_ids = nullptr;  // pinned staging
+  int32_t* h_cu = nullptr;
+  float* residual = nullptr;
+  bf16* u = nullptr;
+  bf16* proj = nullptr;  // [T, max(p_attn, p_gdn, 2F)]
+  bf16* zbuf = nullptr;
+  bf16* conv_out = nullptr;
+  bf16* core = nullptr;
+  bf16* normed = nullptr;
+  bf16* mix = nullptr;
+  bf16* act = nullptr;
+  // Double-buffered capture: ForwardAsync copies one buffer to the host on
+  // copy_stream while the next forward writes the other. `capture` is the
+  // buffer of the current (or last) forward.
+  bf16* captures[2] = {nullptr, nullptr};
+  bf16* capture = nullptr;
+  int current = 1;
+  cudaStream_t copy_stream = nullptr;
+  cudaEvent_t copied[2] = {nullptr, nullptr};
+  // ForwardToDevice: the sink's work (an NCCL send) runs on send_stream, of
+  // the device's highest priority so that its kernel is scheduled while the
+  // next forward fills the GPU, ordered after its forward by `forwarded`.
+  cudaStream_t send_stream = nullptr;
+  cudaEvent_t forwarded[2] = {nullptr, nullptr};
+  // Each capture's checksum lanes, computed on copy_stream beside its copy.
+  unsigned long long* d_lanes = nullptr;  // [2][kChecksumLanes]
+  uint64_t* h_lanes = nullptr;            // [2][kChecksumLanes], pinned
+  // The copy thread retires copies (and device sinks' work) in order: it
+  // waits for each one's event (or DeviceWait), runs its callback, then frees
+  // its buffer for the next forward.
+  struct PendingCopy {
+    int buffer;
+    size_t bytes;
+    CopiedCallback on_copied;
+    DeviceWait sink_wait;          // ForwardToDevice: waits for the sink's work
+    absl::Status forward_status;   // ForwardToDevice: how the forward itself ended
+  };
+  std::mutex copy_mu;
+  std::condition_variable copy_cv;
+  std::deque<PendingCopy> pending;  // at most 2: one per buffer
+  bool busy[2] = {false, false};    // a copy (or send) out of this buffer is not retired yet
+  bool stop_copier = false;
+  std::thread copier;
+  void* gdn_ws = nullptr;
+  size_t workspace_total = 0;
+  int64_t capture_tokens = 0, capture_slots = 0;
+  OpTimes times;
+
+  template <typename Fn>
+  absl::Status Timed(const char* family, Fn&& fn) {
+    if (!options.profile) return fn();
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    cudaEventRecord(a, stream);
+    absl::Status s = fn();
+    cudaEventRecord(b, stream);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    for (auto& [name, total] : times.ms) {
+      if (name == family) {
+        total += ms;
+        return s;
+      }
+    }
+    times.ms.emplace_back(family, ms);
+    return s;
+  }
+
+  absl::Status Init(const Model* m, const CudaEngineOptions& opt);
+  int TakeBuffer();
+  // Hands `job` to the copy thread; its buffer stays busy until it retires.
+  void Queue(PendingCopy job);
+  size_t CaptureBytes(const ForwardInput& in) const {
+    return draftfeed::CaptureBytes(model->config, in);
+  }
+  void CopyLoop();
+  void StopCopier();
+  absl::Status UploadWeights();
+  // Enqueues the forward on `stream`; `sync` waits for it (and surfaces
+  // errors of its kernels) before returning.
+  absl::Status Run(const ForwardInput& in, bool sync = true);
+  // mix = block(u) for the mixer or MLP `b` of a layer.
+  absl::Status Block(const DeviceBlock& b, int64_t T, int32_t nseq, int32_t max_len);
+  absl::Status Attention(const DeviceBlock& b, int64_t T, int32_t nseq, int32_t max_len);
+  absl::Status GatedDeltaNet(const DeviceBlock& b, int64_t T, int32_t nseq);
+  absl::Status DenseMlp(const DeviceBlock& b, int64_t T);
+};
+}  // namespace draftfeed

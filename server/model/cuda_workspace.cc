@@ -1,0 +1,127 @@
+// Device set-up and the one workspace, carved at start-up from the token
+// budget so the hot path never allocates.
+#include "server/model/cuda_engine_impl.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "common/payload_checksum.h"
+#include "common/status_macros.h"
+#include "kernels/gdn.cuh"
+
+namespace draftfeed {
+
+absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt) {
+  model = m;
+  options = opt;
+  const ModelConfig& c = m->config;
+  D = c.hidden_size;
+  F = c.intermediate_size;
+  L = c.num_layers;
+  Hq = c.num_heads;
+  Hkv = c.num_kv_heads;
+  hd = c.head_dim;
+  R = c.rotary_dim();
+  gated = c.features.gated_attention;
+  qk_norm = c.features.qk_norm;
+  norm_kind = c.features.norm == NormConvention::kOffsetOne ? cuda::NormKind::kZeroCentred
+                                                            : cuda::NormKind::kMultiplicative;
+  q_rows = Hq * hd * (gated ? 2 : 1);
+  p_attn = q_rows + 2 * Hkv * hd;
+  if (c.features.linear_attention) {
+    Nk = c.linear_num_key_heads;
+    Nv = c.linear_num_value_heads;
+    dk = c.linear_key_head_dim;
+    dv = c.linear_value_head_dim;
+    KC = c.linear_conv_kernel;
+    C = 2 * Nk * dk + Nv * dv;
+    p_gdn = C + 2 * Nv;
+  }
+  if (options.max_layers <= 0) options.max_layers = L + 1;
+
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    return absl::FailedPreconditionError("no CUDA device: use --device cpu");
+  }
+  if (opt.device < 0 || opt.device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda:", opt.device, " does not exist (", count, " devices)"));
+  }
+  DF_CUDA(cudaSetDevice(opt.device));
+  DF_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  // Workspace, sized once from the token budget.
+  const int64_t T = options.max_tokens;
+  const int64_t proj_cols = std::max({p_attn, p_gdn, 2 * F});
+  cuda::GdnArgs probe;
+  probe.num_tokens = T;
+  probe.num_k_heads = Nk;
+  probe.num_v_heads = Nv;
+  probe.key_dim = dk;
+  probe.value_dim = dv;
+  probe.num_seqs = static_cast<int32_t>(options.max_seqs);
+  const size_t gdn_bytes = c.features.linear_attention ? cuda::GdnWorkspaceBytes(probe) : 0;
+  const size_t gemm_ws = 64 << 20;
+  size_t total = 0;
+  auto add = [&](size_t bytes) { total += DeviceArena::Round(std::max<size_t>(bytes, 1)); };
+  add(T * 4);                               // ids
+  add((options.max_seqs + 1) * 4);          // cu_seqlens
+  add(T * 4);                               // positions
+  add(T * D * 4);                           // residual
+  add(T * D * 2);                           // u
+  add(T * proj_cols * 2);                   // proj
+  add(T * std::max<int64_t>(Nv * dv, 1) * 2);  // z
+  add(T * std::max<int64_t>(C, 1) * 2);     // conv_out
+  add(T * std::max(Nv * dv, Hq * hd) * 2);  // core
+  add(T * std::max(Nv * dv, Hq * hd) * 2);  // normed
+  add(T * D * 2);                           // mix
+  add(T * F * 2);                           // act
+  add(T * options.max_layers * D * 2);      // capture, twice
+  add(T * options.max_layers * D * 2);
+  add(gdn_bytes);
+  add(gemm_ws);
+  if (absl::Status s = work.Reserve(total); !s.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate the ", total >> 20, " MiB workspace for a token budget of ", T, ": ",
+        s.message()));
+  }
+  workspace_total = total;
+  d_ids = work.Take<int32_t>(T);
+  d_cu = work.Take<int32_t>(options.max_seqs + 1);
+  d_pos = work.Take<int32_t>(T);
+  residual = work.Take<float>(T * D);
+  u = work.Take<bf16>(T * D);
+  proj = work.Take<bf16>(T * proj_cols);
+  zbuf = work.Take<bf16>(T * std::max<int64_t>(Nv * dv, 1));
+  conv_out = work.Take<bf16>(T * std::max<int64_t>(C, 1));
+  core = work.Take<bf16>(T * std::max(Nv * dv, Hq * hd));
+  normed = work.Take<bf16>(T * std::max(Nv * dv, Hq * hd));
+  mix = work.Take<bf16>(T * D);
+  act = work.Take<bf16>(T * F);
+  captures[0] = work.Take<bf16>(T * options.max_layers * D);
+  captures[1] = work.Take<bf16>(T * options.max_layers * D);
+  capture = captures[current];
+  gdn_ws = work.Take<char>(static_cast<int64_t>(gdn_bytes));
+  void* gemm_workspace = work.Take<char>(gemm_ws);
+  if (gemm_workspace == nullptr) return absl::InternalError("workspace carve overflow");
+  DF_CUDA(cudaMallocHost(&h_ids, T * 4));
+  DF_CUDA(cudaMallocHost(&h_cu, (options.max_seqs + 1) * 4));
+  DF_CUDA(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
+  DF_CUDA(cudaMalloc(&d_lanes, 2 * v1::kChecksumLanes * sizeof(*d_lanes)));
+  DF_CUDA(cudaMallocHost(&h_lanes, 2 * v1::kChecksumLanes * sizeof(*h_lanes)));
+  for (cudaEvent_t& e : copied) {
+    // Blocking sync: the copy thread sleeps instead of spinning a core that
+    // gRPC and the checksums need.
+    DF_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync));
+  }
+  int lowest_priority = 0, highest_priority = 0;
+  DF_CUDA(cudaDeviceGetStreamPriorityRange(&lowest_priority, &highest_priority));
+  DF_CUDA(cudaStreamCreateWithPriority(&send_stream, cudaStreamNonBlocking, highest_priority));
+  for (cudaEvent_t& e : forwarded) {
+    DF_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  DF_RETURN_IF_ERROR(gemm.Init(gemm_workspace, gemm_ws));
+  return UploadWeights();
+}
+
+}  // namespace draftfeed
