@@ -27,6 +27,8 @@
 #include <cmath>
 #include <type_traits>
 
+#include "kernels/mma_sm80.cuh"
+
 namespace draftfeed::cuda {
 namespace {
 
@@ -128,35 +130,15 @@ __device__ __forceinline__ float Exp2(float x) {
   return y;
 }
 
-__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
+using sm80::LdMatrixX4;
+using sm80::LdMatrixX4Trans;
+using sm80::Mma;
+using sm80::PackBf16;
 
 // ---------------------------------------------------------------------------
 // Portable path: mma.sync.m16n8k16 (bf16 in, fp32 accumulate) from ldmatrix.
 template <int HD, int BN, int BM>
 struct MmaCore {
-  static __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-  }
-  static __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr)
-                 : "memory");
-  }
-  static __device__ __forceinline__ void Mma(float* d, const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-
   // S(16 rows of this warp × BN) = Q·Kᵀ.
   static __device__ __forceinline__ void IssueQK(float (&s)[BN / 2], uint32_t q_smem,
                                                  uint32_t k_smem, int warp, int lane) {
@@ -171,11 +153,11 @@ struct MmaCore {
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
       uint32_t a[4];
-      LdMatrixX4(a, q_smem + SwizzledOffset<BM>(a_row, kk * 16 + a_col));
+      LdMatrixX4</*kMemoryClobber=*/true>(a, q_smem + SwizzledOffset<BM>(a_row, kk * 16 + a_col));
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t b[4];
-        LdMatrixX4(b, k_smem + SwizzledOffset<BN>(np * 16 + b_row, kk * 16 + b_col));
+        LdMatrixX4</*kMemoryClobber=*/true>(b, k_smem + SwizzledOffset<BN>(np * 16 + b_row, kk * 16 + b_col));
         Mma(&s[(2 * np) * 4], a, b[0], b[1]);
         Mma(&s[(2 * np + 1) * 4], a, b[2], b[3]);
       }
@@ -194,7 +176,7 @@ struct MmaCore {
 #pragma unroll
       for (int dp = 0; dp < HD / 16; ++dp) {
         uint32_t b[4];
-        LdMatrixX4Trans(b, v_smem + SwizzledOffset<BN>(kk * 16 + row, dp * 16 + col));
+        LdMatrixX4Trans</*kMemoryClobber=*/true>(b, v_smem + SwizzledOffset<BN>(kk * 16 + row, dp * 16 + col));
         Mma(&o[(2 * dp) * 4], p[kk], b[0], b[1]);
         Mma(&o[(2 * dp + 1) * 4], p[kk], b[2], b[3]);
       }

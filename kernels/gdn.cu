@@ -28,6 +28,9 @@
 
 #include <cstring>
 
+#include "kernels/mma_sm80.cuh"
+#include "kernels/vec_io.cuh"
+
 namespace draftfeed::cuda {
 namespace {
 
@@ -39,9 +42,11 @@ constexpr int kFactorFloats = 2 * kChunk + 4;
 // ---------------------------------------------------------------------------
 // PTX helpers.
 
-__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using sm80::LdMatrixX4;
+using sm80::LdMatrixX4Trans;
+using sm80::Mma;
+using sm80::PackBf16;
+using sm80::SmemAddr;
 
 // 16-byte async copy; when !valid the destination is zero-filled and src is
 // not read (it must still be a valid address).
@@ -53,37 +58,6 @@ __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-__device__ __forceinline__ void Ldsm4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
-}
-__device__ __forceinline__ void Ldsm4T(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(SmemAddr(p)));
-}
-
-// D += A·B, m16n8k16, bf16 in, fp32 accumulate. Fragment layouts (PTX ISA),
-// g = lane / 4, q = lane % 4: A regs {(g, 2q..2q+1), (g+8, 2q..), (g, 2q+8..),
-// (g+8, 2q+8..)}; B regs {(k 2q..2q+1, n g), (k 2q+8.., n g)}; C/D
-// {(g, 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1)}.
-__device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats → one register of two bf16, the first in the low half.
-__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  uint32_t u;
-  memcpy(&u, &v, sizeof(u));
-  return u;
 }
 
 __device__ __forceinline__ float2 UnpackBf16(uint32_t u) {
@@ -112,8 +86,6 @@ __device__ __forceinline__ int LdsmBNRow(int lane) { return (lane & 7) + (lane >
 __device__ __forceinline__ int LdsmBNCol(int lane) { return ((lane >> 3) & 1) * 8; }
 __device__ __forceinline__ int LdsmBTRow(int lane) { return (lane & 7) + ((lane >> 3) & 1) * 8; }
 __device__ __forceinline__ int LdsmBTCol(int lane) { return (lane >> 4) * 8; }
-
-__device__ __forceinline__ float SiluF(float x) { return x / (1.0f + expf(-x)); }
 
 // ---------------------------------------------------------------------------
 // Causal depthwise conv + SiLU.
@@ -223,7 +195,7 @@ __global__ void __launch_bounds__(kConvThreads)
         float a = 0.0f;
 #pragma unroll
         for (int i = 0; i < kTaps - 1; ++i) a += wt[i][v] * win[i].v[v];
-        acc[v] = SiluF(a + wt[kTaps - 1][v] * cur[u].v[v]);
+        acc[v] = vec::Silu(a + wt[kTaps - 1][v] * cur[u].v[v]);
       }
       bf16* yt = y + t * channels + c0;
       if constexpr (kVec == 8) {
@@ -377,7 +349,7 @@ __device__ __forceinline__ void TriangularProduct(const float* s_t, int t_ld, co
     for (int ks = 0; ks < 4; ++ks) {
       if (ks <= warp) {
         uint32_t b[4];
-        Ldsm4T(b, s_b + (16 * ks + LdsmBTRow(lane)) * ld + 16 * pp + LdsmBTCol(lane));
+        LdMatrixX4Trans(b, s_b + (16 * ks + LdsmBTRow(lane)) * ld + 16 * pp + LdsmBTCol(lane));
         Mma(acc[0], a_hi[ks], b[0], b[1]);
         Mma(acc[0], a_lo[ks], b[0], b[1]);
         Mma(acc[1], a_hi[ks], b[2], b[3]);
@@ -514,13 +486,13 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   for (int ks = 0; ks < kDk / 16; ++ks) {
     uint32_t ak[4], aq[4];
     const int arow = row0 + LdsmARow(lane), acol = 16 * ks + LdsmACol(lane);
-    Ldsm4(ak, s_k + arow * L::kQkLd + acol);
-    Ldsm4(aq, s_q + arow * L::kQkLd + acol);
+    LdMatrixX4(ak, s_k + arow * L::kQkLd + acol);
+    LdMatrixX4(aq, s_q + arow * L::kQkLd + acol);
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       if (jj <= warp) {
         uint32_t b[4];
-        Ldsm4(b, s_k + (16 * jj + LdsmBNRow(lane)) * L::kQkLd + 16 * ks + LdsmBNCol(lane));
+        LdMatrixX4(b, s_k + (16 * jj + LdsmBNRow(lane)) * L::kQkLd + 16 * ks + LdsmBNCol(lane));
         Mma(acc_g[2 * jj], ak, b[0], b[1]);
         Mma(acc_g[2 * jj + 1], ak, b[2], b[3]);
         Mma(acc_p[2 * jj], aq, b[0], b[1]);
@@ -773,8 +745,8 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1)
       for (int jj = 0; jj < 4; ++jj) {
         const int off = (16 * jj + LdsmBNRow(lane)) * L::kQkLd + 16 * ks + LdsmBNCol(lane);
         uint32_t bw[4], bq[4];
-        Ldsm4(bw, s_w + off);
-        Ldsm4(bq, s_q + off);
+        LdMatrixX4(bw, s_w + off);
+        LdMatrixX4(bq, s_q + off);
         Mma(vn[2 * jj], sa[ks], bw[0], bw[1]);
         Mma(vn[2 * jj + 1], sa[ks], bw[2], bw[3]);
         Mma(o[2 * jj], sa[ks], bq[0], bq[1]);
@@ -786,7 +758,7 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1)
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       uint32_t u[4];
-      Ldsm4T(u, s_u + (16 * jj + (lane & 7) + (lane >> 4) * 8) * L::kULd + d0 +
+      LdMatrixX4Trans(u, s_u + (16 * jj + (lane & 7) + (lane >> 4) * 8) * L::kULd + d0 +
                     ((lane >> 3) & 1) * 8);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -823,7 +795,7 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1)
 #pragma unroll
         for (int pp = 0; pp < kDk / 16; ++pp) {
           uint32_t b[4];
-          Ldsm4T(b, s_k + (16 * ks + LdsmBTRow(lane)) * L::kQkLd + 16 * pp + LdsmBTCol(lane));
+          LdMatrixX4Trans(b, s_k + (16 * ks + LdsmBTRow(lane)) * L::kQkLd + 16 * pp + LdsmBTCol(lane));
           Mma(st_acc[2 * pp], vk[ks], b[0], b[1]);
           Mma(st_acc[2 * pp + 1], vk[ks], b[2], b[3]);
         }
@@ -853,7 +825,7 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1)
 #pragma unroll
         for (int jj = ks; jj < 4; ++jj) {  // M is lower triangular: skip s-blocks above r-blocks
           uint32_t b[4];
-          Ldsm4(b, s_m + (16 * jj + LdsmBNRow(lane)) * L::kMLd + 16 * ks + LdsmBNCol(lane));
+          LdMatrixX4(b, s_m + (16 * jj + LdsmBNRow(lane)) * L::kMLd + 16 * ks + LdsmBNCol(lane));
           Mma(o[2 * jj], va[ks], b[0], b[1]);
           Mma(o[2 * jj + 1], va[ks], b[2], b[3]);
         }

@@ -1,0 +1,75 @@
+// Warp-level tensor-core helpers (sm_80+: ldmatrix, mma.sync m16n8k16 with
+// bf16 inputs and fp32 accumulators) shared by the GDN and attention kernels.
+// Internal to kernels/: device helpers only, no launchers.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/common.cuh"
+
+namespace draftfeed::cuda::sm80 {
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ldmatrix.x4 (four 8x8 b16 tiles) at shared address `addr`. kMemoryClobber
+// keeps the compiler from moving it across other memory accesses, for callers
+// whose shared memory is written behind its back (TMA, waited on by an asm
+// barrier); without it, the caller's __syncthreads orders it.
+template <bool kMemoryClobber = false>
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
+  if constexpr (kMemoryClobber) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+}
+template <bool kMemoryClobber = false>
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t addr) {
+  if constexpr (kMemoryClobber) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr)
+                 : "memory");
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+}
+// The same at a generic pointer into shared memory.
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* p) {
+  LdMatrixX4(r, SmemAddr(p));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* p) {
+  LdMatrixX4Trans(r, SmemAddr(p));
+}
+
+// d[0..3] += A·B, m16n8k16, bf16 in, fp32 accumulate. Fragment layouts (PTX
+// ISA), g = lane / 4, q = lane % 4: A regs {(g, 2q..2q+1), (g+8, 2q..),
+// (g, 2q+8..), (g+8, 2q+8..)}; B regs {(k 2q..2q+1, n g), (k 2q+8.., n g)};
+// C/D {(g, 2q), (g, 2q+1), (g+8, 2q), (g+8, 2q+1)}.
+__device__ __forceinline__ void Mma(float* d, const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats (round to nearest) to one register of two bf16, the first in
+// the low half.
+__device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &v, sizeof(u));
+  return u;
+}
+
+}  // namespace draftfeed::cuda::sm80
