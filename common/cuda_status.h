@@ -21,8 +21,8 @@ inline absl::Status CudaStatus(cudaError_t e, const char* what) {
 
 // Returns the CUDA error of `expr`, named by its text, from the enclosing
 // function (which returns absl::Status or StatusOr).
-#define DF_CUDA(expr)                                                        \
-  do {                                                                       \
-    const cudaError_t df_cuda_e_ = (expr);                                   \
+#define DF_CUDA(expr)                                                                \
+  do {                                                                               \
+    const cudaError_t df_cuda_e_ = (expr);                                           \
     if (df_cuda_e_ != cudaSuccess) return ::draftfeed::CudaError(df_cuda_e_, #expr); \
   } while (0)

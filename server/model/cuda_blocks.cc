@@ -1,8 +1,6 @@
 // The forward on the compute stream: embedding, then per layer the input
 // norm, its mixer block, the post norm and its MLP block (weight_layout's
 // BlockKind), the residual adds fused into the next norm, and the captures.
-#include "server/model/cuda_engine_impl.h"
-
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -15,6 +13,7 @@
 #include "kernels/gdn.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope.cuh"
+#include "server/model/cuda_engine_impl.h"
 
 namespace draftfeed {
 
@@ -42,9 +41,9 @@ absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, in
   DF_RETURN_IF_ERROR(
       Timed("gemm", [&] { return gemm.Run(u, w.bf(kGdnZ), zbuf, T, Nv * dv, D, stream); }));
   DF_RETURN_IF_ERROR(Timed("gdn_conv", [&] {
-    return CudaStatus(cuda::CausalConv1dSilu(proj, p_gdn, w.bf(kGdnConv), T, C, KC, d_cu, nseq,
-                                        conv_out, stream),
-                 "CausalConv1dSilu");
+    return CudaStatus(
+        cuda::CausalConv1dSilu(proj, p_gdn, w.bf(kGdnConv), T, C, KC, d_cu, nseq, conv_out, stream),
+        "CausalConv1dSilu");
   }));
   cuda::GdnArgs g;
   g.qkv = conv_out;
@@ -70,8 +69,7 @@ absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, in
         cuda::GatedRmsNorm(core, zbuf, dv, w.bf(kGdnNorm), T * Nv, dv, eps, normed, stream),
         "GatedRmsNorm");
   }));
-  return Timed("gemm",
-               [&] { return gemm.Run(normed, w.bf(kGdnOut), mix, T, D, Nv * dv, stream); });
+  return Timed("gemm", [&] { return gemm.Run(normed, w.bf(kGdnOut), mix, T, D, Nv * dv, stream); });
 }
 
 // §3.6 (gated: the sigmoid output gate interleaved in q_proj) and §4.
@@ -87,8 +85,8 @@ absl::Status CudaEngine::Impl::Attention(const DeviceBlock& w, int64_t T, int32_
   if (qk_norm) {
     DF_RETURN_IF_ERROR(Timed("norm", [&]() -> absl::Status {
       for (int64_t h = 0; h < Hq; ++h) {
-        cudaError_t e = cuda::RmsNormBf16InPlace(q + h * q_head_stride, p_attn, w.bf(kAttnQNorm),
-                                                 T, hd, eps, norm_kind, stream);
+        cudaError_t e = cuda::RmsNormBf16InPlace(q + h * q_head_stride, p_attn, w.bf(kAttnQNorm), T,
+                                                 hd, eps, norm_kind, stream);
         if (e != cudaSuccess) return CudaError(e, "q_norm");
       }
       for (int64_t h = 0; h < Hkv; ++h) {
@@ -127,8 +125,9 @@ absl::Status CudaEngine::Impl::Attention(const DeviceBlock& w, int64_t T, int32_
   }));
   if (gated) {
     DF_RETURN_IF_ERROR(Timed("elementwise", [&] {
-      return CudaStatus(cuda::SigmoidGateMul(core, q + hd, T, Hq, hd, p_attn, q_head_stride, stream),
-                   "SigmoidGateMul");
+      return CudaStatus(
+          cuda::SigmoidGateMul(core, q + hd, T, Hq, hd, p_attn, q_head_stride, stream),
+          "SigmoidGateMul");
     }));
   }
   return Timed("gemm", [&] { return gemm.Run(core, w.bf(kAttnO), mix, T, D, Hq * hd, stream); });
@@ -138,8 +137,8 @@ absl::Status CudaEngine::Impl::Attention(const DeviceBlock& w, int64_t T, int32_
 absl::Status CudaEngine::Impl::DenseMlp(const DeviceBlock& w, int64_t T) {
   DF_RETURN_IF_ERROR(
       Timed("gemm", [&] { return gemm.Run(u, w.bf(kMlpGateUp), proj, T, 2 * F, D, stream); }));
-  DF_RETURN_IF_ERROR(
-      Timed("elementwise", [&] { return CudaStatus(cuda::SwiGlu(proj, T, F, act, stream), "SwiGlu"); }));
+  DF_RETURN_IF_ERROR(Timed(
+      "elementwise", [&] { return CudaStatus(cuda::SwiGlu(proj, T, F, act, stream), "SwiGlu"); }));
   return Timed("gemm", [&] { return gemm.Run(act, w.bf(kMlpDown), mix, T, D, F, stream); });
 }
 
@@ -191,16 +190,16 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
   }));
   DF_RETURN_IF_ERROR(Timed("norm", [&] {
     return CudaStatus(cuda::RmsNormF32(residual, D, layers[0].norms.bf(kInputNorm), T, D, eps,
-                                  norm_kind, u, D, stream),
-                 "RmsNormF32");
+                                       norm_kind, u, D, stream),
+                      "RmsNormF32");
   }));
   for (int64_t l = 0; l <= last; ++l) {
     const Layer& w = layers[static_cast<size_t>(l)];
     DF_RETURN_IF_ERROR(Block(w.mixer, T, nseq, max_len));
     DF_RETURN_IF_ERROR(Timed("norm", [&] {
-      return CudaStatus(cuda::AddRmsNormF32(residual, mix, w.norms.bf(kPostNorm), T, D, eps, norm_kind,
-                                       u, stream),
-                   "AddRmsNormF32");
+      return CudaStatus(cuda::AddRmsNormF32(residual, mix, w.norms.bf(kPostNorm), T, D, eps,
+                                            norm_kind, u, stream),
+                        "AddRmsNormF32");
     }));
     DF_RETURN_IF_ERROR(Block(w.mlp, T, nseq, max_len));
     // After the last layer run no next input is needed: the final norm, when
@@ -209,22 +208,22 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
         l + 1 < L ? layers[static_cast<size_t>(l + 1)].norms.bf(kInputNorm) : final_norm;
     DF_RETURN_IF_ERROR(Timed("norm", [&] {
       return CudaStatus(l == last ? cuda::AddResidual(residual, mix, T, D, stream)
-                             : cuda::AddRmsNormF32(residual, mix, next_norm, T, D, eps, norm_kind,
-                                                   u, stream),
-                   "AddRmsNormF32");
+                                  : cuda::AddRmsNormF32(residual, mix, next_norm, T, D, eps,
+                                                        norm_kind, u, stream),
+                        "AddRmsNormF32");
     }));
     if (slot_of[l] >= 0) {
       DF_RETURN_IF_ERROR(Timed("capture", [&] {
         return CudaStatus(cuda::CaptureResidual(residual, T, D, capture, K, slot_of[l], stream),
-                     "CaptureResidual");
+                          "CaptureResidual");
       }));
     }
   }
   if (final_slot >= 0) {
     DF_RETURN_IF_ERROR(Timed("capture", [&] {
       return CudaStatus(cuda::RmsNormF32(residual, D, final_norm, T, D, eps, norm_kind,
-                                    capture + final_slot * D, K * D, stream),
-                   "final norm");
+                                         capture + final_slot * D, K * D, stream),
+                        "final norm");
     }));
   }
   capture_tokens = T;

@@ -2,13 +2,12 @@
 // copied to the host (ForwardAsync) or handed to a device sink (an NCCL send,
 // ForwardToDevice) while batch N+1's forward fills the other; a copy thread
 // retires them in order.
-#include "server/model/cuda_engine_impl.h"
-
 #include <cstring>
 
 #include "common/payload_checksum.h"
 #include "common/status_macros.h"
 #include "kernels/checksum.cuh"
+#include "server/model/cuda_engine_impl.h"
 
 namespace draftfeed {
 
@@ -73,14 +72,11 @@ void CudaEngine::Impl::StopCopier() {
   copier.join();
 }
 
-
 absl::Status CudaEngine::Forward(const ForwardInput& in, std::span<std::byte> out) {
   DF_RETURN_IF_ERROR(CheckCaptureOutput(*this, in, out.size()));
   impl_->TakeBuffer();
   DF_RETURN_IF_ERROR(impl_->Run(in));
-  DF_CUDA(cudaMemcpy(out.data(), impl_->capture,
-                     impl_->CaptureBytes(in),
-                     cudaMemcpyDeviceToHost));
+  DF_CUDA(cudaMemcpy(out.data(), impl_->capture, impl_->CaptureBytes(in), cudaMemcpyDeviceToHost));
   return absl::OkStatus();
 }
 
@@ -117,7 +113,8 @@ absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSin
   view.data = m.captures[b];
   view.bytes = m.CaptureBytes(in);
   view.encoding = in.encoding;
-  view.bytes_per_token = CaptureBytesPerToken(in.encoding, static_cast<int64_t>(in.layers.size()), m.D);
+  view.bytes_per_token =
+      CaptureBytesPerToken(in.encoding, static_cast<int64_t>(in.layers.size()), m.D);
   view.device = m.options.device;
   view.stream = m.send_stream;
   // The sink is called while the forward runs, so its host-side work (an
@@ -126,7 +123,8 @@ absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSin
   const cudaError_t e = cudaStreamSynchronize(m.stream);
   absl::Status forward = e == cudaSuccess ? absl::OkStatus() : CudaError(e, "forward");
   if (!wait.ok()) return forward.ok() ? wait.status() : forward;
-  m.Queue(Impl::PendingCopy{b, view.bytes, std::move(on_sent), *std::move(wait), std::move(forward)});
+  m.Queue(
+      Impl::PendingCopy{b, view.bytes, std::move(on_sent), *std::move(wait), std::move(forward)});
   return absl::OkStatus();
 }
 

@@ -1,10 +1,9 @@
 // CudaEngine's creation, teardown and accessors; its jobs live in the files
 // cuda_engine_impl.h lists.
-#include "server/model/cuda_engine_impl.h"
-
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "common/thread_name.h"
+#include "server/model/cuda_engine_impl.h"
 
 namespace draftfeed {
 
@@ -64,13 +63,12 @@ int CudaDeviceCount() {
 }
 
 HostAllocator PinnedHostAllocator() {
-  return HostAllocator{.allocate = [](size_t bytes) -> void* {
-                         void* p = nullptr;
-                         return cudaHostAlloc(&p, bytes, cudaHostAllocPortable) == cudaSuccess
-                                    ? p
-                                    : nullptr;
-                       },
-                       .release = [](void* p) { cudaFreeHost(p); }};
+  return HostAllocator{
+      .allocate = [](size_t bytes) -> void* {
+        void* p = nullptr;
+        return cudaHostAlloc(&p, bytes, cudaHostAllocPortable) == cudaSuccess ? p : nullptr;
+      },
+      .release = [](void* p) { cudaFreeHost(p); }};
 }
 
 }  // namespace draftfeed

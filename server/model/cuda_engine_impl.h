@@ -40,7 +40,8 @@ class DeviceArena {
   }
   template <typename T>
   T* Take(int64_t n) {
-    const size_t bytes = (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 255) & ~size_t{255};
+    const size_t bytes =
+        (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 255) & ~size_t{255};
     T* p = reinterpret_cast<T*>(static_cast<char*>(base_) + used_);
     used_ += bytes;
     return used_ <= size_ ? p : nullptr;
@@ -126,8 +127,8 @@ struct CudaEngine::Impl {
     int buffer;
     size_t bytes;
     CopiedCallback on_copied;
-    DeviceWait sink_wait;          // ForwardToDevice: waits for the sink's work
-    absl::Status forward_status;   // ForwardToDevice: how the forward itself ended
+    DeviceWait sink_wait;         // ForwardToDevice: waits for the sink's work
+    absl::Status forward_status;  // ForwardToDevice: how the forward itself ended
   };
   std::mutex copy_mu;
   std::condition_variable copy_cv;

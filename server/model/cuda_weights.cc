@@ -1,13 +1,12 @@
 // The weights on the device, laid out by weight_layout's BlockDeviceBuffers:
 // copied from the host model, or (real-size random models) filled on the GPU
 // by each tensor's RandomInit.
-#include "server/model/cuda_engine_impl.h"
-
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/random_init.cuh"
+#include "server/model/cuda_engine_impl.h"
 
 namespace draftfeed {
 

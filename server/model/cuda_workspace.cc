@@ -1,13 +1,12 @@
 // Device set-up and the one workspace, carved at start-up from the token
 // budget so the hot path never allocates.
-#include "server/model/cuda_engine_impl.h"
-
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "common/payload_checksum.h"
 #include "common/status_macros.h"
 #include "kernels/gdn.cuh"
+#include "server/model/cuda_engine_impl.h"
 
 namespace draftfeed {
 
@@ -64,26 +63,26 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   const size_t gemm_ws = 64 << 20;
   size_t total = 0;
   auto add = [&](size_t bytes) { total += DeviceArena::Round(std::max<size_t>(bytes, 1)); };
-  add(T * 4);                               // ids
-  add((options.max_seqs + 1) * 4);          // cu_seqlens
-  add(T * 4);                               // positions
-  add(T * D * 4);                           // residual
-  add(T * D * 2);                           // u
-  add(T * proj_cols * 2);                   // proj
+  add(T * 4);                                  // ids
+  add((options.max_seqs + 1) * 4);             // cu_seqlens
+  add(T * 4);                                  // positions
+  add(T * D * 4);                              // residual
+  add(T * D * 2);                              // u
+  add(T * proj_cols * 2);                      // proj
   add(T * std::max<int64_t>(Nv * dv, 1) * 2);  // z
-  add(T * std::max<int64_t>(C, 1) * 2);     // conv_out
-  add(T * std::max(Nv * dv, Hq * hd) * 2);  // core
-  add(T * std::max(Nv * dv, Hq * hd) * 2);  // normed
-  add(T * D * 2);                           // mix
-  add(T * F * 2);                           // act
-  add(T * options.max_layers * D * 2);      // capture, twice
+  add(T * std::max<int64_t>(C, 1) * 2);        // conv_out
+  add(T * std::max(Nv * dv, Hq * hd) * 2);     // core
+  add(T * std::max(Nv * dv, Hq * hd) * 2);     // normed
+  add(T * D * 2);                              // mix
+  add(T * F * 2);                              // act
+  add(T * options.max_layers * D * 2);         // capture, twice
   add(T * options.max_layers * D * 2);
   add(gdn_bytes);
   add(gemm_ws);
   if (absl::Status s = work.Reserve(total); !s.ok()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cannot allocate the ", total >> 20, " MiB workspace for a token budget of ", T, ": ",
-        s.message()));
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate the ", total >> 20,
+                                                     " MiB workspace for a token budget of ", T,
+                                                     ": ", s.message()));
   }
   workspace_total = total;
   d_ids = work.Take<int32_t>(T);

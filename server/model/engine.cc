@@ -79,8 +79,8 @@ absl::Status CheckEncodingServed(const Engine& engine, CaptureEncoding encoding)
     return absl::OkStatus();
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      "encoding ", std::string(EncodingName(encoding)), " (", static_cast<int>(encoding), ") is not served by ",
-      engine.device_name(), "; it serves ",
+      "encoding ", std::string(EncodingName(encoding)), " (", static_cast<int>(encoding),
+      ") is not served by ", engine.device_name(), "; it serves ",
       absl::StrJoin(served, ", ", [](std::string* out, CaptureEncoding e) {
         absl::StrAppend(out, std::string(EncodingName(e)));
       })));
@@ -91,8 +91,8 @@ absl::Status CheckCaptureOutput(const Engine& engine, const ForwardInput& in, si
   const size_t need = CaptureBytes(engine.model().config, in);
   if (out_bytes != need) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "output has ", out_bytes, " bytes; the ", std::string(EncodingName(in.encoding)), " capture of ",
-        in.token_ids.size(), " tokens x ", in.layers.size(), " layers x ",
+        "output has ", out_bytes, " bytes; the ", std::string(EncodingName(in.encoding)),
+        " capture of ", in.token_ids.size(), " tokens x ", in.layers.size(), " layers x ",
         engine.model().config.hidden_size, " values takes ", need));
   }
   return absl::OkStatus();

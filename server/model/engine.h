@@ -1,5 +1,5 @@
 // The Engine turns a packed token batch into captured hidden states. Backends:
-// CPU reference (fp32 maths) and, later, CUDA. Nothing here knows of RPC.
+// the CPU reference (fp32 maths) and CUDA. Nothing here knows of RPC.
 #pragma once
 
 #include <cstddef>

@@ -89,8 +89,8 @@ void GatedDeltaNetSpecs(const ModelConfig& c, BlockBuilder& b) {
   const int64_t nv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
   const int64_t conv_dim = 2 * nk * dk + nv * dv;
   const std::string hid = Field("hidden_size", d);
-  const std::string value = absl::StrCat(Field("linear_num_value_heads", nv), ", ",
-                                         Field("linear_value_head_dim", dv));
+  const std::string value =
+      absl::StrCat(Field("linear_num_value_heads", nv), ", ", Field("linear_value_head_dim", dv));
   const std::string qkv = absl::StrCat(Field("linear_num_key_heads", nk), ", ",
                                        Field("linear_key_head_dim", dk), ", ", value);
   const std::string nvf = Field("linear_num_value_heads", nv);
@@ -108,14 +108,12 @@ void GatedDeltaNetSpecs(const ModelConfig& c, BlockBuilder& b) {
   b.Add("linear_attn.A_log", {nv}, nvf, &LayerWeights::A_log,
         {.dist = RandomInit::Dist::kLogUniform, .lo = 1.0, .hi = 16.0})
       .device_f32 = true;
-  b.Add("linear_attn.dt_bias", {nv}, nvf, &LayerWeights::dt_bias, {.scale = 0.1}).device_f32 =
-      true;
+  b.Add("linear_attn.dt_bias", {nv}, nvf, &LayerWeights::dt_bias, {.scale = 0.1}).device_f32 = true;
   // The gated norm is multiplicative whatever the residual norms' convention.
   b.Add("linear_attn.norm.weight", {dv}, Field("linear_value_head_dim", dv), &LayerWeights::norm,
         {.offset = 1.0, .scale = 0.1});
-  b.Projection("linear_attn.out_proj.weight", d, nv * dv, absl::StrCat(Field("hidden_size", d),
-                                                                       ", ", value),
-               &LayerWeights::out_proj);
+  b.Projection("linear_attn.out_proj.weight", d, nv * dv,
+               absl::StrCat(Field("hidden_size", d), ", ", value), &LayerWeights::out_proj);
 }
 
 void DenseMlpSpecs(const ModelConfig& c, BlockBuilder& b) {
@@ -179,14 +177,13 @@ const std::vector<DeviceBuffer>& BlockDeviceBuffers(BlockKind kind) {
       {&W::q_proj, &W::k_proj, &W::v_proj}, {&W::o_proj}, {&W::q_norm}, {&W::k_norm}};
   // [in_proj_qkv; in_proj_b; in_proj_a]: one GEMM gives the conv input and
   // both gate logits.
-  static const std::vector<DeviceBuffer> kGdn = {
-      {&W::in_proj_qkv, &W::in_proj_b, &W::in_proj_a},
-      {&W::in_proj_z},
-      {&W::conv1d},
-      {&W::A_log},
-      {&W::dt_bias},
-      {&W::norm},
-      {&W::out_proj}};
+  static const std::vector<DeviceBuffer> kGdn = {{&W::in_proj_qkv, &W::in_proj_b, &W::in_proj_a},
+                                                 {&W::in_proj_z},
+                                                 {&W::conv1d},
+                                                 {&W::A_log},
+                                                 {&W::dt_bias},
+                                                 {&W::norm},
+                                                 {&W::out_proj}};
   static const std::vector<DeviceBuffer> kDenseMlp = {{&W::gate_proj, &W::up_proj},
                                                       {&W::down_proj}};
   switch (kind) {
