@@ -43,7 +43,7 @@
 #include "draftfeed/client.h"
 #include "server/model/cuda_engine.h"
 #include "server/model/model.h"
-#include "server/nccl/nccl_peer.h"
+#include "common/nccl/nccl_peer.h"
 #include "server/service/target_service.h"
 
 ABSL_FLAG(std::string, sizes_mib, "64,256", "Payload sizes per transfer, MiB.");

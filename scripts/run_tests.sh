@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 bash scripts/build.sh
 ctest --test-dir build --output-on-failure -j"$(nproc)"
-DRAFTFEED_BUILD_DIR="$PWD/build" PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests/python
+DRAFTFEED_BUILD_DIR="$PWD/build" PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests

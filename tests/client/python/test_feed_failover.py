@@ -14,7 +14,7 @@ import pytest
 import draftfeed
 from conftest import REPO, TargetProcess
 
-WORKER = REPO / "tests" / "python" / "rank_worker.py"
+WORKER = REPO / "tests" / "client" / "python" / "rank_worker.py"
 N_BATCHES = 200
 
 
