@@ -53,7 +53,8 @@ out=${2:?OUT_DIR}
 mkdir -p "$out"
 export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export PYTHONPATH=$PWD/.bundle/python PYTHONUNBUFFERED=1
-# NVLink multicast stays off on shared hosts (DEVICE.md, KINDS.md).
+# NVLink multicast (NVLS) stays off in NCCL, PyTorch and NVSHMEM: on a host whose GPUs others
+# share, a program that uses it can put them out of service for a day or more.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 py=${PY:-python3}
 model=${MODEL:-random:qwen3.6-27b}

@@ -15,7 +15,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-# NVLink multicast stays off on shared hosts (DEVICE.md).
+# NVLink multicast (NVLS) stays off: on a host whose GPUs others share, a program that uses it
+# can put them out of service for a day or more.
 export NCCL_NVLS_ENABLE=0
 export DRAFTFEED_SOURCE_DIR=$PWD
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader

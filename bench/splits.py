@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Split benchmark: given N devices, how many should run targets (T) and how many drafter
-trainers (D), T + D = N?  (docs: /work/shared/design/ARCHITECTURE.md section 6, issues 7, 8.)
+trainers (D), T + D = N?
 
 For every split T-D it runs T draftfeed-target processes and D trainer processes
 (bench/split_trainer.py, each with its own draftfeed.Feed over all T targets), a warm-up, then a

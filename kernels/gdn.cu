@@ -1,5 +1,6 @@
 // Gated DeltaNet prefill: causal depthwise conv + SiLU, and the chunked gated
-// delta rule of qwen35-forward.md §3.8 in two kernels.
+// delta rule (transformers' torch_chunk_gated_delta_rule, 64-token chunks per
+// sequence) in two kernels.
 //
 // GdnPrepKernel, one block per (chunk, value head), all chunks at once: gates,
 // γ = cumsum(g), the L2 norms, the Gram matrices kkᵀ and qkᵀ on the tensor
@@ -22,7 +23,8 @@
 // by cp.async while the current one computes.
 //
 // Decays only ever appear as exp(γ_r − γ_s) with s ≤ r, exp(γ) and
-// exp(γ_last − γ), all ≤ 1 (§5.2). Padded rows of a sequence's last chunk are
+// exp(γ_last − γ), all ≤ 1: γ over a chunk can be hundreds negative, so exp(−γ)
+// alone would overflow. Padded rows of a sequence's last chunk are
 // zero-filled, which equals HF's zero padding.
 #include "kernels/gdn.cuh"
 

@@ -34,7 +34,8 @@ struct GdnArgs {
   bf16* out = nullptr;  // [T, Nv, dv] dense
 };
 
-// The full GDN core of qwen35-forward.md §3.7 steps 4–6: gates (β = sigmoid(b),
+// The full GDN core of a Qwen3.5 linear-attention layer, after its projections
+// and conv: gates (β = sigmoid(b),
 // g = −exp(A_log)·softplus(a + dt_bias)), q̂ = L2(q)·dk^−½, k̂ = L2(k), then the
 // gated delta rule in chunks of 64 tokens per sequence, fp32 state zero at each
 // sequence start. `workspace` must hold GdnWorkspaceBytes(args) bytes.

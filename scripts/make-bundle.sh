@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Packs binaries and their non-system shared libraries into a relocatable
-# folder for GPU hosts without the build tools (DEVICE.md):
+# folder for GPU hosts without the build tools (a binary built here runs there
+# when its non-CUDA shared libraries travel beside it):
 #   bash scripts/make-bundle.sh .bundle build/bin/draftfeed-bench build/tests/...
 # Run there with LD_LIBRARY_PATH=<bundle>/lib. glibc, the compiler runtime and
 # CUDA's own libraries are left out: the GPU host has newer ones.

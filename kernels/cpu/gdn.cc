@@ -56,7 +56,8 @@ void RecurrentOne(const HeadView& h, int64_t begin, int64_t end) {
   }
 }
 
-// One (sequence, value head) in chunks; qwen35-forward.md §3.8 steps 1–7 per chunk.
+// One (sequence, value head) in chunks, as transformers' torch_chunk_gated_delta_rule
+// computes it (steps 1–7 below, per chunk of at most `chunk` tokens).
 void ChunkedOne(const HeadView& h, int64_t begin, int64_t end, int64_t chunk) {
   const int64_t dk = h.a.key_dim, dv = h.a.value_dim;
   std::vector<float> state(static_cast<size_t>(dk * dv), 0.0f);

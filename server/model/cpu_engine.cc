@@ -1,8 +1,9 @@
-// CPU reference forward (qwen35-forward.md §3 for the Qwen3.5 hybrid, §4 for
-// Qwen3 dense). Everything is fp32: weights are widened once in Create, the
-// residual stream and every intermediate stay fp32, and none of transformers'
-// intermediate bf16 roundings are replayed, so this is the oracle that HF run
-// in fp32 is compared with. Every op is row-local or per sequence, so a
+// CPU reference forward of the Qwen3.5 hybrid and of Qwen3 dense, as
+// transformers' Qwen3_5 and Qwen3 modeling compute them. Everything is fp32:
+// weights are widened once in Create, the residual stream and every
+// intermediate stay fp32, and none of transformers' intermediate bf16
+// roundings are replayed, so this is the oracle that HF run in fp32 is
+// compared with. Every op is row-local or per sequence, so a
 // sequence's states do not depend on what else is packed with it.
 #include "server/model/cpu_engine.h"
 
@@ -32,7 +33,7 @@ namespace {
 
 // transformers' torch_chunk_gated_delta_rule and FLA both use 64.
 constexpr int64_t kGdnChunk = 64;
-// L2 norm of the GDN q/k (§3.5): fixed, not rms_norm_eps.
+// L2 norm of the GDN q/k, x / sqrt(Σx² + ε): ε is fixed, not rms_norm_eps.
 constexpr float kGdnL2Eps = 1e-6f;
 
 using Buffer = std::vector<float>;
@@ -77,7 +78,7 @@ absl::StatusOr<Buffer> Widen(const ModelWeights& weights, const WeightSpec& spec
 }
 
 // q_proj of Qwen3.5 interleaves per head: rows [2hd·h, 2hd·h + hd) are the
-// query of head h and the next hd rows its gate (§2.2). Splitting them here
+// query of head h and the next hd rows its gate (not two contiguous halves). Splitting them here
 // makes Q and G two dense GEMM outputs.
 void SplitQueryGate(const Buffer& q_proj, int64_t heads, int64_t hd, int64_t d, Buffer& wq,
                     Buffer& wg) {
@@ -223,7 +224,7 @@ void CpuEngine::Impl::Embed(const ForwardInput& in, float* h) const {
   }
 }
 
-// §3.6 (Qwen3.5, with the sigmoid output gate) and §4 (Qwen3, without).
+// Full attention: Qwen3.5's with the sigmoid output gate, Qwen3's without.
 void CpuEngine::Impl::Attention(const LayerF32& w, const Batch& b, const Buffer& u,
                                 Buffer& m) const {
   const ModelConfig& c = model->config;
@@ -251,7 +252,7 @@ void CpuEngine::Impl::Attention(const LayerF32& w, const Batch& b, const Buffer&
   Linear(o, w.attn.wo, t, d, hq * hd, m);
 }
 
-// §3.7: projections, causal conv + SiLU, L2-normed q/k, gates, the chunked
+// A Gated DeltaNet layer: projections, causal conv + SiLU, L2-normed q/k, gates, the chunked
 // gated delta rule, the gated norm and out_proj.
 void CpuEngine::Impl::GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& u,
                                     Buffer& m) const {
@@ -266,7 +267,7 @@ void CpuEngine::Impl::GatedDeltaNet(const LayerF32& w, const Batch& b, const Buf
   Linear(u, w.gdn.w_b, t, nv, d, beta_logit);
   Linear(u, w.gdn.w_a, t, nv, d, a);
 
-  // Channel order q | k | v (§2.2); the conv output is read in place by all
+  // Channel order q | k | v, as in_proj_qkv's rows; the conv output is read in place by all
   // three through token strides.
   Buffer y(static_cast<size_t>(t * channels));
   cpu::CausalConv1dSilu(x.data(), w.gdn.conv.data(), b.cu.data(), b.num_seqs(), channels,
@@ -305,7 +306,7 @@ void CpuEngine::Impl::GatedDeltaNet(const LayerF32& w, const Batch& b, const Buf
   Linear(o, w.gdn.w_out, t, d, nv * dv, m);
 }
 
-// §3.9: down_proj(SiLU(gate_proj(u)) ⊙ up_proj(u)).
+// The dense MLP: down_proj(SiLU(gate_proj(u)) ⊙ up_proj(u)).
 void CpuEngine::Impl::Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const {
   const ModelConfig& c = model->config;
   const int64_t t = b.tokens, d = c.hidden_size, f = c.intermediate_size;

@@ -1,5 +1,5 @@
 // CPU reference engine: fp32 maths over the bf16/fp16/fp32 weights, exactly as
-// qwen35-forward.md describes the model; the oracle for every other backend.
+// transformers' modeling defines the model; the oracle for every other backend.
 #pragma once
 
 #include <memory>

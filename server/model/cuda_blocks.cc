@@ -32,7 +32,7 @@ absl::Status CudaEngine::Impl::Block(const DeviceBlock& b, int64_t T, int32_t ns
   return absl::InternalError("a layer's mixer or MLP is a norms block");
 }
 
-// §3.7: in_proj (qkv, b, a fused) and z, causal conv + SiLU, the gated delta
+// A Gated DeltaNet layer: in_proj (qkv, b, a fused) and z, causal conv + SiLU, the gated delta
 // rule, the gated norm and out_proj.
 absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, int32_t nseq) {
   const float eps = static_cast<float>(model->config.rms_norm_eps);
@@ -72,7 +72,8 @@ absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, in
   return Timed("gemm", [&] { return gemm.Run(normed, w.bf(kGdnOut), mix, T, D, Nv * dv, stream); });
 }
 
-// §3.6 (gated: the sigmoid output gate interleaved in q_proj) and §4.
+// Full attention, Qwen3.5's gated form (the sigmoid output gate interleaved
+// per head in q_proj) or Qwen3's plain one.
 absl::Status CudaEngine::Impl::Attention(const DeviceBlock& w, int64_t T, int32_t nseq,
                                          int32_t max_len) {
   const float eps = static_cast<float>(model->config.rms_norm_eps);
@@ -133,7 +134,7 @@ absl::Status CudaEngine::Impl::Attention(const DeviceBlock& w, int64_t T, int32_
   return Timed("gemm", [&] { return gemm.Run(core, w.bf(kAttnO), mix, T, D, Hq * hd, stream); });
 }
 
-// §3.9: down_proj(SiLU(gate) * up), gate and up from one fused GEMM.
+// The dense MLP: down_proj(SiLU(gate) * up), gate and up from one fused GEMM.
 absl::Status CudaEngine::Impl::DenseMlp(const DeviceBlock& w, int64_t T) {
   DF_RETURN_IF_ERROR(
       Timed("gemm", [&] { return gemm.Run(u, w.bf(kMlpGateUp), proj, T, 2 * F, D, stream); }));

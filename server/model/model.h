@@ -13,7 +13,8 @@
 
 namespace draftfeed {
 
-// Names follow the HF suffixes of qwen35-forward.md §2 so a reader can map them.
+// Names follow the HF checkpoint's tensor suffixes (q_proj, in_proj_qkv, A_log,
+// ...) so a reader can map them.
 struct LayerWeights {
   LayerKind kind = LayerKind::kFullAttention;
   Tensor input_layernorm;           // [D]

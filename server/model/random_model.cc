@@ -100,7 +100,7 @@ constexpr RandomShape kShapes[] = {
      .rope_theta = 1e4,
      .partial_rotary_factor = 1.0,
      .tie_word_embeddings = true},
-    // Qwen3.6-27B (qwen35-forward.md §0): 16 × (3 GDN + 1 gated attention).
+    // Qwen3.6-27B as its model card gives it: 16 × (3 GDN + 1 gated attention).
     {.name = "random:qwen3.6-27b",
      .arch = Arch::kQwen35Hybrid,
      .vocab = 248320,

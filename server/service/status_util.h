@@ -1,4 +1,5 @@
-// The one place where absl::Status becomes grpc::Status (STYLE.md).
+// The one place where absl::Status becomes grpc::Status: everything behind the
+// service edge speaks absl::Status.
 #pragma once
 
 #include <grpcpp/support/status.h>

@@ -256,7 +256,7 @@ def perturb_qwen35(model, seed):
     (multiplicative, init 1) -> 1 + N(0, 0.1); dt_bias (init 1) -> 1 + N(0, 0.5); A_log ->
     log A with A log-uniform in [0.002, 0.3] (heads that keep state across 64-token chunks),
     except one random head per GDN layer with A in [1.5, 3] (the cumulative log-decay over a
-    chunk reaches -100s: the exp-overflow case of design doc §5.2); conv1d weights N(0, 0.3)
+    chunk reaches -100s: the case where exp(-gamma) alone overflows); conv1d weights N(0, 0.3)
     (SiLU's non-linear range); in_proj_b x3 (beta spread over (0, 1)).
 
     Why not HF's init A in [0.01, 16]: a head that forgets everything every token outputs
@@ -402,7 +402,7 @@ def write_shards(tensors, d, n_shards):
 
 
 def fake_mtp_tensors(text_cfg, seed):
-    """The 15 MTP tensors of a Qwen3.5 checkpoint (design doc §2.3), tiny, random, bf16.
+    """The 15 MTP tensors of a Qwen3.5 checkpoint (all under mtp.), tiny, random, bf16.
     transformers does not build them; they are there so a loader proves it skips mtp.*."""
     H = text_cfg["hidden_size"]
     I = text_cfg["intermediate_size"]
@@ -494,7 +494,7 @@ def build_qwen35(models_dir):
     mtp = fake_mtp_tensors(QWEN35_TEXT, SEED + 4)
     mm_tensors.update(mtp)
     # A_log and dt_bias stored as F32 here (bf16-exact values, so the hidden states are
-    # identical): a loader must accept both dtypes for them (design doc §2.1).
+    # identical): a loader must accept both dtypes for them (released checkpoints store them bf16).
     n_f32 = 0
     for k in list(mm_tensors):
         if k.endswith(".A_log") or k.endswith(".dt_bias"):

@@ -79,7 +79,8 @@ TEST(GdnGatesTest, HandComputed) {
   EXPECT_NEAR(beta[2], 1 / (1 + std::exp(3.0)), 1e-7);
 }
 
-// A two-token, one-head case worked through §3.8 by hand (dk = dv = 2):
+// A two-token, one-head case of the recurrence (S' = αS, e = β(v − S'ᵀk),
+// S = S' + k eᵀ, o = Sᵀq) worked by hand (dk = dv = 2):
 //   t0: k=[1,0], q=[1,0], v=[2,3], β=0.5:  e = [1, 1.5], S = [[1, 1.5], [0, 0]],
 //       o = Sᵀq = [1, 1.5].
 //   t1: α = 0.5, k=[0.6,0.8], q=[0,1], v=[1,−1], β=1:  S' = [[0.5, 0.75], [0, 0]],

@@ -16,7 +16,8 @@ using ::testing::Not;
 constexpr LayerKind kLin = LayerKind::kLinearAttention;
 constexpr LayerKind kFull = LayerKind::kFullAttention;
 
-// The Qwen3.5-27B / 3.6-27B layout (qwen35-forward.md §0-§1), cut to 8 layers.
+// The Qwen3.5-27B / 3.6-27B config.json layout (text_config nested in the
+// multimodal config, explicit layer_types), cut to 8 layers.
 constexpr char kMultimodal[] = R"json({
   "architectures": ["Qwen3_5ForConditionalGeneration"],
   "model_type": "qwen3_5",

@@ -63,10 +63,10 @@ std::vector<float> Slice(const std::vector<float>& out, int64_t k_total, int64_t
 }
 
 // ---------------------------------------------------------------------------
-// An independent double-precision forward written straight from
-// qwen35-forward.md with none of the engine's kernels or weight reshaping:
+// An independent double-precision forward written straight from the maths of
+// transformers' Qwen3_5 and Qwen3 modeling, with none of the engine's kernels or weight reshaping:
 // the raw q_proj is indexed with its per-head query/gate interleave, the conv
-// channels with the q|k|v order of §2.2, attention is a dense masked T×T
+// channels in in_proj_qkv's q|k|v row order, attention is a dense masked T×T
 // softmax and the GDN the token-by-token recurrence.
 // ---------------------------------------------------------------------------
 using Mat = std::vector<double>;  // row-major

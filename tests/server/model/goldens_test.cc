@@ -1,5 +1,6 @@
-// The CPU engine against transformers' own hidden states (tests/data/README.md,
-// qwen35-forward.md §3.11 and §6): the three checked-in checkpoints, every
+// The CPU engine against transformers' own hidden states (tests/data/README.md;
+// output_hidden_states' last entry is the final normed output, not layer L-1's
+// raw one): the three checked-in checkpoints, every
 // decoder layer and the final norm, each sequence alone and packed together,
 // fp32 and bf16 outputs. The goldens are read with our own safetensors reader.
 #include <algorithm>
@@ -66,7 +67,7 @@ constexpr double kAbsTol = 1e-6;
 // an rms relative error at most 2^-8 larger than the fp32 one, and a per-token
 // cosine at most (2^-8)^2 / 2 lower.
 constexpr double kBf16Unit = 1.0 / 256.0;
-// qwen35-forward.md §6's per-token cosine target.
+// The per-token cosine that a faithful bf16 implementation reaches.
 constexpr double kMinCosine = 0.999;
 constexpr int kThreads = 2;
 
@@ -445,7 +446,7 @@ TEST_P(GoldensTest, PackedBatchEqualsSequencesAlone) {
 }
 
 // The bf16 output path is the fp32 maths rounded once, so against the fp32
-// goldens it must be no worse than transformers run in bf16 (§6), per
+// goldens it must be no worse than transformers run in bf16, per
 // sequence and layer, up to the one rounding to bf16 (kBf16Unit).
 TEST_P(GoldensTest, Bf16OutputNoWorseThanHfBf16) {
   const std::vector<int32_t> ids = AllLayers(n_);
@@ -498,7 +499,7 @@ TEST_P(GoldensTest, Bf16OutputNoWorseThanHfBf16) {
 #if DRAFTFEED_HAVE_CUDA
 // The CUDA engine against the same goldens (skips without a GPU). It feeds
 // its GEMMs bf16 activations, as transformers-bf16 does, keeps the residual
-// stream in fp32, and (like FLA, qwen35-forward.md §5.5) keeps the per-chunk
+// stream in fp32, and (like flash-linear-attention's kernel) keeps the per-chunk
 // delta-rule operands U, W and q̂k̂ᵀ⊙Γ in bf16 where HF's torch path keeps
 // them fp32. These goldens' GDN heads are tiny (dk = 16) and amplify that
 // rounding (tests/data/README.md: 130 tokens overwrite the key space many

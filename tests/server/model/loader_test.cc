@@ -1,6 +1,7 @@
 // LoadModel / WriteHfCheckpoint / ComputeFingerprint on small models built
-// here, with tensor names and shapes spelled out from qwen35-forward.md §2
-// rather than taken from the loader's own tables.
+// here, with tensor names and shapes spelled out from the HF checkpoints
+// (model.language_model. / model. prefixes, q_proj's per-head query|gate
+// rows) rather than taken from the loader's own tables.
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -67,7 +68,7 @@ ModelConfig TinyDense() {
   return c;
 }
 
-// Every tensor of a model with its HF name (decoder prefix given), per §2.
+// Every tensor of a model with its HF checkpoint name (decoder prefix given).
 std::vector<std::pair<std::string, Tensor*>> Named(Model& m, const std::string& prefix,
                                                    const std::string& head = "lm_head.weight") {
   std::vector<std::pair<std::string, Tensor*>> out;
@@ -105,7 +106,7 @@ std::vector<std::pair<std::string, Tensor*>> Named(Model& m, const std::string& 
   return out;
 }
 
-// A model with random weights in `dtype`, shapes from the config per §2.
+// A model with random weights in `dtype`, HF checkpoint shapes from the config.
 std::unique_ptr<Model> BuildModel(const ModelConfig& c, DType dtype, uint32_t seed) {
   auto buffers = std::make_shared<std::vector<std::vector<std::byte>>>();
   std::mt19937 rng(seed);  // its output sequence is fixed by the standard
