@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Every GPU suite and the one-GPU speed checks, for one call on a one-H200
+# machine (device time is scarce). Build and bundle here first:
+#   bash bench/run_gpu_checks.sh bundle
+# then on the GPU machine, from the repository root (carrying .bundle):
+#   PART=tests bash bench/run_gpu_checks.sh     # correctness suites
+#   PART=speed bash bench/run_gpu_checks.sh     # engine, kernels, gRPC, end to end
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bins=(build/bin/draftfeed-target build/bin/draftfeed-bench build/bin/draftfeed-bench-kernels
+      build/bin/draftfeed-grpc-bench build/bin/draftfeed-e2e-bench
+      build/tests/server/model/cuda_engine_test build/tests/server/model/goldens_test
+      build/tests/server/service/service_test build/tests/server/service/transport_test
+      build/tests/kernels/cuda/small_ops_cuda_test build/tests/kernels/cuda/gdn_cuda_test
+      build/tests/kernels/cuda/attention_cuda_test build/tests/common/payload_checksum_test)
+if [[ ${1:-} == bundle ]]; then
+  rm -rf .bundle
+  bash scripts/make-bundle.sh .bundle "${bins[@]}"
+  exit
+fi
+export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0 DRAFTFEED_SOURCE_DIR=$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+summary() { grep -E "^\[  (  PASSED|  FAILED|  SKIPPED) |^\[  FAILED  \]|Failure$|Expected|Which is" || true; }
+if [[ ${PART:-tests} == tests ]]; then
+  for t in small_ops_cuda_test gdn_cuda_test attention_cuda_test payload_checksum_test \
+           cuda_engine_test; do
+    echo "== $t"; timeout 240 .bundle/bin/$t 2>&1 | summary
+  done
+  echo "== goldens_test *Cuda*"
+  timeout 240 .bundle/bin/goldens_test --gtest_filter='*Cuda*' 2>&1 | summary
+  echo "== service_test CudaService*"
+  timeout 240 .bundle/bin/service_test --gtest_filter='CudaService*' 2>&1 | summary
+  echo "== transport_test (two-GPU cases skip on one GPU)"
+  timeout 240 .bundle/bin/transport_test 2>&1 | summary
+else
+  for t in ${TOKENS:-16384 49152}; do
+    timeout 300 .bundle/bin/draftfeed-bench engine --tokens "$t" --iters "${ITERS:-5}"
+  done
+  timeout 120 .bundle/bin/draftfeed-bench-kernels --benchmark_min_time=0.1 2>&1 | grep -v WARNING
+  timeout 120 .bundle/bin/draftfeed-grpc-bench --batches 15 --repeats 5
+  timeout 420 .bundle/bin/draftfeed-e2e-bench --model random:qwen3.6-27b --device cuda:0 \
+    --tokens 16384 --min_len 512 --max_len 8192 --capture 5 --warmup 2 --batches 6 \
+    --repeats 3 --target_bin .bundle/bin/draftfeed-target --min_ratio 0.95
+  echo "e2e exit status $? (1: ratio below 0.95)"
+fi
