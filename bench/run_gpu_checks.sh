@@ -27,7 +27,7 @@ fi
 export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0 DRAFTFEED_SOURCE_DIR=$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-summary() { grep -E "^\[  (  PASSED|  FAILED|  SKIPPED) |^\[  FAILED  \]|Failure$|Expected|Which is" || true; }
+summary() { grep -E "^\[  PASSED|^\[  FAILED|^\[  SKIPPED|Failure\$|Expected|Which is|error while loading|No such file" || true; }
 if [[ ${PART:-tests} == tests ]]; then
   for t in small_ops_cuda_test gdn_cuda_test attention_cuda_test payload_checksum_test \
            cuda_engine_test; do
