@@ -1,0 +1,394 @@
+// ModelConfig::FromJson: an HF config.json (either dialect: the multimodal
+// Qwen3_5ForConditionalGeneration with the decoder under text_config, or a
+// CausalLM with it at the top) read into a ModelConfig, with the defaults
+// transformers applies to absent keys, then validated.
+#include "server/model/config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+#include "common/status_macros.h"
+
+namespace draftfeed {
+namespace {
+
+using google::protobuf::ListValue;
+using google::protobuf::Struct;
+using google::protobuf::Value;
+
+constexpr absl::string_view kSupportedModelTypes = "qwen3_5, qwen3_5_text, qwen3";
+constexpr absl::string_view kSupportedArchitectures =
+    "Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM, Qwen3ForCausalLM";
+
+// Largest integer a JSON number (an IEEE double here) holds exactly.
+constexpr double kMaxExactInt = 9007199254740992.0;
+
+absl::string_view KindName(Value::KindCase kind) {
+  switch (kind) {
+    case Value::kNullValue: return "null";
+    case Value::kNumberValue: return "number";
+    case Value::kStringValue: return "string";
+    case Value::kBoolValue: return "boolean";
+    case Value::kStructValue: return "object";
+    case Value::kListValue: return "array";
+    case Value::KIND_NOT_SET: break;
+  }
+  return "nothing";
+}
+
+// Typed, optional access to the keys of one JSON object. A key whose value is
+// null counts as absent, as transformers treats it. Errors name the file and
+// the dotted path of the key.
+class JsonObject {
+ public:
+  JsonObject(const Struct& obj, absl::string_view source, std::string path_prefix)
+      : obj_(obj), source_(source), prefix_(std::move(path_prefix)) {}
+
+  std::string Path(absl::string_view key) const { return absl::StrCat(prefix_, key); }
+
+  const Value* Find(absl::string_view key) const {
+    auto it = obj_.fields().find(std::string(key));
+    if (it == obj_.fields().end() || it->second.kind_case() == Value::kNullValue) return nullptr;
+    return &it->second;
+  }
+
+  absl::Status WrongType(absl::string_view key, absl::string_view want, const Value& v) const {
+    return absl::InvalidArgumentError(absl::StrCat(source_, ": field ", Path(key), " must be ",
+                                                   want, ", got ", KindName(v.kind_case())));
+  }
+  absl::Status Missing(absl::string_view key) const {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source_, ": missing required field ", Path(key)));
+  }
+
+  absl::StatusOr<std::optional<double>> Number(absl::string_view key) const {
+    const Value* v = Find(key);
+    if (v == nullptr) return std::nullopt;
+    if (v->kind_case() != Value::kNumberValue) return WrongType(key, "a number", *v);
+    return v->number_value();
+  }
+
+  absl::StatusOr<std::optional<int64_t>> Int(absl::string_view key) const {
+    const Value* v = Find(key);
+    if (v == nullptr) return std::nullopt;
+    if (v->kind_case() != Value::kNumberValue) return WrongType(key, "an integer", *v);
+    const double d = v->number_value();
+    if (!std::isfinite(d) || std::trunc(d) != d || std::fabs(d) > kMaxExactInt) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source_, ": field ", Path(key), " must be an integer, got ", d));
+    }
+    return static_cast<int64_t>(d);
+  }
+
+  absl::StatusOr<int64_t> RequiredInt(absl::string_view key) const {
+    DF_ASSIGN_OR_RETURN(std::optional<int64_t> v, Int(key));
+    if (!v.has_value()) return Missing(key);
+    return *v;
+  }
+
+  absl::StatusOr<std::optional<bool>> Bool(absl::string_view key) const {
+    const Value* v = Find(key);
+    if (v == nullptr) return std::nullopt;
+    if (v->kind_case() != Value::kBoolValue) return WrongType(key, "a boolean", *v);
+    return v->bool_value();
+  }
+
+  absl::StatusOr<std::optional<std::string>> String(absl::string_view key) const {
+    const Value* v = Find(key);
+    if (v == nullptr) return std::nullopt;
+    if (v->kind_case() != Value::kStringValue) return WrongType(key, "a string", *v);
+    return v->string_value();
+  }
+
+  // nullptr when absent.
+  absl::StatusOr<const Struct*> Object(absl::string_view key) const {
+    const Value* v = Find(key);
+    if (v == nullptr) return nullptr;
+    if (v->kind_case() != Value::kStructValue) return WrongType(key, "an object", *v);
+    return &v->struct_value();
+  }
+
+  // nullptr when absent.
+  absl::StatusOr<const ListValue*> List(absl::string_view key) const {
+    const Value* v = Find(key);
+    if (v == nullptr) return nullptr;
+    if (v->kind_case() != Value::kListValue) return WrongType(key, "an array", *v);
+    return &v->list_value();
+  }
+
+  // Strings of an array of strings; nullopt when absent.
+  absl::StatusOr<std::optional<std::vector<std::string>>> StringList(absl::string_view key) const {
+    DF_ASSIGN_OR_RETURN(const ListValue* list, List(key));
+    if (list == nullptr) return std::nullopt;
+    std::vector<std::string> out;
+    for (int i = 0; i < list->values_size(); ++i) {
+      const Value& e = list->values(i);
+      if (e.kind_case() != Value::kStringValue) {
+        return WrongType(absl::StrCat(key, "[", i, "]"), "a string", e);
+      }
+      out.push_back(e.string_value());
+    }
+    return out;
+  }
+
+  const std::string& prefix() const { return prefix_; }
+
+ private:
+  const Struct& obj_;
+  absl::string_view source_;
+  std::string prefix_;
+};
+
+struct ArchInfo {
+  absl::string_view architecture;
+  absl::string_view model_type;
+  Arch arch;
+};
+constexpr ArchInfo kArchitectures[] = {
+    {"Qwen3_5ForConditionalGeneration", "qwen3_5", Arch::kQwen35Hybrid},
+    {"Qwen3_5ForCausalLM", "qwen3_5_text", Arch::kQwen35Hybrid},
+    {"Qwen3ForCausalLM", "qwen3", Arch::kQwen3Dense},
+};
+
+std::optional<Arch> ArchOfModelType(absl::string_view model_type) {
+  for (const ArchInfo& a : kArchitectures) {
+    if (a.model_type == model_type) return a.arch;
+  }
+  return std::nullopt;
+}
+
+const ArchInfo* FindArchitecture(absl::string_view architecture) {
+  for (const ArchInfo& a : kArchitectures) {
+    if (a.architecture == architecture) return &a;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<LayerKind> ParseLayerType(const std::string& name, Arch arch,
+                                         absl::string_view source, absl::string_view path) {
+  // "attention" and "mamba" are transformers' legacy spellings.
+  if (name == "full_attention" || name == "attention") return LayerKind::kFullAttention;
+  if (FeaturesOf(arch).linear_attention && (name == "linear_attention" || name == "mamba")) {
+    return LayerKind::kLinearAttention;
+  }
+  const absl::string_view accepted = FeaturesOf(arch).linear_attention
+                                         ? "full_attention, linear_attention (or legacy "
+                                           "attention, mamba)"
+                                         : "full_attention (or legacy attention)";
+  return absl::InvalidArgumentError(
+      absl::StrCat(source, ": ", path, " has unsupported layer type \"", name, "\" for ",
+                   std::string(ArchName(arch)), "; accepted: ", accepted));
+}
+
+// RoPE: theta and the rotated fraction, looked up in rope_parameters, then the
+// legacy rope_scaling, then the decoder object itself; the default applies only
+// when all three lack the key.
+absl::Status ParseRope(const JsonObject& dec, Arch arch, absl::string_view source,
+                       ModelConfig& cfg) {
+  DF_ASSIGN_OR_RETURN(const Struct* params, dec.Object("rope_parameters"));
+  DF_ASSIGN_OR_RETURN(const Struct* scaling, dec.Object("rope_scaling"));
+  std::vector<JsonObject> sources;
+  if (params != nullptr) sources.emplace_back(*params, source, dec.Path("rope_parameters."));
+  if (scaling != nullptr) sources.emplace_back(*scaling, source, dec.Path("rope_scaling."));
+
+  if (!sources.empty()) {
+    // Only plain RoPE is implemented; "mrope" is the Qwen2-VL spelling of the
+    // same thing for text-only positions.
+    const JsonObject& first = sources.front();
+    DF_ASSIGN_OR_RETURN(std::optional<std::string> type, first.String("rope_type"));
+    if (!type.has_value()) {
+      DF_ASSIGN_OR_RETURN(type, first.String("type"));
+    }
+    if (type.has_value() && *type != "default" && *type != "mrope") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": ", first.Path("rope_type"), " \"", *type,
+                       "\" is not supported; only \"default\" RoPE is implemented"));
+    }
+  }
+  sources.push_back(dec);
+
+  auto lookup = [&](absl::string_view key) -> absl::StatusOr<std::optional<double>> {
+    for (const JsonObject& obj : sources) {
+      DF_ASSIGN_OR_RETURN(std::optional<double> v, obj.Number(key));
+      if (v.has_value()) return v;
+    }
+    return std::nullopt;
+  };
+  DF_ASSIGN_OR_RETURN(std::optional<double> theta, lookup("rope_theta"));
+  DF_ASSIGN_OR_RETURN(std::optional<double> factor, lookup("partial_rotary_factor"));
+  const bool hybrid = arch == Arch::kQwen35Hybrid;
+  cfg.rope_theta = theta.value_or(hybrid ? 1e7 : 1e6);
+  cfg.partial_rotary_factor = factor.value_or(hybrid ? 0.25 : 1.0);
+  return absl::OkStatus();
+}
+
+absl::Status ParseDecoder(const JsonObject& dec, Arch arch, absl::string_view source,
+                          ModelConfig& cfg) {
+  const bool hybrid = arch == Arch::kQwen35Hybrid;
+  DF_ASSIGN_OR_RETURN(cfg.vocab_size, dec.RequiredInt("vocab_size"));
+  DF_ASSIGN_OR_RETURN(cfg.hidden_size, dec.RequiredInt("hidden_size"));
+  DF_ASSIGN_OR_RETURN(cfg.intermediate_size, dec.RequiredInt("intermediate_size"));
+  DF_ASSIGN_OR_RETURN(cfg.num_layers, dec.RequiredInt("num_hidden_layers"));
+  DF_ASSIGN_OR_RETURN(cfg.num_heads, dec.RequiredInt("num_attention_heads"));
+  if (hybrid) {
+    DF_ASSIGN_OR_RETURN(cfg.num_kv_heads, dec.RequiredInt("num_key_value_heads"));
+  } else {
+    // Qwen3Config: an absent KV head count means plain multi-head attention.
+    DF_ASSIGN_OR_RETURN(std::optional<int64_t> kv, dec.Int("num_key_value_heads"));
+    cfg.num_kv_heads = kv.value_or(cfg.num_heads);
+  }
+  DF_ASSIGN_OR_RETURN(std::optional<int64_t> head_dim, dec.Int("head_dim"));
+  if (head_dim.has_value()) {
+    cfg.head_dim = *head_dim;
+  } else if (hybrid) {
+    cfg.head_dim = 256;
+  } else {
+    cfg.head_dim = cfg.num_heads > 0 ? cfg.hidden_size / cfg.num_heads : 0;
+  }
+  DF_ASSIGN_OR_RETURN(std::optional<double> eps, dec.Number("rms_norm_eps"));
+  cfg.rms_norm_eps = eps.value_or(1e-6);
+  DF_ASSIGN_OR_RETURN(std::optional<bool> tie, dec.Bool("tie_word_embeddings"));
+  cfg.tie_word_embeddings = tie.value_or(false);
+
+  DF_ASSIGN_OR_RETURN(std::optional<std::string> act, dec.String("hidden_act"));
+  if (act.has_value() && *act != "silu") {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", dec.Path("hidden_act"), " \"",
+                                                   *act, "\" is not supported (only silu)"));
+  }
+  DF_ASSIGN_OR_RETURN(std::optional<bool> bias, dec.Bool("attention_bias"));
+  if (bias.value_or(false)) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", dec.Path("attention_bias"),
+                                                   " is true; attention biases are not supported"));
+  }
+  if (!hybrid) {
+    DF_ASSIGN_OR_RETURN(std::optional<bool> sliding, dec.Bool("use_sliding_window"));
+    if (sliding.value_or(false)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": ", dec.Path("use_sliding_window"),
+                       " is true; sliding-window attention is not supported"));
+    }
+  }
+
+  if (FeaturesOf(arch).linear_attention) {
+    struct {
+      absl::string_view key;
+      int64_t* dst;
+    } linear_fields[] = {
+        {"linear_conv_kernel_dim", &cfg.linear_conv_kernel},
+        {"linear_key_head_dim", &cfg.linear_key_head_dim},
+        {"linear_value_head_dim", &cfg.linear_value_head_dim},
+        {"linear_num_key_heads", &cfg.linear_num_key_heads},
+        {"linear_num_value_heads", &cfg.linear_num_value_heads},
+    };
+    for (const auto& f : linear_fields) {
+      DF_ASSIGN_OR_RETURN(std::optional<int64_t> v, dec.Int(f.key));
+      if (v.has_value()) *f.dst = *v;
+    }
+  }
+
+  DF_ASSIGN_OR_RETURN(std::optional<std::vector<std::string>> types, dec.StringList("layer_types"));
+  cfg.layer_types.clear();
+  if (types.has_value()) {
+    for (size_t i = 0; i < types->size(); ++i) {
+      DF_ASSIGN_OR_RETURN(LayerKind kind,
+                          ParseLayerType((*types)[i], arch, source,
+                                         dec.Path(absl::StrCat("layer_types[", i, "]"))));
+      cfg.layer_types.push_back(kind);
+    }
+  } else if (hybrid) {
+    DF_ASSIGN_OR_RETURN(std::optional<int64_t> interval, dec.Int("full_attention_interval"));
+    const int64_t every = interval.value_or(4);
+    if (every <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          source, ": ", dec.Path("full_attention_interval"), " must be positive, got ", every));
+    }
+    for (int64_t i = 0; i < cfg.num_layers; ++i) {
+      cfg.layer_types.push_back((i + 1) % every == 0 ? LayerKind::kFullAttention
+                                                     : LayerKind::kLinearAttention);
+    }
+  } else {
+    cfg.layer_types.assign(static_cast<size_t>(std::max<int64_t>(cfg.num_layers, 0)),
+                           LayerKind::kFullAttention);
+  }
+  return ParseRope(dec, arch, source, cfg);
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view json,
+                                                  std::string_view source_name) {
+  const absl::string_view source(source_name.data(), source_name.size());
+  Struct root;
+  google::protobuf::util::JsonParseOptions opts;
+  const auto parsed = google::protobuf::util::JsonStringToMessage(
+      google::protobuf::StringPiece(json.data(), json.size()), &root, opts);
+  if (!parsed.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": not a JSON object: ",
+                     absl::string_view(parsed.message().data(), parsed.message().size())));
+  }
+  const JsonObject top(root, source, "");
+
+  DF_ASSIGN_OR_RETURN(std::optional<std::string> model_type, top.String("model_type"));
+  DF_ASSIGN_OR_RETURN(std::optional<std::vector<std::string>> architectures,
+                      top.StringList("architectures"));
+  const ArchInfo* declared = nullptr;
+  if (architectures.has_value()) {
+    for (const std::string& a : *architectures) {
+      declared = FindArchitecture(a);
+      if (declared == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(source, ": unsupported architecture \"", a,
+                                                       "\"; supported: ", kSupportedArchitectures));
+      }
+    }
+  }
+  if (!model_type.has_value()) {
+    if (declared == nullptr) return top.Missing("model_type");
+    model_type = std::string(declared->model_type);
+  }
+  const std::optional<Arch> arch = ArchOfModelType(*model_type);
+  if (!arch.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": unsupported model_type \"",
+                                                   *model_type,
+                                                   "\"; supported: ", kSupportedModelTypes));
+  }
+  if (declared != nullptr && declared->arch != *arch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": architecture \"", declared->architecture,
+                     "\" does not match model_type \"", *model_type, "\""));
+  }
+
+  ModelConfig cfg;
+  cfg.SetArch(*arch);
+  if (*model_type == "qwen3_5") {
+    cfg.multimodal = true;
+    DF_ASSIGN_OR_RETURN(const Struct* text, top.Object("text_config"));
+    if (text == nullptr) return top.Missing("text_config");
+    const JsonObject dec(*text, source, "text_config.");
+    DF_ASSIGN_OR_RETURN(std::optional<std::string> text_type, dec.String("model_type"));
+    if (text_type.has_value() && *text_type != "qwen3_5_text") {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": text_config.model_type \"",
+                                                     *text_type, "\" should be qwen3_5_text"));
+    }
+    DF_RETURN_IF_ERROR(ParseDecoder(dec, cfg.arch, source, cfg));
+    // The ConditionalGeneration head ties (or not) according to the outer config.
+    DF_ASSIGN_OR_RETURN(std::optional<bool> tie, top.Bool("tie_word_embeddings"));
+    if (tie.has_value()) cfg.tie_word_embeddings = *tie;
+  } else {
+    DF_RETURN_IF_ERROR(ParseDecoder(top, cfg.arch, source, cfg));
+  }
+
+  if (absl::Status st = cfg.Validate(); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", st.message()));
+  }
+  return cfg;
+}
+
+}  // namespace draftfeed
