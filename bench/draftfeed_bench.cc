@@ -22,6 +22,7 @@
 #include "server/model/cuda_engine.h"
 #include "server/model/cuda_gemm.h"
 #include "server/model/model.h"
+#include "server/model/weight_layout.h"
 
 ABSL_FLAG(std::string, model, "random:qwen3.6-27b", "Model spec or checkpoint directory.");
 ABSL_FLAG(int64_t, tokens, 16384, "Packed tokens per batch.");
@@ -39,23 +40,18 @@ using bench::Median;
 using bench::MixedLengths;
 
 // FLOPs of one forward: 2·T·(matmul params) + causal attention 2·Σ L²·hd·Hq.
+// The matmul params are the layers' 2-D tensors in weight_layout, so the count
+// follows each block's real shapes (q_proj's gate rows included).
 double ForwardFlops(const ModelConfig& c, const std::vector<int32_t>& lens) {
   double T = 0, attn = 0;
   for (int32_t l : lens) T += l;
-  const double D = c.hidden_size, F = c.intermediate_size;
   double params = 0;
+  for (const WeightSpec& w : DecoderWeightSpecs(c)) {
+    if (w.layer >= 0 && w.shape.size() == 2) params += static_cast<double>(w.numel());
+  }
   for (LayerKind k : c.layer_types) {
-    params += 3 * D * F;
-    if (k == LayerKind::kFullAttention) {
-      const double q = c.num_heads * c.head_dim * (c.arch == Arch::kQwen35Hybrid ? 2 : 1);
-      params += D * (q + 2.0 * c.num_kv_heads * c.head_dim) + D * c.num_heads * c.head_dim;
-      for (int32_t l : lens) attn += 2.0 * l * double(l) * c.head_dim * c.num_heads;
-    } else {
-      const double C = 2.0 * c.linear_num_key_heads * c.linear_key_head_dim +
-                       c.linear_num_value_heads * c.linear_value_head_dim;
-      const double Z = c.linear_num_value_heads * c.linear_value_head_dim;
-      params += D * (C + Z + 2.0 * c.linear_num_value_heads) + D * Z;
-    }
+    if (k != LayerKind::kFullAttention) continue;
+    for (int32_t l : lens) attn += 2.0 * l * double(l) * c.head_dim * c.num_heads;
   }
   return 2 * T * params + attn;
 }
@@ -146,7 +142,7 @@ int GemmProbe() {
     int64_t n, k;
   };
   std::vector<Shape> shapes = {{"gate_up", 2 * F, D}, {"down", D, F}};
-  if (c.arch == Arch::kQwen35Hybrid) {
+  if (c.features.linear_attention) {
     const int64_t C = 2 * c.linear_num_key_heads * c.linear_key_head_dim +
                       c.linear_num_value_heads * c.linear_value_head_dim;
     const int64_t Z = c.linear_num_value_heads * c.linear_value_head_dim;
@@ -154,7 +150,8 @@ int GemmProbe() {
     shapes.push_back({"gdn_z", Z, D});
     shapes.push_back({"gdn_out", D, Z});
   }
-  shapes.push_back({"attn_qkv", c.num_heads * c.head_dim * 2 + 2 * c.num_kv_heads * c.head_dim, D});
+  const int64_t q_rows = c.num_heads * c.head_dim * (c.features.gated_attention ? 2 : 1);
+  shapes.push_back({"attn_qkv", q_rows + 2 * c.num_kv_heads * c.head_dim, D});
   shapes.push_back({"attn_o", D, c.num_heads * c.head_dim});
   cudaSetDevice(absl::GetFlag(FLAGS_device));
   void* ws = nullptr;

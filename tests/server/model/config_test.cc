@@ -114,7 +114,7 @@ void ExpectSameConfig(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.partial_rotary_factor, b.partial_rotary_factor);
   EXPECT_EQ(a.tie_word_embeddings, b.tie_word_embeddings);
   EXPECT_EQ(a.layer_types, b.layer_types);
-  if (a.arch == Arch::kQwen35Hybrid) {
+  if (a.features.linear_attention) {
     EXPECT_EQ(a.linear_conv_kernel, b.linear_conv_kernel);
     EXPECT_EQ(a.linear_key_head_dim, b.linear_key_head_dim);
     EXPECT_EQ(a.linear_value_head_dim, b.linear_value_head_dim);

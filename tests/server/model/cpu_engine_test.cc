@@ -115,7 +115,8 @@ struct NaiveStates {
 NaiveStates NaiveForward(const Model& model, const std::vector<int32_t>& tokens,
                          const std::vector<int32_t>& lens) {
   const ModelConfig& c = model.config;
-  const bool hybrid = c.arch == Arch::kQwen35Hybrid;
+  const bool offset_norm = c.features.norm == NormConvention::kOffsetOne;
+  const bool gated = c.features.gated_attention;
   const int64_t t_total = static_cast<int64_t>(tokens.size()), d = c.hidden_size;
   const double eps = c.rms_norm_eps;
   std::vector<int64_t> seq_of, start_of, pos;
@@ -135,25 +136,25 @@ NaiveStates NaiveForward(const Model& model, const std::vector<int32_t>& tokens,
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const LayerWeights& w = model.weights.layers[l];
     Mat u = h;
-    NormRows(u, w.input_layernorm, d, hybrid, eps);
+    NormRows(u, w.input_layernorm, d, offset_norm, eps);
     Mat mix;
     if (c.layer_types[l] == LayerKind::kFullAttention) {
       const int64_t hq = c.num_heads, hkv = c.num_kv_heads, hd = c.head_dim;
-      const int64_t per_head = hybrid ? 2 * hd : hd;
+      const int64_t per_head = gated ? 2 * hd : hd;
       const Mat p = Lin(u, w.q_proj, t_total);
       Mat q(static_cast<size_t>(t_total * hq * hd)), gate(q.size());
       for (int64_t t = 0; t < t_total; ++t) {
         for (int64_t hh = 0; hh < hq; ++hh) {
           for (int64_t i = 0; i < hd; ++i) {
             q[(t * hq + hh) * hd + i] = p[t * hq * per_head + hh * per_head + i];
-            if (hybrid)
+            if (gated)
               gate[(t * hq + hh) * hd + i] = p[t * hq * per_head + hh * per_head + hd + i];
           }
         }
       }
       Mat k = Lin(u, w.k_proj, t_total), v = Lin(u, w.v_proj, t_total);
-      NormRows(q, w.q_norm, hd, hybrid, eps);
-      NormRows(k, w.k_norm, hd, hybrid, eps);
+      NormRows(q, w.q_norm, hd, offset_norm, eps);
+      NormRows(k, w.k_norm, hd, offset_norm, eps);
       const int64_t rot = c.rotary_dim(), half = rot / 2;
       auto rope = [&](Mat& x, int64_t heads) {
         for (int64_t t = 0; t < t_total; ++t) {
@@ -192,7 +193,7 @@ NaiveStates NaiveForward(const Model& model, const std::vector<int32_t>& tokens,
           }
         }
       }
-      if (hybrid) {
+      if (gated) {
         for (size_t i = 0; i < o.size(); ++i) o[i] *= SigmoidD(gate[i]);
       }
       mix = Lin(o, w.o_proj, t_total);
@@ -258,7 +259,7 @@ NaiveStates NaiveForward(const Model& model, const std::vector<int32_t>& tokens,
     }
     for (size_t i = 0; i < h.size(); ++i) h[i] += mix[i];
     u = h;
-    NormRows(u, w.post_attention_layernorm, d, hybrid, eps);
+    NormRows(u, w.post_attention_layernorm, d, offset_norm, eps);
     Mat gate = Lin(u, w.gate_proj, t_total);
     const Mat up = Lin(u, w.up_proj, t_total);
     for (size_t i = 0; i < gate.size(); ++i) gate[i] = SiluD(gate[i]) * up[i];
@@ -267,7 +268,7 @@ NaiveStates NaiveForward(const Model& model, const std::vector<int32_t>& tokens,
     states.layers.push_back(h);
   }
   states.final_state = h;
-  NormRows(states.final_state, model.weights.norm, d, hybrid, eps);
+  NormRows(states.final_state, model.weights.norm, d, offset_norm, eps);
   return states;
 }
 
@@ -383,7 +384,7 @@ TEST_P(TinyRandomTest, FinalStateIsTheFinalNormOfTheLastLayer) {
   const std::vector<float> out = RunFloat(*engine_, tokens, lens, {last, kFinalLayerId});
   std::vector<float> normed = Slice(out, 2, hidden(), 0, 0, 17);
   const std::vector<float> w = ToFloat(model_->weights.norm);
-  const cpu::RmsNormKind kind = model_->config.arch == Arch::kQwen35Hybrid
+  const cpu::RmsNormKind kind = model_->config.features.norm == NormConvention::kOffsetOne
                                     ? cpu::RmsNormKind::kZeroCentred
                                     : cpu::RmsNormKind::kMultiplicative;
   cpu::RmsNorm(normed.data(), w.data(), 17, hidden(), 1e-6f, kind, normed.data());

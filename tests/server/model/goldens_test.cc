@@ -341,8 +341,9 @@ TEST_P(GoldensTest, LayerIdMapping) {
   std::vector<float> normed(raw.size());
   const std::vector<float> w = ToFloat(loaded_.model->weights.norm);
   cpu::RmsNorm(raw.data(), w.data(), t, h_, static_cast<float>(config().rms_norm_eps),
-               config().arch == Arch::kQwen35Hybrid ? cpu::RmsNormKind::kZeroCentred
-                                                    : cpu::RmsNormKind::kMultiplicative,
+               config().features.norm == NormConvention::kOffsetOne
+                   ? cpu::RmsNormKind::kZeroCentred
+                   : cpu::RmsNormKind::kMultiplicative,
                normed.data());
   const Err final_vs_norm = Compare(normed, s.fp32_final, h_);
   EXPECT_TRUE(final_vs_norm.Within(kRelTol, kAbsTol)) << Describe(final_vs_norm);

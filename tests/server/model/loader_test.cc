@@ -130,7 +130,6 @@ std::unique_ptr<Model> BuildModel(const ModelConfig& c, DType dtype, uint32_t se
   auto m = std::make_unique<Model>();
   m->id = "test";
   m->config = c;
-  const bool hybrid = c.arch == Arch::kQwen35Hybrid;
   const int64_t D = c.hidden_size, F = c.intermediate_size, hd = c.head_dim;
   const int64_t nk = c.linear_num_key_heads, dk = c.linear_key_head_dim;
   const int64_t nv = c.linear_num_value_heads, dv = c.linear_value_head_dim;
@@ -143,7 +142,7 @@ std::unique_ptr<Model> BuildModel(const ModelConfig& c, DType dtype, uint32_t se
     l.input_layernorm = make({D});
     l.post_attention_layernorm = make({D});
     if (l.kind == kFull) {
-      l.q_proj = make({c.num_heads * hd * (hybrid ? 2 : 1), D});
+      l.q_proj = make({c.num_heads * hd * (c.features.gated_attention ? 2 : 1), D});
       l.k_proj = make({c.num_kv_heads * hd, D});
       l.v_proj = make({c.num_kv_heads * hd, D});
       l.o_proj = make({D, c.num_heads * hd});
