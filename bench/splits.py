@@ -2,6 +2,10 @@
 """Split benchmark: given N devices, how many should run targets (T) and how many drafter
 trainers (D), T + D = N?
 
+One file past ~600 lines: the process pool, the calibration, the predictions and the report
+share one set of result records, and it is run (and loaded by tests/bench/test_splits.py)
+as a single script from its path, with no package around it.
+
 For every split T-D it runs T draftfeed-target processes and D trainer processes
 (bench/split_trainer.py, each with its own draftfeed.Feed over all T targets), a warm-up, then a
 fixed number of tokens, and reports end-to-end tokens/s, target and drafter utilisation, queue

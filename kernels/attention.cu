@@ -19,6 +19,14 @@
 //   turns, FA3's ping-pong, measured no faster on an H200 and is not done.)
 // - otherwise (the portable compute_90 PTX): mma.sync.m16n8k16 fed by
 //   ldmatrix, 64-row tiles, the same loop done synchronously.
+// Head dims 32/64/96 take SmallHeadAttentionKernel, an exact untuned kernel.
+//
+// One file past the ~600 lines a file usually holds, because it is one op
+// family behind one launcher (VarlenCausalAttention): both tensor-core paths
+// are one kernel template sharing the tile layout, the shared-memory budget,
+// the loader's TMA maps and mbarriers, the online softmax and the accumulator
+// layout, and one dispatch checks the arguments and picks among them and the
+// small-head kernel. Split, those would become a header of internals.
 #include "kernels/attention.cuh"
 
 #include <cuda.h>

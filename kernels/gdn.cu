@@ -26,6 +26,13 @@
 // exp(γ_last − γ), all ≤ 1: γ over a chunk can be hundreds negative, so exp(−γ)
 // alone would overflow. Padded rows of a sequence's last chunk are
 // zero-filled, which equals HF's zero padding.
+//
+// One file past the ~600 lines a file usually holds, because it is one op
+// family behind gdn.cuh: the prep and scan kernels share the chunk constants,
+// the workspace that one writes and the other reads (Workspace, Layout,
+// kFactorFloats), GdnParams, the ldmatrix lane maps and the cp.async helpers,
+// and the conv is the family's first stage, on the same launcher header.
+// Apart, those would become a header of internals that only these kernels read.
 #include "kernels/gdn.cuh"
 
 #include <cstring>

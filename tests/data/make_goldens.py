@@ -10,6 +10,10 @@ False, output_hidden_states True, eager attention) in fp32 (the canonical refere
 run on the CPU: IEEE fp32, no TF32) and in bf16 (for the record, on the GPU when there
 is one), and writes inputs and expected hidden states.
 
+One file past ~600 lines on purpose: it is the record of how the checked-in goldens were
+made, run once where transformers is installed, so the configs, the init rules and the
+writers are read together beside the data they produced.
+
 Writes, under DIR (the layout of tests/data/):
   models/qwen35_text/   Qwen3_5ForCausalLM checkpoint (model.* naming, one file)
   models/qwen35_mm/     the same text weights in Qwen3_5ForConditionalGeneration naming
