@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Every test: install deps, build everything, run the C++ suites (ctest) and the
-# Python client's tests (pytest, against real target processes on loopback).
+# Every test: install deps, build everything, run the C++ suites (ctest), the
+# Python tests (pytest, against real target processes on loopback), a brief
+# run of each Google Benchmark program (it must run and report no error; its
+# figures are not measurements) and the layering checks, which also build a
+# trainer's client alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 bash scripts/build.sh
 ctest --test-dir build --output-on-failure -j"$(nproc)"
 DRAFTFEED_BUILD_DIR="$PWD/build" PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests
+bash scripts/run_micro_benchmarks.sh > build/micro_benchmarks.log 2>&1 ||
+  { cat build/micro_benchmarks.log; exit 1; }
+echo "micro-benchmarks: every program ran (log: build/micro_benchmarks.log)"
+bash scripts/check_layering.sh
