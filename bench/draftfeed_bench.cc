@@ -64,9 +64,9 @@ int RunEngineBench() {
   }
   const ModelConfig& c = (*model)->config;
   const int64_t tokens = absl::GetFlag(FLAGS_tokens);
-  const std::vector<int32_t> lens = MixedLengths(tokens, absl::GetFlag(FLAGS_min_len),
-                                                 absl::GetFlag(FLAGS_max_len),
-                                                 absl::GetFlag(FLAGS_seed));
+  const std::vector<int32_t> lens =
+      MixedLengths(tokens, absl::GetFlag(FLAGS_min_len), absl::GetFlag(FLAGS_max_len),
+                   absl::GetFlag(FLAGS_seed));
   const std::vector<int32_t> ids =
       bench::RandomTokens(tokens, c.vocab_size, absl::GetFlag(FLAGS_seed) + 1);
   const std::vector<int32_t> layers = bench::SpacedLayers(c, absl::GetFlag(FLAGS_capture));
@@ -86,12 +86,13 @@ int RunEngineBench() {
     std::fprintf(stderr, "error: %s\n", std::string(engine.status().message()).c_str());
     return 1;
   }
-  std::printf("model %s: %lld layers, hidden %lld; weights %.2f GiB, workspace %.2f GiB, "
-              "set up in %.1fs\n",
-              (*model)->id.c_str(), static_cast<long long>(c.num_layers),
-              static_cast<long long>(c.hidden_size), (*engine)->weight_bytes() / 1073741824.0,
-              (*engine)->workspace_bytes() / 1073741824.0,
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
+  std::printf(
+      "model %s: %lld layers, hidden %lld; weights %.2f GiB, workspace %.2f GiB, "
+      "set up in %.1fs\n",
+      (*model)->id.c_str(), static_cast<long long>(c.num_layers),
+      static_cast<long long>(c.hidden_size), (*engine)->weight_bytes() / 1073741824.0,
+      (*engine)->workspace_bytes() / 1073741824.0,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count());
   std::printf("batch: %lld tokens in %zu sequences (%d..%d), %d captured layers\n",
               static_cast<long long>(tokens), lens.size(), absl::GetFlag(FLAGS_min_len),
               absl::GetFlag(FLAGS_max_len), k);

@@ -103,8 +103,8 @@ absl::StatusOr<std::vector<double>> EngineOnly(const Model& model, const std::st
     if (!engine.ok()) return engine.status();
     std::vector<uint16_t> out(values);
     for (const Batch& b : batches) {
-      if (absl::Status s = (*engine)->Forward({b.ids, b.lens, layers},
-                                              std::as_writable_bytes(std::span(out)));
+      if (absl::Status s =
+              (*engine)->Forward({b.ids, b.lens, layers}, std::as_writable_bytes(std::span(out)));
           !s.ok()) {
         return s;
       }

@@ -10,28 +10,28 @@
 // bytes in chunks of the same size, written here, in the same run.
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
-#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <mutex>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "draftfeed/client.h"
 #include "common/payload_checksum.h"
+#include "draftfeed/client.h"
 #include "server/model/model.h"
 #include "server/service/target_service.h"
 
@@ -79,8 +79,8 @@ class FillEngine final : public Engine {
   absl::Status ForwardAsync(const ForwardInput& in, std::span<std::byte> out,
                             CopiedCallback on_copied) override {
     const uint64_t sum = Fill(out);
-    on_copied(Copied{absl::OkStatus(),
-                     device_checksum_ ? std::optional<uint64_t>(sum) : std::nullopt});
+    on_copied(
+        Copied{absl::OkStatus(), device_checksum_ ? std::optional<uint64_t>(sum) : std::nullopt});
     return absl::OkStatus();
   }
 
@@ -171,11 +171,11 @@ ServiceOptions TargetOptions() {
   // the idle pool keeps every buffer the credits can hold, as a target
   // serving this many streams would be configured, so no round starts by
   // allocating what the last one gave back.
-  const int64_t batch_bytes = absl::GetFlag(FLAGS_tokens) * absl::GetFlag(FLAGS_layers) *
-                              absl::GetFlag(FLAGS_hidden) * 2;
-  opt.host_pool_bytes = std::max<int64_t>(
-      opt.host_pool_bytes, int64_t{kCredits} * absl::GetFlag(FLAGS_streams) *
-                               absl::GetFlag(FLAGS_connections) * (batch_bytes + 1));
+  const int64_t batch_bytes =
+      absl::GetFlag(FLAGS_tokens) * absl::GetFlag(FLAGS_layers) * absl::GetFlag(FLAGS_hidden) * 2;
+  opt.host_pool_bytes = std::max<int64_t>(opt.host_pool_bytes,
+                                          int64_t{kCredits} * absl::GetFlag(FLAGS_streams) *
+                                              absl::GetFlag(FLAGS_connections) * (batch_bytes + 1));
   return opt;
 }
 
@@ -283,33 +283,35 @@ int Run(const std::string& address, int control, int report) {
     grpc_faults += ru1.ru_minflt - ru0.ru_minflt;
     grpc_gbps.push_back(static_cast<double>(batch_bytes) * batches * streams / secs / 1e9);
     if (!absl::GetFlag(FLAGS_tcp)) continue;
-    tcp_gbps.push_back(RawTcpGBps(batch_bytes * batches * streams,
-                                  absl::GetFlag(FLAGS_chunk_bytes),
+    tcp_gbps.push_back(RawTcpGBps(batch_bytes * batches * streams, absl::GetFlag(FLAGS_chunk_bytes),
                                   streams * absl::GetFlag(FLAGS_connections)));
   }
   feeds.clear();  // close the streams before the target shuts down
   close(control);
   const long long target_allocs = std::atoll(ReadLine(report).c_str()) - target_allocs0;
   const double g = Median(grpc_gbps), t = tcp_gbps.empty() ? 0 : Median(tcp_gbps);
-  std::printf("payload %lld x %lld x %lld bf16 = %.1f MB per batch, %d batches x %d stream(s) "
-              "x %d connection(s), chunks of %lld KiB; target in its own process, checksum on "
-              "the %s, read handoff %s\n",
-              static_cast<long long>(T), static_cast<long long>(K), static_cast<long long>(H),
-              batch_bytes / 1e6, batches, streams, absl::GetFlag(FLAGS_connections),
-              static_cast<long long>(absl::GetFlag(FLAGS_chunk_bytes) >> 10),
-              absl::GetFlag(FLAGS_target_checksum).c_str(), absl::GetFlag(FLAGS_read_handoff).c_str());
-  std::printf("steady state: %lld target buffer allocations, %ld trainer page faults while "
-              "gRPC was timed\n",
-              target_allocs, grpc_faults);
+  std::printf(
+      "payload %lld x %lld x %lld bf16 = %.1f MB per batch, %d batches x %d stream(s) "
+      "x %d connection(s), chunks of %lld KiB; target in its own process, checksum on "
+      "the %s, read handoff %s\n",
+      static_cast<long long>(T), static_cast<long long>(K), static_cast<long long>(H),
+      batch_bytes / 1e6, batches, streams, absl::GetFlag(FLAGS_connections),
+      static_cast<long long>(absl::GetFlag(FLAGS_chunk_bytes) >> 10),
+      absl::GetFlag(FLAGS_target_checksum).c_str(), absl::GetFlag(FLAGS_read_handoff).c_str());
+  std::printf(
+      "steady state: %lld target buffer allocations, %ld trainer page faults while "
+      "gRPC was timed\n",
+      target_allocs, grpc_faults);
   if (t > 0) {
     // Each round times gRPC and then TCP back to back; the median of the
     // rounds' ratios is steadier than the ratio of medians on a machine whose
     // speed drifts (shared cores).
     std::vector<double> ratios;
     for (size_t i = 0; i < grpc_gbps.size(); ++i) ratios.push_back(grpc_gbps[i] / tcp_gbps[i]);
-    std::printf("gRPC %.2f GB/s, raw TCP %.2f GB/s (medians of %zu): gRPC = %.0f%% of TCP "
-                "(median of the rounds' ratios)\n",
-                g, t, grpc_gbps.size(), 100 * Median(ratios));
+    std::printf(
+        "gRPC %.2f GB/s, raw TCP %.2f GB/s (medians of %zu): gRPC = %.0f%% of TCP "
+        "(median of the rounds' ratios)\n",
+        g, t, grpc_gbps.size(), 100 * Median(ratios));
   } else {
     std::printf("gRPC %.2f GB/s (median of %zu; no TCP baseline)\n", g, grpc_gbps.size());
   }

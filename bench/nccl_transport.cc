@@ -40,16 +40,17 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "common/nccl/nccl_peer.h"
 #include "draftfeed/client.h"
 #include "server/model/cuda_engine.h"
 #include "server/model/model.h"
-#include "common/nccl/nccl_peer.h"
 #include "server/service/target_service.h"
 
 ABSL_FLAG(std::string, sizes_mib, "64,256", "Payload sizes per transfer, MiB.");
 ABSL_FLAG(int, repeats, 5, "Timed repetitions per size (the median is reported).");
 ABSL_FLAG(int, transfers, 8, "Transfers per repetition.");
-ABSL_FLAG(std::string, model, "random:qwen3-8b", "Target model (hidden size sets the batch shape).");
+ABSL_FLAG(std::string, model, "random:qwen3-8b",
+          "Target model (hidden size sets the batch shape).");
 
 namespace draftfeed {
 namespace {
@@ -59,21 +60,21 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-#define CHECK_CUDA(x)                                                              \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                \
-      std::exit(1);                                                                \
-    }                                                                              \
+#define CHECK_CUDA(x)                                               \
+  do {                                                              \
+    cudaError_t e_ = (x);                                           \
+    if (e_ != cudaSuccess) {                                        \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                 \
+    }                                                               \
   } while (0)
-#define CHECK_NCCL(x)                                                              \
-  do {                                                                             \
-    ncclResult_t r_ = (x);                                                         \
-    if (r_ != ncclSuccess) {                                                       \
-      std::fprintf(stderr, "%s: %s\n", #x, ncclGetErrorString(r_));                \
-      std::exit(1);                                                                \
-    }                                                                              \
+#define CHECK_NCCL(x)                                               \
+  do {                                                              \
+    ncclResult_t r_ = (x);                                          \
+    if (r_ != ncclSuccess) {                                        \
+      std::fprintf(stderr, "%s: %s\n", #x, ncclGetErrorString(r_)); \
+      std::exit(1);                                                 \
+    }                                                               \
   } while (0)
 
 // One transfer of a rank's buffer on its stream, waited for.
@@ -180,8 +181,7 @@ int Main() {
   }
   const int64_t H = (*model)->config.hidden_size;
   const int K = 8;
-  const int64_t max_tokens =
-      (*std::max_element(sizes.begin(), sizes.end()) << 20) / (K * H * 2);
+  const int64_t max_tokens = (*std::max_element(sizes.begin(), sizes.end()) << 20) / (K * H * 2);
   CudaEngineOptions copt;
   copt.device = 0;
   copt.max_tokens = max_tokens;
@@ -200,9 +200,8 @@ int Main() {
   const int64_t L = (*model)->config.num_layers;
   for (int i = 0; i < K; ++i) layers.push_back(static_cast<int32_t>((i + 1) * L / (K + 1)));
 
-  std::printf("%10s %10s %16s %16s %16s %8s %16s %16s\n", "size MiB", "raw GB/s",
-              "NcclPeer GB/s", "nonblocking comm", "draftfeed GB/s", "ratio", "send+announce",
-              "batch e2e GB/s");
+  std::printf("%10s %10s %16s %16s %16s %8s %16s %16s\n", "size MiB", "raw GB/s", "NcclPeer GB/s",
+              "nonblocking comm", "draftfeed GB/s", "ratio", "send+announce", "batch e2e GB/s");
   for (int64_t mib : sizes) {
     const int64_t T = (mib << 20) / (K * H * 2);
     const size_t bytes = static_cast<size_t>(T * K * H * 2);
@@ -250,8 +249,8 @@ int Main() {
     (void)(*feed)->Close();
     const double r = Median(raw), d = Median(recv_rates);
     std::printf("%10lld %10.1f %16.1f %16.1f %16.1f %8.3f %16.1f %16.1f\n",
-                static_cast<long long>(mib), r, Median(peer), Median(setup_comm), d, r > 0 ? d / r : 0,
-                Median(send_rates), Median(e2e_rates));
+                static_cast<long long>(mib), r, Median(peer), Median(setup_comm), d,
+                r > 0 ? d / r : 0, Median(send_rates), Median(e2e_rates));
     std::fflush(stdout);
   }
   service.BeginDrain();

@@ -27,8 +27,7 @@ inline constexpr std::string_view EncodingName(CaptureEncoding e) {
 // Bytes one token of a capture of `layers` layers of `hidden` values takes.
 // Whole tokens are the unit every transport moves (chunks hold whole tokens),
 // so an encoding with per-token side data (scales) counts it here.
-inline constexpr int64_t CaptureBytesPerToken(CaptureEncoding e, int64_t layers,
-                                              int64_t hidden) {
+inline constexpr int64_t CaptureBytesPerToken(CaptureEncoding e, int64_t layers, int64_t hidden) {
   switch (e) {
     case CaptureEncoding::kBf16:
       return layers * hidden * 2;

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <iterator>
-#include <vector>
 #include <utility>
+#include <vector>
 
 namespace draftfeed {
 
@@ -43,8 +43,8 @@ std::shared_ptr<std::byte> HostBufferPool::Acquire(size_t bytes) {
   const size_t fresh = state->reuse.size_classes ? SizeClass(bytes) : bytes;
   {
     std::unique_lock<std::mutex> lock(state->mu);
-    state->max_idle_bytes = std::max(
-        state->max_idle_bytes, static_cast<int64_t>(state->reuse.keep_buffers * fresh));
+    state->max_idle_bytes =
+        std::max(state->max_idle_bytes, static_cast<int64_t>(state->reuse.keep_buffers * fresh));
     for (;;) {
       // Best fit, but not more than twice the size (a small batch must not
       // pin a huge buffer).

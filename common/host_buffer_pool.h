@@ -4,8 +4,8 @@
 // nothing; idle memory is capped.
 #pragma once
 
-#include <cstddef>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -66,9 +66,9 @@ class HostBufferPool {
   // still handed out when nothing else is live, so one batch always runs.
   void set_max_total_bytes(int64_t bytes);
 
-  int64_t live_bytes() const;  // handed out, not yet returned
-  int64_t idle_bytes() const;  // kept for reuse
-  int64_t allocations() const;  // fresh allocations so far
+  int64_t live_bytes() const;        // handed out, not yet returned
+  int64_t idle_bytes() const;        // kept for reuse
+  int64_t allocations() const;       // fresh allocations so far
   int64_t peak_total_bytes() const;  // highest live + idle so far
 
  private:

@@ -61,8 +61,10 @@ __attribute__((target("avx2"))) void StripesAvx2(uint64_t* lanes, uint64_t strip
     }
     const __m256i x0 = _mm256_xor_si256(w0, k0);
     const __m256i x1 = _mm256_xor_si256(w1, k1);
-    a0 = _mm256_add_epi64(a0, _mm256_add_epi64(_mm256_mul_epu32(x0, _mm256_srli_epi64(x0, 32)), w0));
-    a1 = _mm256_add_epi64(a1, _mm256_add_epi64(_mm256_mul_epu32(x1, _mm256_srli_epi64(x1, 32)), w1));
+    a0 =
+        _mm256_add_epi64(a0, _mm256_add_epi64(_mm256_mul_epu32(x0, _mm256_srli_epi64(x0, 32)), w0));
+    a1 =
+        _mm256_add_epi64(a1, _mm256_add_epi64(_mm256_mul_epu32(x1, _mm256_srli_epi64(x1, 32)), w1));
     k0 = _mm256_add_epi64(k0, step);
     k1 = _mm256_add_epi64(k1, step);
   }
@@ -93,8 +95,8 @@ bool UsePath(int path) {
 #else
 bool UsePath(int path) { return path == 0; }
 
-void StripesScalar(uint64_t* lanes, uint64_t stripe, unsigned char* dst,
-                   const unsigned char* src, size_t count) {
+void StripesScalar(uint64_t* lanes, uint64_t stripe, unsigned char* dst, const unsigned char* src,
+                   size_t count) {
   for (size_t s = 0; s < count; ++s, src += kStripeBytes) {
     uint64_t w[kChecksumLanes];
     std::memcpy(w, src, kStripeBytes);
@@ -180,7 +182,8 @@ uint64_t PayloadChecksumReference(const void* data, size_t n) {
   for (size_t i = 0; i * 8 < n; ++i) {
     uint64_t w = 0;
     std::memcpy(&w, p + i * 8, std::min<size_t>(8, n - i * 8));
-    lanes[i % kChecksumLanes] += ChecksumTerm(w, i / kChecksumLanes, static_cast<int>(i % kChecksumLanes));
+    lanes[i % kChecksumLanes] +=
+        ChecksumTerm(w, i / kChecksumLanes, static_cast<int>(i % kChecksumLanes));
   }
   return FinishPayloadChecksum(lanes, n);
 }

@@ -8,10 +8,10 @@
 #define DF_STATUS_CONCAT_INNER_(a, b) a##b
 #define DF_STATUS_CONCAT_(a, b) DF_STATUS_CONCAT_INNER_(a, b)
 
-#define DF_RETURN_IF_ERROR(expr)                   \
-  do {                                             \
-    ::absl::Status df_status_ = (expr);            \
-    if (!df_status_.ok()) return df_status_;       \
+#define DF_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::absl::Status df_status_ = (expr);      \
+    if (!df_status_.ok()) return df_status_; \
   } while (0)
 
 #define DF_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \

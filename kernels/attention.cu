@@ -165,7 +165,8 @@ struct MmaCore {
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         uint32_t b[4];
-        LdMatrixX4</*kMemoryClobber=*/true>(b, k_smem + SwizzledOffset<BN>(np * 16 + b_row, kk * 16 + b_col));
+        LdMatrixX4</*kMemoryClobber=*/true>(
+            b, k_smem + SwizzledOffset<BN>(np * 16 + b_row, kk * 16 + b_col));
         Mma(&s[(2 * np) * 4], a, b[0], b[1]);
         Mma(&s[(2 * np + 1) * 4], a, b[2], b[3]);
       }
@@ -184,7 +185,8 @@ struct MmaCore {
 #pragma unroll
       for (int dp = 0; dp < HD / 16; ++dp) {
         uint32_t b[4];
-        LdMatrixX4Trans</*kMemoryClobber=*/true>(b, v_smem + SwizzledOffset<BN>(kk * 16 + row, dp * 16 + col));
+        LdMatrixX4Trans</*kMemoryClobber=*/true>(
+            b, v_smem + SwizzledOffset<BN>(kk * 16 + row, dp * 16 + col));
         Mma(&o[(2 * dp) * 4], p[kk], b[0], b[1]);
         Mma(&o[(2 * dp + 1) * 4], p[kk], b[2], b[3]);
       }
@@ -680,7 +682,10 @@ __global__ void __launch_bounds__(128) SmallHeadAttentionKernel(AttentionArgs a)
   int lo = 0, hi = a.num_seqs - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (a.cu_seqlens[mid] <= t) lo = mid; else hi = mid - 1;
+    if (a.cu_seqlens[mid] <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   const int64_t start = a.cu_seqlens[lo];
   float q[kPer], o[kPer];
@@ -724,10 +729,14 @@ cudaError_t VarlenCausalAttention(const AttentionArgs& a, cudaStream_t stream) {
   }
   if (a.num_tokens == 0 || a.num_seqs == 0 || a.max_seqlen == 0) return cudaSuccess;
   switch (a.head_dim) {
-    case 32: return LaunchSmallHead<32>(a, stream);
-    case 64: return LaunchSmallHead<64>(a, stream);
-    case 96: return LaunchSmallHead<96>(a, stream);
-    default: break;
+    case 32:
+      return LaunchSmallHead<32>(a, stream);
+    case 64:
+      return LaunchSmallHead<64>(a, stream);
+    case 96:
+      return LaunchSmallHead<96>(a, stream);
+    default:
+      break;
   }
   // TMA needs 16-byte aligned bases and strides.
   if (!Aligned16(a.q) || !Aligned16(a.k) || !Aligned16(a.v) || !Aligned16(a.out) ||

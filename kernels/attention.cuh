@@ -20,8 +20,8 @@ struct AttentionArgs {
   int64_t v_stride = 0;
   int64_t num_tokens = 0;
   int64_t num_q_heads = 0;
-  int64_t num_kv_heads = 0;  // query head h reads KV head h / (Hq / Hkv)
-  int64_t head_dim = 0;      // 128 or 256
+  int64_t num_kv_heads = 0;             // query head h reads KV head h / (Hq / Hkv)
+  int64_t head_dim = 0;                 // 128 or 256
   const int32_t* cu_seqlens = nullptr;  // device, [num_seqs + 1]
   int32_t num_seqs = 0;
   int32_t max_seqlen = 0;

@@ -57,8 +57,8 @@ __global__ void PayloadLanesKernel(const uint64_t* __restrict__ words, size_t n_
     if (tail_bytes > 0) {
       uint64_t w = 0;
       for (size_t k = 0; k < tail_bytes; ++k) w |= static_cast<uint64_t>(tail[k]) << (8 * k);
-      atomicAdd(out + i % kLanes, static_cast<unsigned long long>(
-                                      v1::ChecksumTerm(w, i / kLanes, static_cast<int>(i % kLanes))));
+      atomicAdd(out + i % kLanes, static_cast<unsigned long long>(v1::ChecksumTerm(
+                                      w, i / kLanes, static_cast<int>(i % kLanes))));
     }
   }
 }
@@ -78,9 +78,8 @@ cudaError_t EnqueuePayloadLanes(const void* data, size_t bytes, unsigned long lo
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const int threads = 256;
   const size_t pairs = n_words / 2;
-  const int blocks = static_cast<int>(
-      std::max<size_t>(1, std::min<size_t>((pairs + threads - 1) / threads,
-                                           static_cast<size_t>(sms) * 8)));
+  const int blocks = static_cast<int>(std::max<size_t>(
+      1, std::min<size_t>((pairs + threads - 1) / threads, static_cast<size_t>(sms) * 8)));
   PayloadLanesKernel<<<blocks, threads, 0, stream>>>(
       static_cast<const uint64_t*>(data), n_words,
       static_cast<const unsigned char*>(data) + n_words * 8, bytes % 8, scratch);

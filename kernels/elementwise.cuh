@@ -18,7 +18,7 @@ cudaError_t SigmoidGateMul(bf16* o, const bf16* gate, int64_t num_tokens, int64_
                            cudaStream_t stream);
 
 // capture[t*K*width + slot*width + i] = bf16(residual[t*width + i]).
-cudaError_t CaptureResidual(const float* residual, int64_t num_tokens, int64_t width,
-                            bf16* capture, int64_t num_slots, int64_t slot, cudaStream_t stream);
+cudaError_t CaptureResidual(const float* residual, int64_t num_tokens, int64_t width, bf16* capture,
+                            int64_t num_slots, int64_t slot, cudaStream_t stream);
 
 }  // namespace draftfeed::cuda

@@ -167,7 +167,10 @@ __global__ void __launch_bounds__(kConvThreads)
   int lo = 0, hi = num_seqs;
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
-    if (cu[mid] <= t0) lo = mid; else hi = mid;
+    if (cu[mid] <= t0)
+      lo = mid;
+    else
+      hi = mid;
   }
   int seq = lo;
   int64_t seq_begin = cu[seq], seq_end = cu[seq + 1];
@@ -176,7 +179,10 @@ __global__ void __launch_bounds__(kConvThreads)
 #pragma unroll
   for (int i = 0; i < kTaps - 1; ++i) {
     const int64_t src = t0 - (kTaps - 1) + i;
-    if (src >= seq_begin) win[i].Load(x + src * x_stride + c0); else win[i].Zero();
+    if (src >= seq_begin)
+      win[i].Load(x + src * x_stride + c0);
+    else
+      win[i].Zero();
   }
   // Four tokens' loads in flight before their use.
   constexpr int kGroup = 4;
@@ -229,10 +235,9 @@ template <int kTaps>
 cudaError_t LaunchConv(const bf16* x, int64_t x_stride, const bf16* w, int64_t num_tokens,
                        int64_t channels, const int32_t* cu, int32_t num_seqs, bf16* y,
                        cudaStream_t stream) {
-  const bool vec = channels % 8 == 0 && x_stride % 8 == 0 &&
-                   reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(y) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(w) % 16 == 0;
+  const bool vec =
+      channels % 8 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(y) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
   const int per_block = kConvThreads * (vec ? 8 : 1);
   const dim3 grid(static_cast<unsigned>((num_tokens + kConvTokens - 1) / kConvTokens),
                   static_cast<unsigned>((channels + per_block - 1) / per_block));
@@ -368,7 +373,8 @@ __device__ __forceinline__ void TriangularProduct(const float* s_t, int t_ld, co
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int col0 = 16 * pp + 8 * nt + 2 * q4;
-      *reinterpret_cast<uint32_t*>(out + (row0 + g) * kDim + col0) = PackBf16(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<uint32_t*>(out + (row0 + g) * kDim + col0) =
+          PackBf16(acc[nt][0], acc[nt][1]);
       *reinterpret_cast<uint32_t*>(out + (row0 + g + 8) * kDim + col0) =
           PackBf16(acc[nt][2], acc[nt][3]);
     }
@@ -376,8 +382,7 @@ __device__ __forceinline__ void TriangularProduct(const float* s_t, int t_ld, co
 }
 
 template <int kDk, int kDv>
-__global__ void __launch_bounds__(kPrepThreads, 4)
-    GdnPrepKernel(GdnParams p) {
+__global__ void __launch_bounds__(kPrepThreads, 4) GdnPrepKernel(GdnParams p) {
   using L = PrepSmem<kDk, kDv>;
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* s_q = reinterpret_cast<bf16*>(smem + L::kQ);
@@ -402,7 +407,10 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   int lo = 0, hi = p.num_seqs;
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
-    if (FirstSlot(mid, p.cu[mid]) <= slot) lo = mid; else hi = mid;
+    if (FirstSlot(mid, p.cu[mid]) <= slot)
+      lo = mid;
+    else
+      hi = mid;
   }
   const int64_t t0 = p.cu[lo] + (slot - FirstSlot(lo, p.cu[lo])) * kChunk;
   const int64_t seq_end = p.cu[lo + 1];
@@ -607,8 +615,8 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   __syncthreads();  // 𝒯 complete; A is dead, v takes its place
 
   {
-    const bf16* v_base = p.qkv + 2 * static_cast<int64_t>(p.num_k_heads) * kDk +
-                         static_cast<int64_t>(head) * kDv;
+    const bf16* v_base =
+        p.qkv + 2 * static_cast<int64_t>(p.num_k_heads) * kDk + static_cast<int64_t>(head) * kDv;
     constexpr int kPieces = kDv / 8;
     for (int i = tid; i < kChunk * kPieces; i += kPrepThreads) {
       const int r = i / kPieces, c = (i % kPieces) * 8;
@@ -654,8 +662,7 @@ struct ScanSmem {
 };
 
 template <int kDk, int kDv>
-__global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1)
-    GdnScanKernel(GdnParams p) {
+__global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1) GdnScanKernel(GdnParams p) {
   using L = ScanSmem<kDk, kDv>;
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -701,7 +708,8 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1)
     }
     float* s_f = reinterpret_cast<float*>(st + L::kF);
     const float* f_src = p.ws.f + item * kFactorFloats;
-    for (int i = tid; i < kFactorFloats / 4; i += L::kThreads) CpAsync16(s_f + 4 * i, f_src + 4 * i, true);
+    for (int i = tid; i < kFactorFloats / 4; i += L::kThreads)
+      CpAsync16(s_f + 4 * i, f_src + 4 * i, true);
   };
 
   // Sᵀ rows d0 + {g, g+8} (value dims of this warp), columns 8·nt + 2q + {0, 1} (key dims).
@@ -767,8 +775,8 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1)
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       uint32_t u[4];
-      LdMatrixX4Trans(u, s_u + (16 * jj + (lane & 7) + (lane >> 4) * 8) * L::kULd + d0 +
-                    ((lane >> 3) & 1) * 8);
+      LdMatrixX4Trans(
+          u, s_u + (16 * jj + (lane & 7) + (lane >> 4) * 8) * L::kULd + d0 + ((lane >> 3) & 1) * 8);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float2 lo = UnpackBf16(u[2 * h]), hi = UnpackBf16(u[2 * h + 1]);
@@ -804,7 +812,8 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1)
 #pragma unroll
         for (int pp = 0; pp < kDk / 16; ++pp) {
           uint32_t b[4];
-          LdMatrixX4Trans(b, s_k + (16 * ks + LdsmBTRow(lane)) * L::kQkLd + 16 * pp + LdsmBTCol(lane));
+          LdMatrixX4Trans(b,
+                          s_k + (16 * ks + LdsmBTRow(lane)) * L::kQkLd + 16 * pp + LdsmBTCol(lane));
           Mma(st_acc[2 * pp], vk[ks], b[0], b[1]);
           Mma(st_acc[2 * pp + 1], vk[ks], b[2], b[3]);
         }
@@ -873,9 +882,9 @@ cudaError_t LaunchGdn(const GdnParams& p, int64_t num_tokens, int64_t num_slots,
                       cudaStream_t stream) {
   using LP = PrepSmem<kDk, kDv>;
   using LS = ScanSmem<kDk, kDv>;
-  cudaError_t err = cudaFuncSetAttribute(GdnPrepKernel<kDk, kDv>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(LP::kBytes));
+  cudaError_t err =
+      cudaFuncSetAttribute(GdnPrepKernel<kDk, kDv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(LP::kBytes));
   if (err != cudaSuccess) return err;
   err = cudaFuncSetAttribute(GdnScanKernel<kDk, kDv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(LS::kBytes));
@@ -892,11 +901,16 @@ cudaError_t LaunchGdn(const GdnParams& p, int64_t num_tokens, int64_t num_slots,
 template <int kDk>
 cudaError_t DispatchDv(const GdnArgs& a, const GdnParams& p, int64_t slots, cudaStream_t s) {
   switch (a.value_dim) {
-    case 16: return LaunchGdn<kDk, 16>(p, a.num_tokens, slots, s);
-    case 32: return LaunchGdn<kDk, 32>(p, a.num_tokens, slots, s);
-    case 64: return LaunchGdn<kDk, 64>(p, a.num_tokens, slots, s);
-    case 128: return LaunchGdn<kDk, 128>(p, a.num_tokens, slots, s);
-    default: return cudaErrorInvalidValue;
+    case 16:
+      return LaunchGdn<kDk, 16>(p, a.num_tokens, slots, s);
+    case 32:
+      return LaunchGdn<kDk, 32>(p, a.num_tokens, slots, s);
+    case 64:
+      return LaunchGdn<kDk, 64>(p, a.num_tokens, slots, s);
+    case 128:
+      return LaunchGdn<kDk, 128>(p, a.num_tokens, slots, s);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 
@@ -912,15 +926,24 @@ cudaError_t CausalConv1dSilu(const bf16* x, int64_t x_stride, const bf16* w, int
   }
   if (num_tokens == 0) return cudaSuccess;
   switch (kernel) {
-    case 1: return LaunchConv<1>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 2: return LaunchConv<2>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 3: return LaunchConv<3>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 4: return LaunchConv<4>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 5: return LaunchConv<5>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 6: return LaunchConv<6>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 7: return LaunchConv<7>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 8: return LaunchConv<8>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    default: return cudaErrorInvalidValue;
+    case 1:
+      return LaunchConv<1>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
+    case 2:
+      return LaunchConv<2>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
+    case 3:
+      return LaunchConv<3>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
+    case 4:
+      return LaunchConv<4>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
+    case 5:
+      return LaunchConv<5>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
+    case 6:
+      return LaunchConv<6>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
+    case 7:
+      return LaunchConv<7>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
+    case 8:
+      return LaunchConv<8>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 
@@ -956,11 +979,16 @@ cudaError_t GatedDeltaRule(const GdnArgs& args, void* workspace, cudaStream_t st
   p.ws.f = reinterpret_cast<float*>(base + l.f);
   const int64_t slots = NumSlots(a);
   switch (a.key_dim) {
-    case 16: return DispatchDv<16>(a, p, slots, stream);
-    case 32: return DispatchDv<32>(a, p, slots, stream);
-    case 64: return DispatchDv<64>(a, p, slots, stream);
-    case 128: return DispatchDv<128>(a, p, slots, stream);
-    default: return cudaErrorInvalidValue;
+    case 16:
+      return DispatchDv<16>(a, p, slots, stream);
+    case 32:
+      return DispatchDv<32>(a, p, slots, stream);
+    case 64:
+      return DispatchDv<64>(a, p, slots, stream);
+    case 128:
+      return DispatchDv<128>(a, p, slots, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

@@ -25,10 +25,10 @@ struct GdnArgs {
   const float* a_log = nullptr;    // [Nv] fp32
   const float* dt_bias = nullptr;  // [Nv] fp32
   int64_t num_tokens = 0;
-  int64_t num_k_heads = 0;  // Nk
-  int64_t num_v_heads = 0;  // Nv; value head j reads q/k head j / (Nv / Nk)
-  int64_t key_dim = 0;      // dk
-  int64_t value_dim = 0;    // dv
+  int64_t num_k_heads = 0;              // Nk
+  int64_t num_v_heads = 0;              // Nv; value head j reads q/k head j / (Nv / Nk)
+  int64_t key_dim = 0;                  // dk
+  int64_t value_dim = 0;                // dv
   const int32_t* cu_seqlens = nullptr;  // device, [num_seqs + 1]
   int32_t num_seqs = 0;
   bf16* out = nullptr;  // [T, Nv, dv] dense

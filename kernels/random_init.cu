@@ -46,8 +46,8 @@ cudaError_t Fill(T* p, int64_t n, uint64_t seed, float a, float b, cudaStream_t 
   if (n <= 0) return cudaSuccess;
   const int threads = 256;
   const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 132 * 32);
-  FillKernel<T, kLogUniform><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, n, seed, a,
-                                                                                   b);
+  FillKernel<T, kLogUniform>
+      <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(p, n, seed, a, b);
   return cudaGetLastError();
 }
 

@@ -14,15 +14,14 @@ enum class NormKind {
 
 // Normalises the fp32 residual stream into bf16. out may be strided (e.g.
 // straight into a [T, K, H] capture slot).
-cudaError_t RmsNormF32(const float* x, int64_t x_stride, const bf16* w, int64_t rows,
-                       int64_t width, float eps, NormKind kind, bf16* out, int64_t out_stride,
+cudaError_t RmsNormF32(const float* x, int64_t x_stride, const bf16* w, int64_t rows, int64_t width,
+                       float eps, NormKind kind, bf16* out, int64_t out_stride,
                        cudaStream_t stream);
 
 // residual[r] += float(delta[r]), then out[r] = norm(residual[r]). The fused
 // form of "h = h + mixer(u); u = norm(h)". delta: [rows, width] dense.
 cudaError_t AddRmsNormF32(float* residual, const bf16* delta, const bf16* w, int64_t rows,
-                          int64_t width, float eps, NormKind kind, bf16* out,
-                          cudaStream_t stream);
+                          int64_t width, float eps, NormKind kind, bf16* out, cudaStream_t stream);
 
 // In-place bf16 norm (q_norm / k_norm per head), maths in fp32.
 cudaError_t RmsNormBf16InPlace(bf16* x, int64_t x_stride, const bf16* w, int64_t rows,

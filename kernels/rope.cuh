@@ -7,8 +7,8 @@
 namespace draftfeed::cuda {
 
 // positions[t] = t − cu_seqlens[seq(t)]. cu_seqlens: [num_seqs + 1] on device.
-cudaError_t PositionsFromCuSeqlens(const int32_t* cu_seqlens, int32_t num_seqs,
-                                   int64_t num_tokens, int32_t* positions, cudaStream_t stream);
+cudaError_t PositionsFromCuSeqlens(const int32_t* cu_seqlens, int32_t num_seqs, int64_t num_tokens,
+                                   int32_t* positions, cudaStream_t stream);
 
 // In place on x [T, heads, head_dim] (token t at x + t*token_stride, head h at
 // + h*head_stride): for j < rotary_dim/2, with φ = pos·θ^(−2j/rotary_dim)

@@ -95,8 +95,7 @@ class PyResult {
   // patterns (uint16 for bf16), no copy (host results only).
   py::array hidden_bits() const {
     if (batch_->device >= 0) {
-      throw py::value_error("this result is in GPU memory (cuda:" +
-                            std::to_string(batch_->device) +
+      throw py::value_error("this result is in GPU memory (cuda:" + std::to_string(batch_->device) +
                             "; transport nccl): use .torch() or DLPack, not numpy");
     }
     const std::vector<size_t> shape = {static_cast<size_t>(batch_->num_tokens),
@@ -106,7 +105,8 @@ class PyResult {
       case Encoding::kBf16:
         return View(batch_->bf16().data(), shape);
     }
-    throw py::value_error("draftfeed: encoding " + encoding() + " has no numpy view in this client");
+    throw py::value_error("draftfeed: encoding " + encoding() +
+                          " has no numpy view in this client");
   }
 
   py::capsule Dlpack() const {
@@ -184,33 +184,52 @@ class PyFeed {
     o.layers = std::move(layers);
     for (auto [key, value] : opts) {
       const std::string k = py::cast<std::string>(key);
-      if (k == "prefetch") o.prefetch = py::cast<int32_t>(value);
-      else if (k == "prefetch_bytes") o.prefetch_bytes = py::cast<int64_t>(value);
-      else if (k == "ordered") o.ordered = py::cast<bool>(value);
-      else if (k == "credits_per_target") o.credits_per_target = py::cast<int32_t>(value);
-      else if (k == "connections_per_target") o.connections_per_target = py::cast<int32_t>(value);
+      if (k == "prefetch")
+        o.prefetch = py::cast<int32_t>(value);
+      else if (k == "prefetch_bytes")
+        o.prefetch_bytes = py::cast<int64_t>(value);
+      else if (k == "ordered")
+        o.ordered = py::cast<bool>(value);
+      else if (k == "credits_per_target")
+        o.credits_per_target = py::cast<int32_t>(value);
+      else if (k == "connections_per_target")
+        o.connections_per_target = py::cast<int32_t>(value);
       else if (k == "read_handoff") {
         if (!value.is_none()) o.read_handoff = py::cast<bool>(value);
-      }
-      else if (k == "expected_fingerprint") o.expected_fingerprint = py::cast<std::string>(value);
-      else if (k == "verify_checksum") o.verify_checksum = py::cast<bool>(value);
-      else if (k == "connect_timeout_s") o.connect_timeout_s = py::cast<double>(value);
-      else if (k == "batch_timeout_s") o.batch_timeout_s = py::cast<double>(value);
-      else if (k == "unavailable_timeout_s") o.unavailable_timeout_s = py::cast<double>(value);
-      else if (k == "reconnect_backoff_min_s") o.reconnect_backoff_min_s = py::cast<double>(value);
-      else if (k == "reconnect_backoff_max_s") o.reconnect_backoff_max_s = py::cast<double>(value);
-      else if (k == "dns_refresh_s") o.dns_refresh_s = py::cast<double>(value);
-      else if (k == "client_name") o.client_name = py::cast<std::string>(value);
-      else if (k == "cuda_device") o.cuda_device = py::cast<int>(value);
-      else if (k == "nccl_timeout_s") o.nccl_timeout_s = py::cast<double>(value);
+      } else if (k == "expected_fingerprint")
+        o.expected_fingerprint = py::cast<std::string>(value);
+      else if (k == "verify_checksum")
+        o.verify_checksum = py::cast<bool>(value);
+      else if (k == "connect_timeout_s")
+        o.connect_timeout_s = py::cast<double>(value);
+      else if (k == "batch_timeout_s")
+        o.batch_timeout_s = py::cast<double>(value);
+      else if (k == "unavailable_timeout_s")
+        o.unavailable_timeout_s = py::cast<double>(value);
+      else if (k == "reconnect_backoff_min_s")
+        o.reconnect_backoff_min_s = py::cast<double>(value);
+      else if (k == "reconnect_backoff_max_s")
+        o.reconnect_backoff_max_s = py::cast<double>(value);
+      else if (k == "dns_refresh_s")
+        o.dns_refresh_s = py::cast<double>(value);
+      else if (k == "client_name")
+        o.client_name = py::cast<std::string>(value);
+      else if (k == "cuda_device")
+        o.cuda_device = py::cast<int>(value);
+      else if (k == "nccl_timeout_s")
+        o.nccl_timeout_s = py::cast<double>(value);
       else if (k == "transport") {
         const std::string t = py::cast<std::string>(value);
-        if (t == "grpc") o.transport = Transport::kGrpc;
-        else if (t == "nccl") o.transport = Transport::kNccl;
-        else if (t == "auto") o.transport = Transport::kAuto;
-        else throw py::value_error("transport must be 'grpc', 'nccl' or 'auto', got '" + t + "'");
-      }
-      else throw py::value_error("unknown Feed option: " + k);
+        if (t == "grpc")
+          o.transport = Transport::kGrpc;
+        else if (t == "nccl")
+          o.transport = Transport::kNccl;
+        else if (t == "auto")
+          o.transport = Transport::kAuto;
+        else
+          throw py::value_error("transport must be 'grpc', 'nccl' or 'auto', got '" + t + "'");
+      } else
+        throw py::value_error("unknown Feed option: " + k);
     }
     absl::StatusOr<std::unique_ptr<Feed>> feed;
     {

@@ -14,8 +14,8 @@ Encoding Public(CaptureEncoding e) { return static_cast<Encoding>(e); }
 }  // namespace
 
 std::optional<BatchSink::Landing> Feed::Impl::Claim(const void* stream, const ChunkHeader& c,
-                                                     size_t payload_bytes, int device,
-                                                     const Acquire& acquire) {
+                                                    size_t payload_bytes, int device,
+                                                    const Acquire& acquire) {
   std::lock_guard<std::mutex> lock(mu);
   auto it = pending.find(c.batch_id);
   if (it == pending.end() || it->second.complete || it->second.conn != stream) {
@@ -108,10 +108,10 @@ void Feed::Impl::StreamBroken(const void* stream, std::string why, bool cancel) 
 void Feed::Impl::FailMalformedChunk(Target* t, uint64_t id, Pending& p, const ChunkHeader& c,
                                     size_t payload_bytes) {
   Fail(id, p,
-       absl::DataLossError(absl::StrCat("target ", t->address,
-                                        " sent a malformed chunk for batch ", id, ": tokens [",
-                                        c.token_offset, ", +", c.token_count, ") of ",
-                                        p.token_ids.size(), ", ", payload_bytes, " bytes")));
+       absl::DataLossError(absl::StrCat("target ", t->address, " sent a malformed chunk for batch ",
+                                        id, ": tokens [", c.token_offset, ", +", c.token_count,
+                                        ") of ", p.token_ids.size(), ", ", payload_bytes,
+                                        " bytes")));
   cv.notify_all();
 }
 

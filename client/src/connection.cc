@@ -69,9 +69,10 @@ void Feed::Impl::ConnectLoop(Target* t) {
 absl::Status Feed::Impl::ConnectOnce(Target* t, bool first) {
   // The first attempt waits for a target that is still starting; later ones
   // fail fast and back off.
-  auto info = QueryInfo(t->stub.get(), t->address,
-                        first ? options.connect_timeout_s : std::min(options.connect_timeout_s, 5.0),
-                        /*wait_for_ready=*/first);
+  auto info =
+      QueryInfo(t->stub.get(), t->address,
+                first ? options.connect_timeout_s : std::min(options.connect_timeout_s, 5.0),
+                /*wait_for_ready=*/first);
   if (!info.ok()) return info.status();
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -122,8 +123,8 @@ absl::Status Feed::Impl::ConnectOnce(Target* t, bool first) {
   }
   const v1::Opened& opened = resp.opened();
   // What the target sends is what Opened says, not what was asked.
-  const int wire = opened.encoding() == v1::ENCODING_UNSPECIFIED ? v1::ENCODING_BF16
-                                                                   : opened.encoding();
+  const int wire =
+      opened.encoding() == v1::ENCODING_UNSPECIFIED ? v1::ENCODING_BF16 : opened.encoding();
   const std::optional<CaptureEncoding> encoding = EncodingFromWire(wire);
   if (!encoding.has_value()) {
     return abandon(absl::FailedPreconditionError(
@@ -131,14 +132,14 @@ absl::Status Feed::Impl::ConnectOnce(Target* t, bool first) {
                      v1::Encoding_Name(opened.encoding()), ", which this client cannot read")));
   }
   if (opened.layers_size() != K()) {
-    return abandon(absl::FailedPreconditionError(
-        absl::StrCat("target ", t->address, " opened ", opened.layers_size(), " layers of the ",
-                     K(), " asked")));
+    return abandon(absl::FailedPreconditionError(absl::StrCat("target ", t->address, " opened ",
+                                                              opened.layers_size(),
+                                                              " layers of the ", K(), " asked")));
   }
   const int64_t bytes_per_token =
       CaptureBytesPerToken(*encoding, opened.layers_size(), opened.info().hidden_size());
-  absl::StatusOr<std::unique_ptr<StreamTransport>> transport = (*offer)->Accept(
-      opened, StreamSlot{this, conn.get(), t->address, bytes_per_token});
+  absl::StatusOr<std::unique_ptr<StreamTransport>> transport =
+      (*offer)->Accept(opened, StreamSlot{this, conn.get(), t->address, bytes_per_token});
   if (!transport.ok()) return abandon(transport.status());
   conn->transport = *std::move(transport);
   std::lock_guard<std::mutex> lock(mu);
@@ -312,9 +313,9 @@ void Feed::Impl::OnConnEnd(Target* t, const std::shared_ptr<Conn>& conn,
     if (!closing) {
       ++t->stats.failures;
       if (t->stats.last_error.empty()) {
-        t->stats.last_error =
-            status.ok() ? "stream ended"
-                        : absl::StrCat(status.error_code(), ": ", status.error_message());
+        t->stats.last_error = status.ok()
+                                  ? "stream ended"
+                                  : absl::StrCat(status.error_code(), ": ", status.error_message());
       }
     }
   }

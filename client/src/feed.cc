@@ -178,8 +178,9 @@ absl::Status Feed::Close() {
   if (m.supervisor.joinable()) m.supervisor.join();
   // Half-close every stream: targets finish what they hold, then end it.
   for (auto& c : conns) Impl::StopWriter(c.get(), /*drop_queued=*/false);
-  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(m.options.batch_timeout_s));
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(m.options.batch_timeout_s));
   {
     std::unique_lock<std::mutex> lock(m.mu);
     m.cv.wait_until(lock, deadline, [&] {
@@ -226,10 +227,19 @@ FeedStats Feed::Stats() const {
   for (const auto& t : impl_->targets) {
     TargetStats ts = t->stats;
     switch (t->state) {
-      case Impl::State::kConnecting: ts.state = "connecting"; break;
-      case Impl::State::kLive: ts.state = "live"; ++s.live_targets; break;
-      case Impl::State::kDown: ts.state = "down"; break;
-      case Impl::State::kRefused: ts.state = "refused"; break;
+      case Impl::State::kConnecting:
+        ts.state = "connecting";
+        break;
+      case Impl::State::kLive:
+        ts.state = "live";
+        ++s.live_targets;
+        break;
+      case Impl::State::kDown:
+        ts.state = "down";
+        break;
+      case Impl::State::kRefused:
+        ts.state = "refused";
+        break;
     }
     s.targets.push_back(std::move(ts));
   }

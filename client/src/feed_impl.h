@@ -93,9 +93,9 @@ struct Feed::Impl final : BatchSink {
     int device = -1;
     size_t bytes = 0;
     std::optional<uint64_t> transport_checksum;  // the transport's, of the whole payload
-    int landings = 0;   // chunks claimed whose bytes have not landed yet
-    uint64_t epoch = 0;  // bumped whenever the batch is unassigned
-    std::optional<v1::BatchDone> early_done;  // BatchDone that beat its bytes
+    int landings = 0;                            // chunks claimed whose bytes have not landed yet
+    uint64_t epoch = 0;                          // bumped whenever the batch is unassigned
+    std::optional<v1::BatchDone> early_done;     // BatchDone that beat its bytes
     // Checksum fed chunk by chunk while the bytes are in cache; valid while
     // chunks arrive in order (otherwise the batch is re-hashed whole).
     v1::PayloadHasher hasher;
@@ -126,8 +126,8 @@ struct Feed::Impl final : BatchSink {
   std::vector<std::unique_ptr<Target>> targets;
   std::vector<std::string> dns_targets;
   Clock::time_point next_dns_refresh{};
-  std::map<uint64_t, Pending> pending;  // by batch id = submission order
-  std::set<uint64_t> unassigned;        // pending, not on any target
+  std::map<uint64_t, Pending> pending;            // by batch id = submission order
+  std::set<uint64_t> unassigned;                  // pending, not on any target
   std::vector<std::shared_ptr<Conn>> dead_conns;  // threads still to join
   uint64_t next_id = 1;
   int64_t outstanding_bytes = 0;
@@ -156,9 +156,8 @@ struct Feed::Impl final : BatchSink {
   // batches.cc
   std::optional<Landing> Claim(const void* stream, const ChunkHeader& chunk, size_t payload_bytes,
                                int device, const Acquire& acquire) override;
-  void Landed(const void* stream, const ChunkHeader& chunk, size_t payload_bytes,
-              Landing* landing, bool ok, std::optional<uint64_t> checksum,
-              double recv_ms) override;
+  void Landed(const void* stream, const ChunkHeader& chunk, size_t payload_bytes, Landing* landing,
+              bool ok, std::optional<uint64_t> checksum, double recv_ms) override;
   void FailBatch(const void* stream, uint64_t id, absl::Status why) override;
   void StreamBroken(const void* stream, std::string why, bool cancel) override;
   bool Closing() const override { return closing.load(); }

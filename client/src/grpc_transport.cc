@@ -15,9 +15,9 @@ class GrpcStreamTransport final : public StreamTransport {
   bool payload_in_stream() const override { return true; }
 
   bool OnChunk(const Chunk& chunk) override {
-    std::optional<BatchSink::Landing> landing = slot_.sink->Claim(
-        slot_.stream, chunk.header, chunk.payload_bytes, /*device=*/-1,
-        [this](size_t bytes) { return pool_->Acquire(bytes); });
+    std::optional<BatchSink::Landing> landing =
+        slot_.sink->Claim(slot_.stream, chunk.header, chunk.payload_bytes, /*device=*/-1,
+                          [this](size_t bytes) { return pool_->Acquire(bytes); });
     if (!landing.has_value()) return true;
     const bool ok = chunk.CopyTo(landing->dst, landing->hash ? &landing->hasher : nullptr);
     slot_.sink->Landed(slot_.stream, chunk.header, chunk.payload_bytes, &*landing, ok,

@@ -63,8 +63,7 @@ class NcclStreamTransport final : public StreamTransport {
             : peer_->PostRecv(posted.buffer.get(), bytes, cuda_stream_, timeout_s_,
                               [this] { return slot_.sink->Closing(); });
     if (!op.ok()) {
-      slot_.sink->StreamBroken(slot_.stream,
-                               absl::StrCat("nccl receive: ", op.status().message()),
+      slot_.sink->StreamBroken(slot_.stream, absl::StrCat("nccl receive: ", op.status().message()),
                                /*cancel=*/false);
       // Re-sending the batch would only fail the same way: it fails, with
       // why, and the stream ends (the target's send has no match).
@@ -118,10 +117,10 @@ class NcclStreamTransport final : public StreamTransport {
       buffer = device_pool_->Acquire(bytes);
     }
     if (buffer == nullptr) {
-      *why = absl::ResourceExhaustedError(absl::StrCat(
-          "cannot allocate ", bytes, " bytes on cuda:", peer_->device(), " to receive batch ",
-          batch_id, " (the GPU is full; ", device_pool_->live_bytes(),
-          " bytes of earlier results are still held)"));
+      *why = absl::ResourceExhaustedError(
+          absl::StrCat("cannot allocate ", bytes, " bytes on cuda:", peer_->device(),
+                       " to receive batch ", batch_id, " (the GPU is full; ",
+                       device_pool_->live_bytes(), " bytes of earlier results are still held)"));
     }
     return buffer;
   }
@@ -150,8 +149,7 @@ class NcclStreamTransport final : public StreamTransport {
         return;
       }
       slot_.sink->Landed(slot_.stream, r.header, r.bytes,
-                         r.landing.has_value() ? &*r.landing : nullptr, /*ok=*/true, *sum,
-                         recv_ms);
+                         r.landing.has_value() ? &*r.landing : nullptr, /*ok=*/true, *sum, recv_ms);
     }
   }
 
@@ -261,14 +259,14 @@ class NcclTransports final : public ClientTransports {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ClientTransports>> MakeNcclTransports(const FeedOptions& options,
-                                                                      HostBufferPool* host_pool) {
+                                                                     HostBufferPool* host_pool) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
   if (options.cuda_device < 0 || options.cuda_device >= devices) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "transport ", options.transport == Transport::kNccl ? "nccl" : "auto",
-        " needs FeedOptions.cuda_device, the GPU that receives: got ", options.cuda_device,
-        "; this process sees ", devices, " CUDA device(s)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("transport ", options.transport == Transport::kNccl ? "nccl" : "auto",
+                     " needs FeedOptions.cuda_device, the GPU that receives: got ",
+                     options.cuda_device, "; this process sees ", devices, " CUDA device(s)"));
   }
   const int device = options.cuda_device;
   HostAllocator on_gpu;

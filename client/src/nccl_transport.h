@@ -15,6 +15,6 @@ class HostBufferPool;
 // NCCL (FeedOptions::Transport::kNccl), or NCCL with the targets where it
 // works and gRPC (into `host_pool`) with the others (kAuto).
 absl::StatusOr<std::unique_ptr<ClientTransports>> MakeNcclTransports(const FeedOptions& options,
-                                                                      HostBufferPool* host_pool);
+                                                                     HostBufferPool* host_pool);
 
 }  // namespace draftfeed

@@ -56,8 +56,7 @@ absl::StatusOr<std::vector<std::string>> ExpandTarget(const std::string& target)
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
   if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot resolve ", target, ": ", gai_strerror(rc)));
+    return absl::UnavailableError(absl::StrCat("cannot resolve ", target, ": ", gai_strerror(rc)));
   }
   std::set<std::string> out;
   for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
@@ -66,8 +65,7 @@ absl::StatusOr<std::vector<std::string>> ExpandTarget(const std::string& target)
       inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, buf, sizeof buf);
       out.insert(absl::StrCat(buf, ":", port));
     } else if (a->ai_family == AF_INET6) {
-      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, buf,
-                sizeof buf);
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, buf, sizeof buf);
       out.insert(absl::StrCat("[", buf, "]:", port));
     }
   }

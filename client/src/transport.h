@@ -124,7 +124,7 @@ class ClientTransports {
 
 // The one place a transport is chosen. `host_pool` holds results that land in
 // host memory (it outlives the transports).
-absl::StatusOr<std::unique_ptr<ClientTransports>> MakeClientTransports(
-    const FeedOptions& options, HostBufferPool* host_pool);
+absl::StatusOr<std::unique_ptr<ClientTransports>> MakeClientTransports(const FeedOptions& options,
+                                                                       HostBufferPool* host_pool);
 
 }  // namespace draftfeed

@@ -8,8 +8,8 @@
 
 namespace draftfeed {
 
-absl::StatusOr<std::unique_ptr<ClientTransports>> MakeClientTransports(
-    const FeedOptions& options, HostBufferPool* host_pool) {
+absl::StatusOr<std::unique_ptr<ClientTransports>> MakeClientTransports(const FeedOptions& options,
+                                                                       HostBufferPool* host_pool) {
   switch (options.transport) {
     case Transport::kGrpc:
       return MakeGrpcTransports(host_pool);

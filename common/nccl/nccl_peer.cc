@@ -16,9 +16,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda_status.h"
-#include "kernels/checksum.cuh"
 #include "common/payload_checksum.h"
 #include "common/status_macros.h"
+#include "kernels/checksum.cuh"
 
 namespace draftfeed {
 
@@ -54,7 +54,7 @@ struct NcclPeer::Impl {
   ncclComm_t data = nullptr;
   int rank = 0;
   void* handshake = nullptr;  // device scratch of kHandshakeBytes
-  mutable std::mutex mu;  // Abort may come from another thread
+  mutable std::mutex mu;      // Abort may come from another thread
   bool aborted = false;
   // One slot per op in flight: its completion event and checksum words.
   cudaEvent_t done[kMaxOps] = {};
@@ -88,7 +88,7 @@ absl::StatusOr<std::string> NcclPeer::NewUniqueId() {
 }
 
 absl::StatusOr<std::unique_ptr<NcclPeer>> NcclPeer::Start(const std::string& unique_id, int rank,
-                                                         int device) {
+                                                          int device) {
   ncclUniqueId id;
   if (unique_id.size() != sizeof(id.internal)) {
     return absl::InvalidArgumentError(absl::StrCat("nccl_unique_id has ", unique_id.size(),
@@ -184,10 +184,10 @@ absl::Status NcclPeer::AbortWith(absl::Status why) {
 }
 
 absl::Status NcclPeer::Poll(const char* what, const std::function<absl::StatusOr<bool>()>& done,
-                           double timeout_s, const Cancelled& cancelled) {
+                            double timeout_s, const Cancelled& cancelled) {
   const auto start = Clock::now();
-  const auto deadline = start + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(timeout_s));
+  const auto deadline =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   for (;;) {
     if (done) {
       absl::StatusOr<bool> finished = done();
@@ -208,15 +208,15 @@ absl::Status NcclPeer::Poll(const char* what, const std::function<absl::StatusOr
     if (!done && async == ncclSuccess) return absl::OkStatus();
     if (async != ncclSuccess && async != ncclInProgress) return AbortWith(NcclError(async, what));
     if (cancelled && cancelled()) {
-      return AbortWith(
-          absl::CancelledError(absl::StrCat("nccl ", what, " cancelled: the other side went away")));
+      return AbortWith(absl::CancelledError(
+          absl::StrCat("nccl ", what, " cancelled: the other side went away")));
     }
     const auto now = Clock::now();
     if (now > deadline) {
-      return AbortWith(absl::DeadlineExceededError(absl::StrCat(
-          "nccl ", what, " did not finish in ", timeout_s,
-          " s (the other process never joined or stopped: different hosts? firewall? "
-          "NCCL_SOCKET_IFNAME?); the communicator was aborted")));
+      return AbortWith(absl::DeadlineExceededError(
+          absl::StrCat("nccl ", what, " did not finish in ", timeout_s,
+                       " s (the other process never joined or stopped: different hosts? firewall? "
+                       "NCCL_SOCKET_IFNAME?); the communicator was aborted")));
     }
     // Spin (yielding) for the first 2 ms: a transfer of tens of MiB takes a
     // fraction of that over NVLink, and a sleep's wake-up would dominate.
@@ -235,8 +235,8 @@ absl::Status NcclPeer::Wait(double timeout_s, const Cancelled& cancelled) {
 absl::Status NcclPeer::Exchange(double timeout_s, const Cancelled& cancelled) {
   cudaStream_t stream = impl_->sum_stream;
   const bool sender = impl_->rank == kSenderRank;
-  cudaError_t e = cudaMemsetAsync(impl_->handshake, sender ? kHandshakeByte : 0, kHandshakeBytes,
-                                  stream);
+  cudaError_t e =
+      cudaMemsetAsync(impl_->handshake, sender ? kHandshakeByte : 0, kHandshakeBytes, stream);
   if (e != cudaSuccess) return CudaError(e, "cudaMemsetAsync");
   absl::StatusOr<uint64_t> sum =
       sender ? Send(impl_->handshake, kHandshakeBytes, stream, timeout_s, cancelled)
@@ -282,9 +282,8 @@ absl::Status NcclPeer::WaitReady(const Op& op, double timeout_s, const Cancelled
               timeout_s, cancelled);
 }
 
-absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
-                                            void* stream_ptr, double timeout_s,
-                                            const Cancelled& cancelled) {
+absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes, void* stream_ptr,
+                                            double timeout_s, const Cancelled& cancelled) {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   Op op;
   bool blocking = false;
@@ -334,9 +333,9 @@ absl::StatusOr<NcclPeer::Op> NcclPeer::Post(bool send, void* data, size_t bytes,
     cudaEventRecord(impl_->op_end[op.slot], stream);
   }
   if (!send) {
-    if (cudaError_t e = cuda::EnqueuePayloadLanes(
-            data, bytes, impl_->d_sum + op.slot * v1::kChecksumLanes,
-            impl_->h_sum + op.slot * v1::kChecksumLanes, stream);
+    if (cudaError_t e =
+            cuda::EnqueuePayloadLanes(data, bytes, impl_->d_sum + op.slot * v1::kChecksumLanes,
+                                      impl_->h_sum + op.slot * v1::kChecksumLanes, stream);
         e != cudaSuccess) {
       return CudaError(e, "payload checksum");
     }
@@ -379,7 +378,9 @@ absl::StatusOr<uint64_t> NcclPeer::WaitOp(const Op& op, double timeout_s,
                   : 0;
   }
   if (impl_->trace) {
-    auto us = [](auto a, auto b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
+    auto us = [](auto a, auto b) {
+      return std::chrono::duration<double, std::micro>(b - a).count();
+    };
     float gpu_ms = 0;
     cudaEventElapsedTime(&gpu_ms, impl_->op_begin[op.slot], impl_->op_end[op.slot]);
     const int i = op.slot;

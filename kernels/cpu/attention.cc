@@ -14,7 +14,6 @@ namespace {
 // the triangular cost across threads.
 constexpr int64_t kRowsPerItem = 16;
 
-
 struct RowBlock {
   int64_t begin, end;  // query tokens [begin, end)
   int64_t seq_begin;   // first token of their sequence

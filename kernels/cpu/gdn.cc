@@ -10,7 +10,6 @@
 namespace draftfeed::cpu {
 namespace {
 
-
 // y += a·x over n elements.
 void Axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];

@@ -12,8 +12,10 @@ namespace draftfeed {
 
 std::string_view ArchName(Arch arch) {
   switch (arch) {
-    case Arch::kQwen35Hybrid: return "qwen3_5";
-    case Arch::kQwen3Dense: return "qwen3";
+    case Arch::kQwen35Hybrid:
+      return "qwen3_5";
+    case Arch::kQwen3Dense:
+      return "qwen3";
   }
   return "unknown";
 }

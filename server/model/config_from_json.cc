@@ -12,9 +12,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "common/status_macros.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "common/status_macros.h"
 
 namespace draftfeed {
 namespace {
@@ -32,13 +32,20 @@ constexpr double kMaxExactInt = 9007199254740992.0;
 
 absl::string_view KindName(Value::KindCase kind) {
   switch (kind) {
-    case Value::kNullValue: return "null";
-    case Value::kNumberValue: return "number";
-    case Value::kStringValue: return "string";
-    case Value::kBoolValue: return "boolean";
-    case Value::kStructValue: return "object";
-    case Value::kListValue: return "array";
-    case Value::KIND_NOT_SET: break;
+    case Value::kNullValue:
+      return "null";
+    case Value::kNumberValue:
+      return "number";
+    case Value::kStringValue:
+      return "string";
+    case Value::kBoolValue:
+      return "boolean";
+    case Value::kStructValue:
+      return "object";
+    case Value::kListValue:
+      return "array";
+    case Value::KIND_NOT_SET:
+      break;
   }
   return "nothing";
 }

@@ -22,7 +22,7 @@ struct CudaEngineOptions {
   // capture buffers of max_tokens x max_layers x hidden bf16 are reserved
   // (one is copied to the host while the next forward fills the other).
   int64_t max_layers = 0;
-  bool profile = false;        // time every op family (adds syncs; benchmarks only)
+  bool profile = false;  // time every op family (adds syncs; benchmarks only)
 };
 
 struct OpTimes {

@@ -16,13 +16,13 @@
 
 namespace draftfeed {
 
-#define DF_CUBLAS_OK(expr)                                                                  \
-  do {                                                                                      \
-    cublasStatus_t df_s_ = (expr);                                                          \
-    if (df_s_ != CUBLAS_STATUS_SUCCESS) {                                                   \
-      return absl::InternalError(absl::StrCat("cuBLASLt error ", static_cast<int>(df_s_), \
-                                              " in ", #expr));                              \
-    }                                                                                       \
+#define DF_CUBLAS_OK(expr)                                                          \
+  do {                                                                              \
+    cublasStatus_t df_s_ = (expr);                                                  \
+    if (df_s_ != CUBLAS_STATUS_SUCCESS) {                                           \
+      return absl::InternalError(                                                   \
+          absl::StrCat("cuBLASLt error ", static_cast<int>(df_s_), " in ", #expr)); \
+    }                                                                               \
   } while (0)
 
 // Y[M, N] = X[M, K]·W[N, K]ᵀ, row-major bf16, fp32 accumulation. In cuBLAS's
@@ -45,8 +45,9 @@ class CublasLtGemm {
     workspace_bytes_ = workspace_bytes;
     DF_CUBLAS_OK(cublasLtCreate(&handle_));
     DF_CUBLAS_OK(cublasLtMatmulPreferenceCreate(&pref_));
-    DF_CUBLAS_OK(cublasLtMatmulPreferenceSetAttribute(pref_, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                   &workspace_bytes_, sizeof(workspace_bytes_)));
+    DF_CUBLAS_OK(cublasLtMatmulPreferenceSetAttribute(pref_,
+                                                      CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                      &workspace_bytes_, sizeof(workspace_bytes_)));
     return absl::OkStatus();
   }
 
@@ -62,8 +63,10 @@ class CublasLtGemm {
       Plan p;
       DF_CUBLAS_OK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
       const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-      DF_CUBLAS_OK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
-      DF_CUBLAS_OK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+      DF_CUBLAS_OK(
+          cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+      DF_CUBLAS_OK(
+          cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
       DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, k));
       DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, k));
       DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, n, m, n));
@@ -72,9 +75,8 @@ class CublasLtGemm {
     }
     const Plan& plan = it->second;
     const float alpha = 1.0f, beta = 0.0f;
-    DF_CUBLAS_OK(cublasLtMatmul(handle_, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, y,
-                                plan.c, y, plan.c, &plan.algo, workspace_, workspace_bytes_,
-                                stream));
+    DF_CUBLAS_OK(cublasLtMatmul(handle_, plan.desc, &alpha, w, plan.a, x, plan.b, &beta, y, plan.c,
+                                y, plan.c, &plan.algo, workspace_, workspace_bytes_, stream));
     return absl::OkStatus();
   }
 
@@ -89,8 +91,8 @@ class CublasLtGemm {
   // for the exact layout), so a trainer's varying batch sizes tune rarely.
   static int64_t Bucket(int64_t m) { return (m + 2047) / 2048; }
 
-  absl::Status ChooseAlgo(Plan& p, const __nv_bfloat16* x, const __nv_bfloat16* w,
-                          __nv_bfloat16* y, int64_t m, int64_t n, int64_t k, cudaStream_t stream) {
+  absl::Status ChooseAlgo(Plan& p, const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y,
+                          int64_t m, int64_t n, int64_t k, cudaStream_t stream) {
     auto tuned = tuned_.find(std::make_tuple(Bucket(m), n, k));
     if (tuned != tuned_.end()) {
       cublasLtMatmulHeuristicResult_t check{};
@@ -149,6 +151,5 @@ class CublasLtGemm {
   size_t workspace_bytes_ = 0;
   std::map<std::tuple<int64_t, int64_t, int64_t>, Plan> plans_;
 };
-
 
 }  // namespace draftfeed

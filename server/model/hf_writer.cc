@@ -9,9 +9,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "common/status_macros.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "common/status_macros.h"
 #include "server/model/model.h"
 #include "server/model/safetensors.h"
 #include "server/model/weight_layout.h"
@@ -26,10 +26,14 @@ constexpr std::string_view kSingleFile = "model.safetensors";
 
 std::string_view TorchDTypeName(DType d) {
   switch (d) {
-    case DType::kBF16: return "bfloat16";
-    case DType::kF16: return "float16";
-    case DType::kF32: return "float32";
-    case DType::kInvalid: break;
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF16:
+      return "float16";
+    case DType::kF32:
+      return "float32";
+    case DType::kInvalid:
+      break;
   }
   return "";
 }

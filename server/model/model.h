@@ -22,7 +22,7 @@ struct LayerWeights {
   Tensor gate_proj, up_proj;        // [F, D]
   Tensor down_proj;                 // [D, F]
   // Full attention (self_attn.*).
-  Tensor q_proj;  // [Hq*hd*(2 if output gate else 1), D]; gate interleaved per head
+  Tensor q_proj;          // [Hq*hd*(2 if output gate else 1), D]; gate interleaved per head
   Tensor k_proj, v_proj;  // [Hkv*hd, D]
   Tensor o_proj;          // [D, Hq*hd]
   Tensor q_norm, k_norm;  // [hd]

@@ -198,7 +198,6 @@ class Sampler {
   bool has_spare_ = false;
 };
 
-
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) {

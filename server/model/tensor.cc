@@ -10,10 +10,14 @@ namespace draftfeed {
 
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return "BF16";
-    case DType::kF16: return "F16";
-    case DType::kF32: return "F32";
-    case DType::kInvalid: break;
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF16:
+      return "F16";
+    case DType::kF32:
+      return "F32";
+    case DType::kInvalid:
+      break;
   }
   return "INVALID";
 }
@@ -21,9 +25,12 @@ std::string_view DTypeName(DType dtype) {
 size_t DTypeSize(DType dtype) {
   switch (dtype) {
     case DType::kBF16:
-    case DType::kF16: return 2;
-    case DType::kF32: return 4;
-    case DType::kInvalid: break;
+    case DType::kF16:
+      return 2;
+    case DType::kF32:
+      return 4;
+    case DType::kInvalid:
+      break;
   }
   return 0;
 }
@@ -76,7 +83,7 @@ uint16_t FloatToFp16(float f) {
   if (std::isnan(f)) return sign | 0x7E00;
   const float a = std::fabs(f);
   if (a >= 65520.0f) return sign | 0x7C00;  // rounds to infinity
-  if (a < 6.103515625e-05f) {                 // subnormal range: scale by 2^24, round to even
+  if (a < 6.103515625e-05f) {               // subnormal range: scale by 2^24, round to even
     const float scaled = a * 16777216.0f;
     return sign | static_cast<uint16_t>(std::nearbyint(scaled));
   }

@@ -10,17 +10,19 @@ namespace draftfeed {
 
 namespace {
 
-grpc::ByteBuffer ChunkBuffer(const ChunkHeader& header, const std::shared_ptr<ForwardResult>& result,
-                             const void* data, size_t bytes) {
+grpc::ByteBuffer ChunkBuffer(const ChunkHeader& header,
+                             const std::shared_ptr<ForwardResult>& result, const void* data,
+                             size_t bytes) {
   uint8_t head[kMaxChunkEnvelopeBytes];
   const size_t n = EncodeChunkEnvelope(header, bytes, head);
   grpc::Slice slices[2] = {
       grpc::Slice(head, n),
       // gRPC releases the payload slice when the bytes are on the wire; the
       // result buffer lives until then.
-      grpc::Slice(const_cast<void*>(data), bytes,
-                  [](void* keep) { delete static_cast<std::shared_ptr<ForwardResult>*>(keep); },
-                  new std::shared_ptr<ForwardResult>(result))};
+      grpc::Slice(
+          const_cast<void*>(data), bytes,
+          [](void* keep) { delete static_cast<std::shared_ptr<ForwardResult>*>(keep); },
+          new std::shared_ptr<ForwardResult>(result))};
   return grpc::ByteBuffer(slices, 2);
 }
 
@@ -31,7 +33,8 @@ ChunkWriter::ChunkWriter(uint64_t batch_id, std::shared_ptr<ForwardResult> resul
     : batch_id_(batch_id),
       result_(std::move(result)),
       bytes_per_token_(result_->bytes_per_token),
-      tokens_per_chunk_(std::max<int64_t>(1, chunk_bytes / std::max<int64_t>(1, bytes_per_token_))) {}
+      tokens_per_chunk_(
+          std::max<int64_t>(1, chunk_bytes / std::max<int64_t>(1, bytes_per_token_))) {}
 
 bool ChunkWriter::Next(grpc::ByteBuffer* out) {
   if (!started_) {

@@ -10,7 +10,6 @@
 namespace draftfeed {
 
 // `note` goes out in Opened.transport_note (why transport=auto chose gRPC).
-std::unique_ptr<StreamTransport> MakeGrpcStreamTransport(const TransportEnv& env,
-                                                         std::string note);
+std::unique_ptr<StreamTransport> MakeGrpcStreamTransport(const TransportEnv& env, std::string note);
 
 }  // namespace draftfeed

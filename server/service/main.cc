@@ -17,10 +17,10 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "server/model/cpu_engine.h"
 #if DRAFTFEED_HAVE_CUDA
@@ -48,7 +48,8 @@ ABSL_FLAG(int32_t, max_capture_layers, 8,
           "fails with INVALID_ARGUMENT. The CPU engine has no limit.");
 ABSL_FLAG(int32_t, default_credits, 4, "In-flight batches per stream when the client asks for 0.");
 ABSL_FLAG(int32_t, max_credits, 32, "Upper bound on a stream's in-flight batches.");
-ABSL_FLAG(int64_t, chunk_bytes, 4 << 20, "Payload bytes per HiddenChunk (rounded to whole tokens).");
+ABSL_FLAG(int64_t, chunk_bytes, 4 << 20,
+          "Payload bytes per HiddenChunk (rounded to whole tokens).");
 ABSL_FLAG(int64_t, max_queued_batches, 256, "Scheduler queue bound across all streams.");
 ABSL_FLAG(int32_t, drain_timeout_s, 60,
           "On SIGTERM/SIGINT: seconds to let accepted batches finish before cancelling.");
@@ -83,8 +84,8 @@ int Run() {
     for (absl::string_view part : absl::StrSplit(list, ',')) {
       int g = -1;
       if (!absl::SimpleAtoi(part, &g) || g < 0) {
-        return Fail(absl::StrCat("--devices=", list, ": '", std::string(part),
-                                 "' is not a GPU index"));
+        return Fail(
+            absl::StrCat("--devices=", list, ": '", std::string(part), "' is not a GPU index"));
       }
       gpus.push_back(g);
     }
@@ -163,7 +164,8 @@ int Run() {
   if (!gpus.empty()) options.host_allocator = PinnedHostAllocator();
 #endif
   if (options.throttle_tokens_per_s < 0) return Fail("--throttle_tokens_per_s must be >= 0");
-  if (absl::GetFlag(FLAGS_host_memory_cap_gib) < 0) return Fail("--host_memory_cap_gib must be >= 0");
+  if (absl::GetFlag(FLAGS_host_memory_cap_gib) < 0)
+    return Fail("--host_memory_cap_gib must be >= 0");
   options.host_memory_cap_bytes =
       static_cast<int64_t>(absl::GetFlag(FLAGS_host_memory_cap_gib) * (int64_t{1} << 30));
   options.enable_nccl = absl::GetFlag(FLAGS_nccl);
@@ -192,9 +194,9 @@ int Run() {
                std::string(ArchName(m.config.arch)).c_str(),
                static_cast<long long>(m.config.num_layers),
                static_cast<long long>(m.config.hidden_size), m.fingerprint.c_str(), port,
-               absl::StrJoin(engine_ptrs, ",", [](std::string* out, Engine* e) {
-                 out->append(e->device_name());
-               }).c_str(),
+               absl::StrJoin(engine_ptrs, ",",
+                             [](std::string* out, Engine* e) { out->append(e->device_name()); })
+                   .c_str(),
                static_cast<long long>(options.max_batch_tokens), load_s);
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
     const std::string tmp = pf + ".tmp";

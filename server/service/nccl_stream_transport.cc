@@ -41,8 +41,8 @@ void NcclBroken(StreamLink& link, const absl::Status& s) {
 // sits on the trainer's GPU through the forward), then wait for the send.
 // send_ms is the send's GPU time from the forward's end: the announcement's
 // round trip plus the transfer.
-Engine::Copied FinishSend(const std::shared_ptr<StreamLink>& link, NcclPeer& peer,
-                          double timeout_s, uint64_t batch_id, int64_t tokens, NcclBatch& state,
+Engine::Copied FinishSend(const std::shared_ptr<StreamLink>& link, NcclPeer& peer, double timeout_s,
+                          uint64_t batch_id, int64_t tokens, NcclBatch& state,
                           const NcclPeer::Op& op) {
   auto cancelled = [link] { return link->cancelled(); };
   absl::Status ready = peer.WaitReady(op, timeout_s, cancelled);
@@ -76,8 +76,8 @@ Engine::Copied FinishSend(const std::shared_ptr<StreamLink>& link, NcclPeer& pee
 // send behind the forward (on the engine's send stream) and returns at
 // once, so the next forward starts while this capture travels.
 absl::StatusOr<Engine::DeviceWait> PostSend(const std::shared_ptr<StreamLink>& link,
-                                            const std::shared_ptr<NcclPeer>& peer,
-                                            double timeout_s, uint64_t batch_id, int64_t tokens,
+                                            const std::shared_ptr<NcclPeer>& peer, double timeout_s,
+                                            uint64_t batch_id, int64_t tokens,
                                             const std::shared_ptr<NcclBatch>& state,
                                             const Engine::DeviceView& view) {
   absl::StatusOr<NcclPeer::Op> op = peer->PostSend(view.data, view.bytes, view.stream, timeout_s,
@@ -149,8 +149,8 @@ class NcclStreamTransport final : public StreamTransport {
     if (status.ok()) status = (*peer)->Wait(timeout_s_, cancelled);
     if (!status.ok()) {
       if (fallback_ == nullptr) {
-        link_->Fail(absl::Status(
-            status.code(), absl::StrCat("transport nccl setup failed: ", status.message())));
+        link_->Fail(absl::Status(status.code(),
+                                 absl::StrCat("transport nccl setup failed: ", status.message())));
         return;
       }
       // Set before Opened: the reactor posts no batch until then.

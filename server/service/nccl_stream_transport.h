@@ -20,8 +20,9 @@ std::string NcclUnavailableReason(const TransportEnv& env, const v1::Open* open)
 // Joins the trainer's communicator on a thread of its own once started.
 // `fallback` (transport=auto) carries the stream instead when that fails;
 // without one (transport=nccl) the failure ends the stream.
-std::unique_ptr<StreamTransport> MakeNcclStreamTransport(
-    const TransportEnv& env, const v1::Open& open, std::shared_ptr<StreamLink> link,
-    std::unique_ptr<StreamTransport> fallback);
+std::unique_ptr<StreamTransport> MakeNcclStreamTransport(const TransportEnv& env,
+                                                         const v1::Open& open,
+                                                         std::shared_ptr<StreamLink> link,
+                                                         std::unique_ptr<StreamTransport> fallback);
 
 }  // namespace draftfeed

@@ -136,9 +136,8 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
   } else {
     result.capture = pool_.Acquire(result.bytes);
     if (result.capture == nullptr) {
-      status = absl::ResourceExhaustedError(
-          absl::StrCat("cannot allocate ", result.bytes >> 20,
-                       " MiB of host memory for the batch's capture"));
+      status = absl::ResourceExhaustedError(absl::StrCat(
+          "cannot allocate ", result.bytes >> 20, " MiB of host memory for the batch's capture"));
     } else {
       status = engine->ForwardAsync(input, std::span<std::byte>(result.capture.get(), result.bytes),
                                     second_half);
@@ -146,10 +145,10 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
     }
   }
   if (throttle_tokens_per_s_ > 0) {
-    std::this_thread::sleep_until(
-        t0 + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                 std::chrono::duration<double>(static_cast<double>(c->tokens) /
-                                               throttle_tokens_per_s_)));
+    std::this_thread::sleep_until(t0 +
+                                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                      std::chrono::duration<double>(static_cast<double>(c->tokens) /
+                                                                    throttle_tokens_per_s_)));
   }
   result.forward_ms = MsSince(t0);
   if (!status.ok()) FinishHalves(lane, *c, std::move(status), 0);

@@ -32,11 +32,11 @@ absl::StatusOr<CaptureEncoding> ResolveEncoding(const TargetService& service, v1
   if (encoding.has_value() && std::find(served.begin(), served.end(), *encoding) != served.end()) {
     return *encoding;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "encoding ", WireEncodingName(wire), " is not served by this target; offered: ",
-      absl::StrJoin(served, ", ", [](std::string* out, CaptureEncoding e) {
-        absl::StrAppend(out, std::string(EncodingName(e)));
-      })));
+  return absl::InvalidArgumentError(
+      absl::StrCat("encoding ", WireEncodingName(wire), " is not served by this target; offered: ",
+                   absl::StrJoin(served, ", ", [](std::string* out, CaptureEncoding e) {
+                     absl::StrAppend(out, std::string(EncodingName(e)));
+                   })));
 }
 
 absl::Status ValidateLayers(const ModelConfig& config, std::span<const int32_t> layers) {

@@ -258,8 +258,8 @@ void StreamReactor::HandleRequest() {
   v1::Batch* batch = req_.mutable_batch();
   const uint64_t batch_id = batch->batch_id();
   if (draining_ || service_->draining()) {
-    PushError(batch_id, absl::UnavailableError("target is shutting down; send this batch elsewhere"),
-              false);
+    PushError(batch_id,
+              absl::UnavailableError("target is shutting down; send this batch elsewhere"), false);
     return;
   }
   WorkItem item;
@@ -271,10 +271,10 @@ void StreamReactor::HandleRequest() {
     item.layers = layers_;
   }
   item.encoding = encoding_;
-  absl::Status valid = ValidateForwardInput(service_->model().config,
-                                            ForwardInput{item.token_ids, item.seq_lens, item.layers,
-                                                         item.encoding},
-                                            service_->options().max_batch_tokens);
+  absl::Status valid =
+      ValidateForwardInput(service_->model().config,
+                           ForwardInput{item.token_ids, item.seq_lens, item.layers, item.encoding},
+                           service_->options().max_batch_tokens);
   if (valid.ok()) valid = service_->CheckCaptureLayers(item.layers.size());
   if (!valid.ok()) {
     PushError(batch_id,
@@ -295,8 +295,7 @@ void StreamReactor::HandleRequest() {
   }
 }
 
-void StreamReactor::PushError(uint64_t batch_id, const absl::Status& status,
-                              bool releases_credit) {
+void StreamReactor::PushError(uint64_t batch_id, const absl::Status& status, bool releases_credit) {
   StreamResponse resp;
   v1::BatchError* err = resp.mutable_error();
   err->set_batch_id(batch_id);

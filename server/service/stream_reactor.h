@@ -74,7 +74,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   grpc::CallbackServerContext* const ctx_;
   const std::shared_ptr<ReactorLink> link_;
   std::unique_ptr<StreamTransport> transport_;  // from Open on
-  bool opening_ = false;  // the transport is not ready yet: no batch is read
+  bool opening_ = false;                        // the transport is not ready yet: no batch is read
 
   std::mutex mu_;
   grpc::ByteBuffer raw_req_;

@@ -74,8 +74,8 @@ class StreamTransport {
 
   // What goes on the stream for a delivered batch before its BatchDone, or
   // null when nothing does (the capture travelled another way).
-  virtual std::unique_ptr<PayloadWriter> WritePayload(
-      uint64_t batch_id, std::shared_ptr<ForwardResult> result) = 0;
+  virtual std::unique_ptr<PayloadWriter> WritePayload(uint64_t batch_id,
+                                                      std::shared_ptr<ForwardResult> result) = 0;
 };
 
 // What transports need of their target.

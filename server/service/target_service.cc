@@ -69,10 +69,10 @@ int64_t TargetService::max_capture_layers() const {
 absl::Status TargetService::CheckCaptureLayers(size_t asked) const {
   const int64_t most = max_capture_layers();
   if (most == 0 || static_cast<int64_t>(asked) <= most) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(
-      asked, " capture layers asked; this target captures at most ", most,
-      " per batch (TargetInfo.max_capture_layers; start it with a larger "
-      "--max_capture_layers)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat(asked, " capture layers asked; this target captures at most ", most,
+                   " per batch (TargetInfo.max_capture_layers; start it with a larger "
+                   "--max_capture_layers)"));
 }
 
 grpc::ServerUnaryReactor* TargetService::GetTargetInfo(grpc::CallbackServerContext* ctx,

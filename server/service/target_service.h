@@ -21,14 +21,14 @@
 namespace draftfeed {
 
 struct ServiceOptions {
-  int64_t max_batch_tokens = 16384;  // token budget of one Batch
-  int32_t default_credits = 4;       // Open.max_inflight_batches == 0
-  int32_t max_credits = 32;          // larger requests are clamped
-  int64_t chunk_bytes = 4 << 20;     // payload per HiddenChunk (whole tokens)
-  int64_t max_queued_batches = 256;  // scheduler backstop
-  double throttle_tokens_per_s = 0;  // > 0: cap the engine's rate (benchmarks)
+  int64_t max_batch_tokens = 16384;            // token budget of one Batch
+  int32_t default_credits = 4;                 // Open.max_inflight_batches == 0
+  int32_t max_credits = 32;                    // larger requests are clamped
+  int64_t chunk_bytes = 4 << 20;               // payload per HiddenChunk (whole tokens)
+  int64_t max_queued_batches = 256;            // scheduler backstop
+  double throttle_tokens_per_s = 0;            // > 0: cap the engine's rate (benchmarks)
   int64_t host_pool_bytes = int64_t{2} << 30;  // idle capture buffers kept for reuse
-  int64_t host_memory_cap_bytes = 0;  // capture buffers live + idle; 0 = no cap
+  int64_t host_memory_cap_bytes = 0;           // capture buffers live + idle; 0 = no cap
   // Capture buffers' memory: pinned (PinnedHostAllocator) for GPU engines.
   HostAllocator host_allocator = HostAllocator::Heap();
   bool enable_nccl = true;        // offer TRANSPORT_NCCL (one GPU engine, NCCL built in)

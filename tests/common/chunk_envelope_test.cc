@@ -78,8 +78,8 @@ const std::vector<size_t>& PayloadSizes() {
 TEST(ChunkEnvelope, ProtobufParsesWhatTheEncoderWrites) {
   for (const ChunkHeader& h : Headers()) {
     for (size_t n : PayloadSizes()) {
-      SCOPED_TRACE(testing::Message() << "id " << h.batch_id << " offset " << h.token_offset
-                                      << " payload " << n);
+      SCOPED_TRACE(testing::Message()
+                   << "id " << h.batch_id << " offset " << h.token_offset << " payload " << n);
       const std::string payload = Payload(n);
       v1::StreamResponse msg;
       ASSERT_TRUE(msg.ParseFromString(Encoded(h, payload)));
@@ -95,8 +95,8 @@ TEST(ChunkEnvelope, ProtobufParsesWhatTheEncoderWrites) {
 // The bytes on the wire are the target's since the first release.
 TEST(ChunkEnvelope, EncoderWritesEveryFieldInOrder) {
   uint8_t head[kMaxChunkEnvelopeBytes];
-  const size_t n = EncodeChunkEnvelope({.batch_id = 1, .token_offset = 0, .token_count = 2}, 4,
-                                       head);
+  const size_t n =
+      EncodeChunkEnvelope({.batch_id = 1, .token_offset = 0, .token_count = 2}, 4, head);
   EXPECT_EQ(std::vector<uint8_t>(head, head + n),
             (std::vector<uint8_t>{0x12, 12, 0x08, 1, 0x10, 0, 0x18, 2, 0x22, 4}));
   const ChunkHeader widest{std::numeric_limits<uint64_t>::max(), -1, -1};
@@ -139,12 +139,14 @@ TEST(ChunkEnvelope, DecoderReadsWhatProtobufWrites) {
 // Protobuf's merge rules: any order, the last of a repeated scalar wins,
 // unknown fields (a known number with another wire type too) are skipped.
 TEST(ChunkEnvelope, DecoderReadsOtherValidOrders) {
-  const std::string data = "\x22\x03" "abc";
+  const std::string data =
+      "\x22\x03"
+      "abc";
   const std::vector<std::string> inners = {
-      "\x18\x07\x08\x05\x10\x09" + data,                      // 3, 1, 2
-      "\x08\x01\x08\x05\x10\x09\x18\x07" + data,              // batch_id twice
+      "\x18\x07\x08\x05\x10\x09" + data,          // 3, 1, 2
+      "\x08\x01\x08\x05\x10\x09\x18\x07" + data,  // batch_id twice
       "\x48\x2a\x08\x05\x52\x02zz\x10\x09\x5d" + std::string(4, 'x') + "\x61" +
-          std::string(8, 'y') + "\x18\x07" + data,            // unknown 9, 10, 11, 12
+          std::string(8, 'y') + "\x18\x07" + data,                       // unknown 9, 10, 11, 12
       "\x0d" + std::string(4, 'q') + "\x08\x05\x10\x09\x18\x07" + data,  // field 1 as fixed32
   };
   for (const std::string& inner : inners) {
@@ -180,11 +182,13 @@ TEST(ChunkEnvelope, DeclinesOtherFormsForTheGeneratedParser) {
   done.mutable_done()->set_tokens(10);
   const std::string chunk = Encoded({1, 2, 3}, "abcd");
   const std::vector<std::string> declined = {
-      done.SerializeAsString(),                                   // not a chunk
-      "",                                                         // no message set
-      Chunk("\x22\x02" "ab" "\x08\x01"),                          // a field after data
-      chunk + "\x1a\x00"s,                                        // a field after the chunk
-      Chunk("\x0b\x08\x01\x0c\x08\x02"),                          // a group
+      done.SerializeAsString(),  // not a chunk
+      "",                        // no message set
+      Chunk("\x22\x02"
+            "ab"
+            "\x08\x01"),                  // a field after data
+      chunk + "\x1a\x00"s,                // a field after the chunk
+      Chunk("\x0b\x08\x01\x0c\x08\x02"),  // a group
   };
   for (const std::string& msg : declined) {
     v1::StreamResponse parsed;
@@ -206,15 +210,19 @@ TEST(ChunkEnvelope, HostileBytesFailCleanly) {
   for (size_t cut : {size_t{1}, size_t{2}, size_t{5}, size_t{9}, good.size() - 1}) {
     hostile.push_back(good.substr(0, cut));  // truncated anywhere
   }
-  hostile.push_back(Chunk("\x08"));                                  // varint cut by the chunk
-  hostile.push_back("\x12\x7f\x08\x01");                              // chunk overruns the message
-  hostile.push_back(Chunk("\x08\x01\x22\x10" "abc"));                 // data overruns the chunk
-  hostile.push_back(Chunk("\x08\x01\x52\x10" "abc"));                 // unknown field overruns
+  hostile.push_back(Chunk("\x08"));       // varint cut by the chunk
+  hostile.push_back("\x12\x7f\x08\x01");  // chunk overruns the message
+  hostile.push_back(
+      Chunk("\x08\x01\x22\x10"
+            "abc"));  // data overruns the chunk
+  hostile.push_back(
+      Chunk("\x08\x01\x52\x10"
+            "abc"));                                                    // unknown field overruns
   hostile.push_back(Chunk("\x08" + std::string(11, '\xff') + "\x01"));  // 11-byte varint
-  hostile.push_back(Chunk("\x0e\x01"));                               // wire type 6
-  hostile.push_back(Chunk("\x00\x01"s));                              // field 0
-  hostile.push_back(Chunk("\x5d\x01\x02"));                           // fixed32 cut
-  hostile.push_back("\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01");  // 2^64-1 byte chunk
+  hostile.push_back(Chunk("\x0e\x01"));                                 // wire type 6
+  hostile.push_back(Chunk("\x00\x01"s));                                // field 0
+  hostile.push_back(Chunk("\x5d\x01\x02"));                             // fixed32 cut
+  hostile.push_back("\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01");    // 2^64-1 byte chunk
   for (const std::string& msg : hostile) {
     SCOPED_TRACE(testing::Message() << "message of " << msg.size() << " bytes");
     v1::StreamResponse parsed;

@@ -108,11 +108,12 @@ TEST(HostBufferPoolTest, AFailedAllocationReleasesIdleBuffersAndTriesAgain) {
                           budget->sizes[p] = bytes;
                           return p;
                         },
-                        .release = [budget](void* p) {
-                          budget->used -= budget->sizes.at(p);
-                          budget->sizes.erase(p);
-                          ::operator delete(p);
-                        }};
+                        .release =
+                            [budget](void* p) {
+                              budget->used -= budget->sizes.at(p);
+                              budget->sizes.erase(p);
+                              ::operator delete(p);
+                            }};
   HostBufferPool pool(/*max_idle_bytes=*/100000, limited);
   auto a = pool.Acquire(4096);
   auto b = pool.Acquire(4096);
@@ -140,10 +141,11 @@ TEST(HostBufferPoolTest, UsesThePluggedAllocatorForEveryBuffer) {
                            counts->bytes += bytes;
                            return ::operator new(bytes);
                          },
-                         .release = [counts](void* p) {
-                           ++counts->released;
-                           ::operator delete(p);
-                         }};
+                         .release =
+                             [counts](void* p) {
+                               ++counts->released;
+                               ::operator delete(p);
+                             }};
   std::shared_ptr<std::byte> outlives;
   {
     HostBufferPool pool(/*max_idle_bytes=*/3072, counting);

@@ -56,8 +56,8 @@ TEST_P(ChecksumPath, PiecesAndCopiesEqualReference) {
   const std::vector<unsigned char> b = RandomBytes(4099, 7);
   for (size_t n : {size_t{0}, size_t{5}, size_t{64}, size_t{100}, size_t{4099}}) {
     const uint64_t want = v1::PayloadChecksumReference(b.data(), n);
-    for (size_t piece : {size_t{1}, size_t{7}, size_t{8}, size_t{63}, size_t{64}, size_t{65},
-                         size_t{1000}}) {
+    for (size_t piece :
+         {size_t{1}, size_t{7}, size_t{8}, size_t{63}, size_t{64}, size_t{65}, size_t{1000}}) {
       v1::PayloadHasher hashed, copied;
       std::vector<unsigned char> dst(n + 1, 0xee);
       for (size_t off = 0; off < n; off += piece) {
@@ -74,12 +74,9 @@ TEST_P(ChecksumPath, PiecesAndCopiesEqualReference) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Paths, ChecksumPath, ::testing::Values(0, 1, 2),
-                         [](const auto& info) {
-                           return std::string(info.param == 0   ? "Auto"
-                                              : info.param == 1 ? "Sse2"
-                                                                : "Avx2");
-                         });
+INSTANTIATE_TEST_SUITE_P(Paths, ChecksumPath, ::testing::Values(0, 1, 2), [](const auto& info) {
+  return std::string(info.param == 0 ? "Auto" : info.param == 1 ? "Sse2" : "Avx2");
+});
 
 TEST(Checksum, PinnedProtocolValue) {
   // Part of the protocol: a change here breaks every older client.

@@ -121,7 +121,7 @@ struct HiddenBatch {
   std::vector<int32_t> token_ids;
   std::vector<int32_t> seq_lens;
   int64_t num_tokens = 0;
-  int64_t num_layers = 0;  // K
+  int64_t num_layers = 0;   // K
   int64_t hidden_size = 0;  // H
   // The capture: [T, K, H] in `encoding`, `bytes_per_token` bytes a token
   // (num_bytes = T * bytes_per_token), in a buffer from the feed's pool: it

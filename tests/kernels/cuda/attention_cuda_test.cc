@@ -24,7 +24,6 @@ using ::draftfeed::testing::RandomBf16Values;
 using ::draftfeed::testing::ToBf16;
 using ::draftfeed::testing::ToF32;
 
-
 // Error budget of one output element against the fp32 reference, with
 // bf16-representable inputs:
 // - P is rounded to bf16 before P·V (FA2 does the same), each weight by at

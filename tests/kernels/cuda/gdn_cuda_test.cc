@@ -82,8 +82,8 @@ TEST_P(CausalConvCudaTest, MatchesCpuReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CausalConvCudaTest,
-    ::testing::Values(ConvCase{13, 20, 4},    // odd channels: scalar path, strided rows
-                      ConvCase{40, 56, 4},    // 16-byte path, strided rows
+    ::testing::Values(ConvCase{13, 20, 4},      // odd channels: scalar path, strided rows
+                      ConvCase{40, 56, 4},      // 16-byte path, strided rows
                       ConvCase{1032, 1032, 4},  // several channel blocks
                       ConvCase{24, 24, 3}, ConvCase{16, 24, 8}, ConvCase{9, 9, 1}));
 
@@ -170,8 +170,15 @@ struct GdnDevice {
   GdnArgs args;
 
   explicit GdnDevice(const GdnInputs& in)
-      : qkv(ToBf16(in.qkv)), a(ToBf16(in.a)), b(ToBf16(in.b)), out(in.T * in.s.nv * in.s.dv),
-        a_log(in.a_log), dt_bias(in.dt_bias), cu(in.cu), ws(WorkspaceFor(in)), args(ArgsFor(in)) {}
+      : qkv(ToBf16(in.qkv)),
+        a(ToBf16(in.a)),
+        b(ToBf16(in.b)),
+        out(in.T * in.s.nv * in.s.dv),
+        a_log(in.a_log),
+        dt_bias(in.dt_bias),
+        cu(in.cu),
+        ws(WorkspaceFor(in)),
+        args(ArgsFor(in)) {}
 
   static GdnArgs BaseArgs(const GdnInputs& in) {
     GdnArgs a;
@@ -263,9 +270,9 @@ void CheckGdn(const GdnShape& shape, const std::vector<int32_t>& lens, uint64_t 
     const int64_t t = e.worst / per_tok;
     const int64_t seq = std::upper_bound(in.cu.begin(), in.cu.end(), t) - in.cu.begin() - 1;
     EXPECT_LE(e.max_err, kMaxErrVsMaxRef * e.max_ref)
-        << "worst at token " << t << " (seq " << seq << ", row " << t - in.cu[seq]
-        << ") head " << (e.worst % per_tok) / shape.dv << " dim " << e.worst % shape.dv
-        << ": gpu " << got[e.worst] << " ref " << ref[e.worst];
+        << "worst at token " << t << " (seq " << seq << ", row " << t - in.cu[seq] << ") head "
+        << (e.worst % per_tok) / shape.dv << " dim " << e.worst % shape.dv << ": gpu "
+        << got[e.worst] << " ref " << ref[e.worst];
   }
   EXPECT_LE(e.rel_l2, kRelL2);
   if (e.non_finite > 0 || e.max_err > kMaxErrVsMaxRef * e.max_ref) {

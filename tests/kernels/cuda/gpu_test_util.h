@@ -16,8 +16,8 @@ inline bool HasGpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-#define DF_REQUIRE_GPU()                                      \
-  do {                                                        \
+#define DF_REQUIRE_GPU()                                                   \
+  do {                                                                     \
     if (!::draftfeed::testing::HasGpu()) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
@@ -39,7 +39,9 @@ class DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   T* get() const { return p_; }
   size_t size() const { return n_; }
-  void Upload(const std::vector<T>& h) { cudaMemcpy(p_, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice); }
+  void Upload(const std::vector<T>& h) {
+    cudaMemcpy(p_, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
   std::vector<T> Download() const {
     std::vector<T> h(n_);
     cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost);

@@ -28,7 +28,6 @@ using ::draftfeed::testing::RandomBf16Values;
 using ::draftfeed::testing::ToBf16;
 using ::draftfeed::testing::ToF32;
 
-
 #define DF_SYNC_OK() DF_CUDA_OK(cudaDeviceSynchronize())
 
 // bf16 NaN: outputs are poisoned with it, so an element the kernel should have
@@ -185,7 +184,7 @@ TEST(RmsNormCudaTest, F32IntoCaptureSlotMatchesReference) {
       DeviceBuffer<bf16> d_w(ToBf16(w));
       DeviceBuffer<bf16> d_out(Poisoned(s.rows * out_stride));
       DF_CUDA_OK(RmsNormF32(d_x.get(), s.x_stride, d_w.get(), s.rows, s.width, eps, kind,
-                              d_out.get() + kSlot * s.width, out_stride, nullptr));
+                            d_out.get() + kSlot * s.width, out_stride, nullptr));
       DF_SYNC_OK();
       const std::vector<bf16> out = d_out.Download();
       std::vector<float> got(s.rows * s.width);
@@ -228,7 +227,7 @@ TEST(RmsNormCudaTest, AddRmsNormUpdatesResidualThenNorms) {
       DeviceBuffer<bf16> d_w(ToBf16(w));
       DeviceBuffer<bf16> d_out(Poisoned(rows * width));
       DF_CUDA_OK(AddRmsNormF32(d_res.get(), d_delta.get(), d_w.get(), rows, width, eps, kind,
-                                 d_out.get(), nullptr));
+                               d_out.get(), nullptr));
       DF_SYNC_OK();
       const std::vector<float> got_res = d_res.Download();
       // The same single fp32 add on both sides: bit-identical.
@@ -272,7 +271,7 @@ TEST(RmsNormCudaTest, Bf16InPlacePerHeadInsideStridedBuffer) {
     DeviceBuffer<bf16> d_x(before);
     DeviceBuffer<bf16> d_w(ToBf16(w));
     DF_CUDA_OK(RmsNormBf16InPlace(d_x.get(), c.head_stride, d_w.get(), rows, c.head_dim, eps,
-                                    c.kind, nullptr));
+                                  c.kind, nullptr));
     DF_SYNC_OK();
     const std::vector<bf16> after = d_x.Download();
     std::vector<float> got(rows * c.head_dim);
@@ -315,7 +314,7 @@ TEST(RmsNormCudaTest, GatedMatchesReference) {
     DeviceBuffer<bf16> d_w(ToBf16(w));
     DeviceBuffer<bf16> d_out(Poisoned(c.rows * c.width));
     DF_CUDA_OK(GatedRmsNorm(d_x.get(), d_z.get(), c.z_stride, d_w.get(), c.rows, c.width, eps,
-                              d_out.get(), nullptr));
+                            d_out.get(), nullptr));
     DF_SYNC_OK();
     ExpectBf16Close(ToF32(d_out.Download()), want, 1e-6,
                     "GatedRmsNorm " + std::to_string(c.rows) + "x" + std::to_string(c.width) +
@@ -393,8 +392,8 @@ TEST(RopeCudaTest, MatchesReferenceWithPackedPositions) {
     const std::vector<bf16> before = ToBf16(x);
     DeviceBuffer<bf16> d_x(before);
     DeviceBuffer<int32_t> d_pos(pos);
-    DF_CUDA_OK(ApplyRope(d_x.get(), kPackedTokens, c.heads, c.head_dim, token_stride,
-                           c.head_stride, c.rotary_dim, d_pos.get(), c.theta, nullptr));
+    DF_CUDA_OK(ApplyRope(d_x.get(), kPackedTokens, c.heads, c.head_dim, token_stride, c.head_stride,
+                         c.rotary_dim, d_pos.get(), c.theta, nullptr));
     DF_SYNC_OK();
     const std::vector<bf16> after = d_x.Download();
     std::vector<float> got, ref;
@@ -465,8 +464,8 @@ TEST(ElementwiseCudaTest, SigmoidGateMulReadsStridedGate) {
     }
     DeviceBuffer<bf16> d_o(ToBf16(o));
     DeviceBuffer<bf16> d_proj(ToBf16(proj));
-    DF_CUDA_OK(SigmoidGateMul(d_o.get(), d_proj.get() + c.gate_offset, kTokens, c.heads,
-                                c.head_dim, gate_token_stride, c.gate_head_stride, nullptr));
+    DF_CUDA_OK(SigmoidGateMul(d_o.get(), d_proj.get() + c.gate_offset, kTokens, c.heads, c.head_dim,
+                              gate_token_stride, c.gate_head_stride, nullptr));
     DF_SYNC_OK();
     ExpectBf16Close(
         ToF32(d_o.Download()), want, 1e-6,

@@ -147,8 +147,7 @@ NaiveStates NaiveForward(const Model& model, const std::vector<int32_t>& tokens,
         for (int64_t hh = 0; hh < hq; ++hh) {
           for (int64_t i = 0; i < hd; ++i) {
             q[(t * hq + hh) * hd + i] = p[t * hq * per_head + hh * per_head + i];
-            if (gated)
-              gate[(t * hq + hh) * hd + i] = p[t * hq * per_head + hh * per_head + hd + i];
+            if (gated) gate[(t * hq + hh) * hd + i] = p[t * hq * per_head + hh * per_head + hd + i];
           }
         }
       }
@@ -557,8 +556,9 @@ TEST(CpuEngineErrorsTest, WrongCaptureBytesOrEncoding) {
   std::vector<std::byte> out(3 * 2 * 128 * 2 - 1, std::byte{7});
   absl::Status st = engine->Forward({tokens, lens, layers}, out);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(st.message(),
-            "output has 1535 bytes; the bf16 capture of 3 tokens x 2 layers x 128 values takes 1536");
+  EXPECT_EQ(
+      st.message(),
+      "output has 1535 bytes; the bf16 capture of 3 tokens x 2 layers x 128 values takes 1536");
   out.push_back(std::byte{7});
   // An encoding this build does not know (a future wire number).
   ForwardInput in{tokens, lens, layers};

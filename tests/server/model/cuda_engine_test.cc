@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <thread>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -12,6 +11,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/payload_checksum.h"
@@ -124,7 +124,8 @@ TEST_P(CudaEngineTest, PackedBatchMatchesSequencesAlone) {
     std::vector<int32_t> part(ids.begin() + off, ids.begin() + off + l);
     std::vector<int32_t> one = {l};
     std::vector<uint16_t> alone(l * 2 * H);
-    ASSERT_TRUE((*gpu)->Forward({part, one, layers}, std::as_writable_bytes(std::span(alone))).ok());
+    ASSERT_TRUE(
+        (*gpu)->Forward({part, one, layers}, std::as_writable_bytes(std::span(alone))).ok());
     // GEMMs of another M may take another cuBLASLt algorithm (another
     // summation order), so allow bf16 rounding noise, not bit equality.
     double max_abs = 0, max_ref = 0;
@@ -255,9 +256,9 @@ TEST_F(CudaEngineAsync, DoubleBufferedCopiesMatchForward) {
     out.push_back(std::reinterpret_pointer_cast<uint16_t>(pinned.Acquire(want[i].size() * 2)));
     ASSERT_NE(out.back(), nullptr);
     std::fill_n(out.back().get(), want[i].size(), uint16_t{0xffff});  // NaN: never a capture
-    absl::Status s = gpu_->ForwardAsync({batches[i].ids, batches[i].lens, layers},
-                                        std::as_writable_bytes(std::span(out.back().get(), want[i].size())),
-                                        log.For(i));
+    absl::Status s = gpu_->ForwardAsync(
+        {batches[i].ids, batches[i].lens, layers},
+        std::as_writable_bytes(std::span(out.back().get(), want[i].size())), log.For(i));
     ASSERT_TRUE(s.ok()) << s;
   }
   ASSERT_TRUE(log.WaitFor(batches.size()));
@@ -273,9 +274,9 @@ TEST_F(CudaEngineAsync, DoubleBufferedCopiesMatchForward) {
   }
   // Bad input fails at once, and the callback is never called.
   std::vector<int32_t> too_many = {0, 1, 2, 3};
-  absl::Status s = gpu_->ForwardAsync({batches[0].ids, batches[0].lens, too_many},
-                                      std::as_writable_bytes(std::span(out[0].get(), want[0].size())),
-                                      log.For(99));
+  absl::Status s = gpu_->ForwardAsync(
+      {batches[0].ids, batches[0].lens, too_many},
+      std::as_writable_bytes(std::span(out[0].get(), want[0].size())), log.For(99));
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(log.order().size(), batches.size());
 }
@@ -289,7 +290,8 @@ Engine::DeviceSink CopyingSink(std::vector<uint16_t>* seen, std::atomic<bool>* g
     }
     cudaStream_t stream = static_cast<cudaStream_t>(v.stream);
     if (gate == nullptr) {
-      cudaError_t e = cudaMemcpyAsync(seen->data(), v.data, v.bytes, cudaMemcpyDeviceToHost, stream);
+      cudaError_t e =
+          cudaMemcpyAsync(seen->data(), v.data, v.bytes, cudaMemcpyDeviceToHost, stream);
       if (e != cudaSuccess) return absl::InternalError(cudaGetErrorString(e));
     }
     return Engine::DeviceWait([seen, gate, v, stream] {
@@ -381,7 +383,8 @@ INSTANTIATE_TEST_SUITE_P(Models, CudaEngineTest,
                          ::testing::Values("small-random", "small-random-qwen3", "tiny-random"),
                          [](const auto& info) {
                            std::string n = info.param;
-                           for (char& ch : n) if (ch == '-') ch = '_';
+                           for (char& ch : n)
+                             if (ch == '-') ch = '_';
                            return n;
                          });
 

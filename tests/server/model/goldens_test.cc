@@ -550,8 +550,8 @@ TEST_P(GoldensTest, CudaEngineNoWorseThanHfBf16) {
         const Err mine = Compare(Layer(ours, t, k_total, k, h_), ref, h_);
         const Err hf = Compare(Golden(s, k, /*bf16=*/true), ref, h_);
         const std::string where =
-            absl::StrCat(GetParam(), pass == 0 ? " alone" : " packed", " seq", si, " ",
-                         SlotName(k), "\n cuda ", Describe(mine), "\n HF   ", Describe(hf));
+            absl::StrCat(GetParam(), pass == 0 ? " alone" : " packed", " seq", si, " ", SlotName(k),
+                         "\n cuda ", Describe(mine), "\n HF   ", Describe(hf));
         EXPECT_TRUE(mine.finite) << where;
         EXPECT_LE(mine.rms_rel, 1.25 * hf.rms_rel + kBf16Unit) << where;
         EXPECT_GE(mine.min_cos, std::min(hf.min_cos, kMinCosine) - kBf16Unit) << where;

@@ -276,7 +276,8 @@ TEST(SchedulerTest, DeviceSinksDeliverInForwardOrderWithTheirChecksums) {
       ASSERT_TRUE(sched.Submit(std::move(item)).ok());
     }
     std::unique_lock<std::mutex> lock(mu);
-    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return got.size() == ids.size(); }));
+    ASSERT_TRUE(
+        cv.wait_for(lock, std::chrono::seconds(10), [&] { return got.size() == ids.size(); }));
   }
   const size_t values = tokens * 2 * engine.model().config.hidden_size;
   for (size_t i = 0; i < ids.size(); ++i) {

@@ -119,7 +119,6 @@ TEST(ServiceTest, VanishedClientsReturnEveryBuffer) {
   EXPECT_EQ(server.service().open_streams(), 0);
 }
 
-
 // A trainer that stops reading holds the target at its credit limit: the
 // target stops reading that stream's batches, so its host memory stays
 // bounded by credits x batch size (plus what HTTP/2 flow control lets through).

@@ -10,11 +10,11 @@
 #include <random>
 #include <thread>
 
-#include "draftfeed/client.h"
+#include "common/host_buffer_pool.h"
 #include "common/payload_checksum.h"
+#include "draftfeed/client.h"
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 #include "server/model/cpu_engine.h"
-#include "common/host_buffer_pool.h"
 #if DRAFTFEED_HAVE_CUDA
 #include "server/model/cuda_engine.h"
 #endif
@@ -38,7 +38,8 @@ using testing::RandomTokens;
 std::vector<uint16_t> Direct(CpuEngine& e, const std::vector<int32_t>& tokens,
                              const std::vector<int32_t>& lens, const std::vector<int32_t>& layers) {
   std::vector<uint16_t> out(tokens.size() * layers.size() * e.model().config.hidden_size);
-  absl::Status s = e.Forward(ForwardInput{tokens, lens, layers}, std::as_writable_bytes(std::span(out)));
+  absl::Status s =
+      e.Forward(ForwardInput{tokens, lens, layers}, std::as_writable_bytes(std::span(out)));
   EXPECT_TRUE(s.ok()) << s;
   return out;
 }
@@ -147,13 +148,15 @@ TEST(ServiceTest, TwoStreamsAtOnce) {
       toks.push_back(RandomTokens(40 + i * 7, 4096, seed + i));
       if (i >= 3) {
         HiddenBatch b = *feed->Next();
-        *ok &= Values(b) == Direct(server.engine(), toks[i - 3], {static_cast<int32_t>(toks[i - 3].size())}, layers);
+        *ok &= Values(b) == Direct(server.engine(), toks[i - 3],
+                                   {static_cast<int32_t>(toks[i - 3].size())}, layers);
       }
       ASSERT_TRUE(feed->Submit(toks.back(), {static_cast<int32_t>(toks.back().size())}).ok());
     }
     for (int i = 5; i < 8; ++i) {
       HiddenBatch b = *feed->Next();
-      *ok &= Values(b) == Direct(server.engine(), toks[i], {static_cast<int32_t>(toks[i].size())}, layers);
+      *ok &= Values(b) ==
+             Direct(server.engine(), toks[i], {static_cast<int32_t>(toks[i].size())}, layers);
     }
   };
   bool ok1 = true, ok2 = true;
@@ -169,7 +172,8 @@ TEST(ServiceTest, TwoStreamsAtOnce) {
 class RawStream {
  public:
   RawStream(const std::string& address, v1::Open open) {
-    stub_ = v1::TargetService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+    stub_ = v1::TargetService::NewStub(
+        grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
     stream_ = stub_->StreamHiddenStates(&ctx_);
     v1::StreamRequest req;
     *req.mutable_open() = std::move(open);
@@ -443,9 +447,11 @@ TEST_P(FeedPaths, DrainFinishesAcceptedBatchesThenEndsStreams) {
     ASSERT_TRUE(feed->Submit(toks.back(), {200}).ok());
   }
   // Wait until the target holds all four, then drain.
-  for (int i = 0; i < 200 && server.service().scheduler().queued() +
-                                     server.service().scheduler().running() +
-                                     server.service().scheduler().completed_batches() < 4; ++i) {
+  for (int i = 0;
+       i < 200 && server.service().scheduler().queued() + server.service().scheduler().running() +
+                          server.service().scheduler().completed_batches() <
+                      4;
+       ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   std::thread stopper([&] { server.Stop(); });
@@ -485,7 +491,6 @@ TEST(ServiceTest, VanishingClientDoesNotDisturbOthers) {
 
 }  // namespace
 }  // namespace draftfeed
-
 
 #if DRAFTFEED_HAVE_CUDA
 namespace draftfeed {
@@ -528,7 +533,8 @@ TEST(CudaServiceTest, ClientReceivesExactlyWhatTheCudaEngineComputes) {
   for (size_t i = 0; i < lens.size(); ++i) {
     std::vector<uint16_t> direct(toks[i].size() * 3 * 512);
     ASSERT_TRUE(
-        (*engine)->Forward({toks[i], lens[i], opt.layers}, std::as_writable_bytes(std::span(direct)))
+        (*engine)
+            ->Forward({toks[i], lens[i], opt.layers}, std::as_writable_bytes(std::span(direct)))
             .ok());
     EXPECT_EQ(got[i], direct) << "batch " << i;
   }

@@ -14,8 +14,8 @@
 #include <thread>
 #include <vector>
 
-#include "draftfeed/client.h"
 #include "common/payload_checksum.h"
+#include "draftfeed/client.h"
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 #include "server/model/cpu_engine.h"
 #include "server/service/target_service.h"
@@ -70,8 +70,8 @@ struct OpenResult {
   std::optional<v1::StreamResponse> first;
 };
 OpenResult RawOpen(const std::string& address, const v1::Open& open) {
-  auto stub = v1::TargetService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto stub =
+      v1::TargetService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   auto stream = stub->StreamHiddenStates(&ctx);
   v1::StreamRequest req;
@@ -207,8 +207,7 @@ TEST_F(CpuTarget, SeveralConnectionsPerTargetShareTheWorkExactly) {
     auto a = single->Next();
     auto b = multi->Next();
     ASSERT_TRUE(a.ok() && b.ok());
-    EXPECT_TRUE(std::equal(a->bf16().begin(), a->bf16().end(), b->bf16().begin(),
-                           b->bf16().end()));
+    EXPECT_TRUE(std::equal(a->bf16().begin(), a->bf16().end(), b->bf16().begin(), b->bf16().end()));
   }
   opt.connections_per_target = 0;
   EXPECT_EQ(Feed::Open(opt).status().code(), absl::StatusCode::kInvalidArgument);
@@ -257,8 +256,7 @@ class GpuTarget : public ::testing::Test {
       if (b->device >= 0) {
         EXPECT_EQ(b->device, cuda_device);
         EXPECT_TRUE(b->bytes().empty());
-        EXPECT_EQ(cudaMemcpy(v.data(), b->buffer.get(), v.size() * 2,
-                             cudaMemcpyDeviceToHost),
+        EXPECT_EQ(cudaMemcpy(v.data(), b->buffer.get(), v.size() * 2, cudaMemcpyDeviceToHost),
                   cudaSuccess);
         EXPECT_EQ(b->checksum, v1::PayloadChecksum(v.data(), v.size() * 2));
       } else {
@@ -279,8 +277,7 @@ class GpuTarget : public ::testing::Test {
   const std::vector<int32_t> layers_ = {1, 3, -1};
   // One token, a few sequences, and one whole-budget batch.
   const std::vector<std::vector<int32_t>> lens_ = {{1}, {300, 17, 5}, {4096}};
-  std::vector<std::vector<int32_t>> toks_ = {RandomTokens(1, 4096, 1),
-                                             RandomTokens(322, 4096, 2),
+  std::vector<std::vector<int32_t>> toks_ = {RandomTokens(1, 4096, 1), RandomTokens(322, 4096, 2),
                                              RandomTokens(4096, 4096, 3)};
 };
 
@@ -374,7 +371,7 @@ TEST_F(GpuTarget, NcclOnTheTargetsOwnGpuIsRefused) {
   ASSERT_FALSE(feed.ok());
   EXPECT_NE(feed.status().message().find("own GPU"), std::string::npos) << feed.status();
 }
-#endif // DRAFTFEED_HAVE_CUDA
+#endif  // DRAFTFEED_HAVE_CUDA
 
 #if DRAFTFEED_HAVE_NCCL
 // The peer on its own, rank 0 on cuda:0 and rank 1 on cuda:1: after the
@@ -383,12 +380,10 @@ TEST_F(GpuTarget, NcclOnTheTargetsOwnGpuIsRefused) {
 // trainer knows of the batch); then the receive delivers the exact bytes,
 // and both sides report the checksum of what the host wrote.
 TEST(NcclPeerTest, AfterTheHandshakeASendPostsAloneAndDeliversExactBytes) {
-  if (GpuCount() < 2)
-    GTEST_SKIP() << "needs 2 CUDA devices";
-  const size_t bytes = (size_t{48} << 20) + 4096 + 64; // not a power of two
+  if (GpuCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices";
+  const size_t bytes = (size_t{48} << 20) + 4096 + 64;  // not a power of two
   std::vector<unsigned char> want(bytes);
-  for (size_t i = 0; i < bytes; ++i)
-    want[i] = static_cast<unsigned char>((i * 131) ^ (i >> 9));
+  for (size_t i = 0; i < bytes; ++i) want[i] = static_cast<unsigned char>((i * 131) ^ (i >> 9));
   const uint64_t want_sum = v1::PayloadChecksum(want.data(), bytes);
   auto id = NcclPeer::NewUniqueId();
   ASSERT_TRUE(id.ok()) << id.status();
@@ -401,13 +396,11 @@ TEST(NcclPeerTest, AfterTheHandshakeASendPostsAloneAndDeliversExactBytes) {
   auto rank = [&](int r) {
     auto started = NcclPeer::Start(*id, r, r);
     absl::Status s = started.ok() ? (*started)->Wait(60) : started.status();
-    if (s.ok())
-      s = (*started)->Handshake(60);
-    void *buf = nullptr;
+    if (s.ok()) s = (*started)->Handshake(60);
+    void* buf = nullptr;
     cudaStream_t stream = nullptr;
     if (s.ok() && (cudaMalloc(&buf, bytes) != cudaSuccess ||
-                   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) !=
-                       cudaSuccess)) {
+                   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess)) {
       s = absl::InternalError("cuda set-up");
     }
     if (s.ok() && r == NcclPeer::kSenderRank) {
@@ -415,7 +408,7 @@ TEST(NcclPeerTest, AfterTheHandshakeASendPostsAloneAndDeliversExactBytes) {
       auto op = (*started)->PostSend(buf, bytes, stream, 60);
       {
         std::lock_guard<std::mutex> lock(mu);
-        send_posted = true; // only now may the receiver post
+        send_posted = true;  // only now may the receiver post
       }
       cv.notify_all();
       if (!op.ok()) {
@@ -430,8 +423,7 @@ TEST(NcclPeerTest, AfterTheHandshakeASendPostsAloneAndDeliversExactBytes) {
     } else if (s.ok()) {
       {
         std::unique_lock<std::mutex> lock(mu);
-        if (!cv.wait_for(lock, std::chrono::seconds(60),
-                         [&] { return send_posted; })) {
+        if (!cv.wait_for(lock, std::chrono::seconds(60), [&] { return send_posted; })) {
           s = absl::DeadlineExceededError("the send was never posted alone");
         }
       }
@@ -442,18 +434,15 @@ TEST(NcclPeerTest, AfterTheHandshakeASendPostsAloneAndDeliversExactBytes) {
         else
           s = sum.status();
       }
-      if (s.ok())
-        cudaMemcpy(got.data(), buf, bytes, cudaMemcpyDeviceToHost);
+      if (s.ok()) cudaMemcpy(got.data(), buf, bytes, cudaMemcpyDeviceToHost);
     }
     if (!s.ok()) {
       std::lock_guard<std::mutex> lock(mu);
-      send_posted = true; // never leave the other rank waiting on this one
+      send_posted = true;  // never leave the other rank waiting on this one
       cv.notify_all();
     }
-    if (stream != nullptr)
-      cudaStreamDestroy(stream);
-    if (buf != nullptr)
-      cudaFree(buf);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    if (buf != nullptr) cudaFree(buf);
     status[r] = s;
   };
   std::thread sender(rank, 0), receiver(rank, 1);
@@ -467,5 +456,5 @@ TEST(NcclPeerTest, AfterTheHandshakeASendPostsAloneAndDeliversExactBytes) {
 }
 #endif
 
-} // namespace
-} // namespace draftfeed
+}  // namespace
+}  // namespace draftfeed
