@@ -2,6 +2,7 @@
 // passes, whichever way it was made (config.json, a built-in random model).
 #include "server/model/config.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/status/status.h"
@@ -16,6 +17,10 @@ std::string_view ArchName(Arch arch) {
       return "qwen3_5";
     case Arch::kQwen3Dense:
       return "qwen3";
+    case Arch::kQwen35Moe:
+      return "qwen3_5_moe";
+    case Arch::kQwen3Moe:
+      return "qwen3_moe";
   }
   return "unknown";
 }
@@ -34,8 +39,38 @@ ArchFeatures FeaturesOf(Arch arch) {
               .qk_norm = true,
               .linear_attention = false,
               .mlp = MlpKind::kDenseSwiGlu};
+    case Arch::kQwen35Moe:
+      return {.norm = NormConvention::kOffsetOne,
+              .gated_attention = true,
+              .qk_norm = true,
+              .linear_attention = true,
+              .mlp = MlpKind::kMoeSharedExpert};
+    case Arch::kQwen3Moe:
+      return {.norm = NormConvention::kPlain,
+              .gated_attention = false,
+              .qk_norm = true,
+              .linear_attention = false,
+              .mlp = MlpKind::kMoe};
   }
   return {};
+}
+
+MlpKind ModelConfig::MlpOfLayer(int64_t layer) const {
+  if (features.mlp == MlpKind::kDenseSwiGlu || num_experts <= 0) return MlpKind::kDenseSwiGlu;
+  if (std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) != mlp_only_layers.end()) {
+    return MlpKind::kDenseSwiGlu;
+  }
+  if (decoder_sparse_step <= 0 || (layer + 1) % decoder_sparse_step != 0) {
+    return MlpKind::kDenseSwiGlu;
+  }
+  return features.mlp;
+}
+
+bool ModelConfig::has_dense_mlp() const {
+  for (int64_t i = 0; i < num_layers; ++i) {
+    if (MlpOfLayer(i) == MlpKind::kDenseSwiGlu) return true;
+  }
+  return false;
 }
 
 absl::Status ModelConfig::Validate() const {
@@ -52,8 +87,42 @@ absl::Status ModelConfig::Validate() const {
       {"num_key_value_heads", num_kv_heads},
       {"head_dim", head_dim},
   };
+  // Only a dense MLP reads intermediate_size (qwen3_5_moe has none).
+  const bool dense_mlp = features.mlp == MlpKind::kDenseSwiGlu || has_dense_mlp();
   for (const auto& s : sizes) {
+    if (s.name == "intermediate_size" && !dense_mlp) continue;
     if (s.value <= 0) return bad(s.name, " must be positive, got ", s.value);
+  }
+  if (features.mlp != MlpKind::kDenseSwiGlu) {
+    if (features.mlp == MlpKind::kMoe) {
+      if (num_experts < 0) return bad("num_experts must not be negative, got ", num_experts);
+      if (decoder_sparse_step <= 0) {
+        return bad("decoder_sparse_step must be positive, got ", decoder_sparse_step);
+      }
+    } else {
+      if (num_experts <= 0) return bad("num_experts must be positive, got ", num_experts);
+      if (decoder_sparse_step != 1 || !mlp_only_layers.empty()) {
+        return bad(std::string(ArchName(arch)), " makes every layer MoE: decoder_sparse_step ",
+                   "must be 1 and mlp_only_layers empty");
+      }
+      if (!norm_topk_prob) {
+        return bad(std::string(ArchName(arch)),
+                   " always renormalises the top-k weights: norm_topk_prob must be true");
+      }
+      if (shared_expert_intermediate_size <= 0) {
+        return bad("shared_expert_intermediate_size must be positive, got ",
+                   shared_expert_intermediate_size);
+      }
+    }
+    if (num_experts > 0) {
+      if (num_experts_per_tok <= 0 || num_experts_per_tok > num_experts) {
+        return bad("num_experts_per_tok=", num_experts_per_tok,
+                   " must be in [1, num_experts=", num_experts, "]");
+      }
+      if (moe_intermediate_size <= 0) {
+        return bad("moe_intermediate_size must be positive, got ", moe_intermediate_size);
+      }
+    }
   }
   if (num_heads % num_kv_heads != 0) {
     return bad("num_attention_heads=", num_heads,

@@ -14,8 +14,10 @@ namespace draftfeed {
 enum class Arch : uint8_t {
   kQwen35Hybrid,  // model_type qwen3_5 / qwen3_5_text: Gated DeltaNet + gated attention
   kQwen3Dense,    // model_type qwen3
+  kQwen35Moe,     // model_type qwen3_5_moe / qwen3_5_moe_text: the hybrid with MoE MLPs
+  kQwen3Moe,      // model_type qwen3_moe: Qwen3 attention with MoE MLPs
 };
-std::string_view ArchName(Arch arch);  // "qwen3_5", "qwen3"
+std::string_view ArchName(Arch arch);  // "qwen3_5", "qwen3", "qwen3_5_moe", "qwen3_moe"
 
 enum class LayerKind : uint8_t { kLinearAttention, kFullAttention };
 
@@ -25,6 +27,12 @@ enum class NormConvention : uint8_t { kOffsetOne, kPlain };
 
 enum class MlpKind : uint8_t {
   kDenseSwiGlu,  // down_proj(SiLU(gate_proj(x)) * up_proj(x))
+  // Routed experts: softmax router over num_experts, top num_experts_per_tok,
+  // a SwiGLU expert each, summed by routing weight (Qwen3-MoE).
+  kMoe,
+  // kMoe plus an always-on SwiGLU shared expert scaled by
+  // sigmoid(shared_expert_gate(x)) (Qwen3.5-MoE).
+  kMoeSharedExpert,
 };
 
 // What an architecture's decoder is built from. FeaturesOf is the one place
@@ -37,6 +45,7 @@ struct ArchFeatures {
   bool gated_attention = true;
   bool qk_norm = true;           // per-head RMSNorm of q and k before RoPE
   bool linear_attention = true;  // layers may be Gated DeltaNet; the linear_* fields apply
+  // The MoE layers' MLP (the others are kDenseSwiGlu: ModelConfig::MlpOfLayer).
   MlpKind mlp = MlpKind::kDenseSwiGlu;
 };
 ArchFeatures FeaturesOf(Arch arch);
@@ -72,6 +81,23 @@ struct ModelConfig {
   int64_t linear_num_key_heads = 16;
   int64_t linear_num_value_heads = 32;
   std::vector<LayerKind> layer_types;  // size num_layers: each layer's mixer
+  // Mixture of experts (features.mlp kMoe / kMoeSharedExpert only).
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  int64_t shared_expert_intermediate_size = 0;  // kMoeSharedExpert only
+  // Top-k weights divided by their sum; qwen3_5_moe always does, qwen3_moe
+  // as its config.json says.
+  bool norm_topk_prob = true;
+  // qwen3_moe: layer i is MoE iff i is not in mlp_only_layers and
+  // (i + 1) % decoder_sparse_step == 0 (and num_experts > 0); qwen3_5_moe
+  // keeps the defaults (every layer MoE).
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+
+  // The MLP of `layer`: features.mlp for MoE layers, else kDenseSwiGlu.
+  MlpKind MlpOfLayer(int64_t layer) const;
+  bool has_dense_mlp() const;  // some layer has a dense MLP (intermediate_size applies)
 
   int64_t rotary_dim() const {
     return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor);

@@ -36,6 +36,13 @@ struct LayerWeights {
   Tensor dt_bias;      // [Nv]
   Tensor norm;         // [dv]  gated RMSNorm, multiplicative
   Tensor out_proj;     // [D, Nv*dv]
+  // Mixture of experts (mlp.*): E experts of width I, shared expert width I_s.
+  Tensor router;                            // [E, D]  mlp.gate.weight
+  Tensor experts_gate_up;                   // [E, 2I, D]  per expert [gate; up], out x in
+  Tensor experts_down;                      // [E, D, I]
+  Tensor shared_gate_proj, shared_up_proj;  // [I_s, D]  mlp.shared_expert.*
+  Tensor shared_down_proj;                  // [D, I_s]
+  Tensor shared_expert_gate;                // [1, D]  mlp.shared_expert_gate.weight
 };
 
 struct ModelWeights {

@@ -29,6 +29,7 @@ enum class BlockKind : uint8_t {
   kAttention,      // self_attn.*: full causal attention (gated or not)
   kGatedDeltaNet,  // linear_attn.*
   kDenseMlp,       // mlp.*: SwiGLU
+  kMoeMlp,         // mlp.*: router, routed experts and (kMoeSharedExpert) the shared expert
 };
 
 // The blocks of one layer, in forward order: norms, mixer, MLP.
@@ -47,6 +48,10 @@ struct RandomInit {
   Dist dist = Dist::kNormal;
   double offset = 0.0, scale = 1.0;
   double lo = 1.0, hi = 16.0;
+  // kNormal only: when > 0, row r (of a [rows, cols] tensor) has its scale
+  // multiplied by exp(row_log_sigma * n_r), n_r ~ N(0, 1) drawn once per row
+  // (a router whose experts have unequal norms; see MoeMlpSpecs).
+  double row_log_sigma = 0.0;
 };
 
 struct WeightSpec {
@@ -59,6 +64,11 @@ struct WeightSpec {
   BlockKind block = BlockKind::kNorms;     // layer tensors only
   RandomInit init;
   bool device_f32 = false;  // the CUDA engine keeps it fp32 (GDN gate parameters), else bf16
+  // Stacked experts ([E, rows, cols]) only: the per-expert tensors that
+  // checkpoints may hold instead of the fused `name` (e.g. {"gate_proj",
+  // "up_proj"} for layers.N.mlp.experts.{e}.gate_proj.weight, then up_proj,
+  // each [rows / parts, cols], stacked along dim 1 in this order).
+  std::vector<std::string> expert_parts;
   int64_t numel() const;
 };
 
@@ -83,6 +93,18 @@ enum NormsBuffer { kInputNorm, kPostNorm };
 enum AttentionBuffer { kAttnQkv, kAttnO, kAttnQNorm, kAttnKNorm };
 enum GdnBuffer { kGdnInQkvBA, kGdnZ, kGdnConv, kGdnALog, kGdnDtBias, kGdnNorm, kGdnOut };
 enum DenseMlpBuffer { kMlpGateUp, kMlpDown };
+// kMoeRouter [E, D]; kMoeExpertsGateUp [E, 2I, D] (per expert gate rows then
+// up rows); kMoeExpertsDown [E, D, I]; kMoeSharedGateUp [shared gate; shared
+// up] [2*I_s, D]; kMoeSharedDown [D, I_s]; kMoeSharedGate [1, D]. The three
+// shared buffers are null for kMoe (no shared expert).
+enum MoeMlpBuffer {
+  kMoeRouter,
+  kMoeExpertsGateUp,
+  kMoeExpertsDown,
+  kMoeSharedGateUp,
+  kMoeSharedDown,
+  kMoeSharedGate
+};
 
 // The tensor of `weights` that `spec` names (`weights.layers` must be sized).
 Tensor& WeightSlot(ModelWeights& weights, const WeightSpec& spec);
