@@ -39,7 +39,19 @@ steady-state rate, and a run of a few 49,152-token batches would otherwise be do
 pipeline's fill and drain. The end-to-end rate over the whole window is reported beside it.
 
 Outputs: a table on the terminal, DIR/splits.json (config, advisor, per-split results,
-invariants), DIR/splits.png (tokens/s per split, measured vs predicted; queue depth over time).
+invariants), DIR/splits.png (tokens/s per split, measured vs predicted; queue depth over time);
+--save_calibration FILE also writes the advisor's calibration on its own.
+
+Prediction only (runs nothing): every T-D split of N GPUs from one saved calibration, per
+transport it has rates for, and the best split:
+  bench/splits.py --predict 8 --calibration bench/results/splits-h200-2gpu-2026-11-30d/calibration.json
+--calibration also takes a splits.json. Or from per-GPU rates measured elsewhere (one target's
+tokens/s, e.g. draftfeed-bench engine; one drafter's, split_trainer.py --calibrate):
+  bench/splits.py --predict 8 --target-tokens-per-s 11701 --drafter-tokens-per-s 48215 \
+      [--link-tokens-per-s R] [--save_calibration FILE]
+The rates of one GPU carry over to N because every target and every trainer has its own GPU
+and its own stream endpoint; what it does not model is a shared host limit (CPU, PCIe) that
+only appears with more processes.
 """
 
 import argparse
@@ -354,7 +366,7 @@ def calibrate(args, pool, workdir, transports):
     }
 
 
-def predict(cal, t, d, cpu_mode, transport="grpc", shared_gpu=False):
+def predict(cal, t, d, cpu_mode, transport="grpc", shared_gpu=False, cpu_count=None):
     """Predicted tokens/s of split T-D, the term that bounds it, and every term.
 
     target: T x one target's rate. drafter: D x one drafter's rate (with the batch's copy from
@@ -376,7 +388,7 @@ def predict(cal, t, d, cpu_mode, transport="grpc", shared_gpu=False):
         # feed's CPU time (target forward + gRPC + client) plus the drafter's compute, so
         # cores / (that sum) caps any split. Not a term of the GPU modes.
         per_token = cal["pipeline_cpu_s_per_token"] + 1.0 / cal["drafter_compute_tokens_per_s"]
-        limits["host-cpu"] = (os.cpu_count() or 1) / per_token
+        limits["host-cpu"] = (cpu_count or os.cpu_count() or 1) / per_token
     bottleneck = min(limits, key=limits.get)
     return limits[bottleneck], bottleneck, limits
 
@@ -392,6 +404,162 @@ def steady_rate(reports, skip=1):
         return 0.0, 0.0
     span = ds[-1][0] - ds[skip - 1][0]
     return sum(n for _, n in ds[skip:]) / span, span
+
+
+def predict_all(cal, gpus, transports, cpu_mode, shared=False, cpu_count=None, label=True):
+    """Every split T-D of `gpus` devices (1-1 shared when `shared`), once per transport: a list
+    of {split, transport, tokens_per_s, bottleneck, limits}, most targets first."""
+    candidates = [(1, 1)] if shared else [(t, gpus - t) for t in range(gpus - 1, 0, -1)]
+    out = []
+    for tr in transports:
+        for t, d in candidates:
+            rate, neck, limits = predict(cal, t, d, cpu_mode, tr, shared, cpu_count)
+            out.append({"split": f"{t}-{d}" + (f"/{tr}" if label else ""), "targets": t,
+                        "trainers": d, "transport": tr, "tokens_per_s": rate,
+                        "bottleneck": neck, "limits": limits})
+    return out
+
+
+def best_by_transport(predictions):
+    """{transport: the prediction with the most tokens/s}; ties go to more targets (listed
+    first), which leaves more trainers' memory free of a second model copy."""
+    best = {}
+    for q in predictions:
+        if q["transport"] not in best or q["tokens_per_s"] > best[q["transport"]]["tokens_per_s"]:
+            best[q["transport"]] = q
+    return best
+
+
+CALIBRATION_KIND = "draftfeed-splits-calibration"
+
+
+def calibration_from_rates(target_tokens_per_s, drafter_tokens_per_s, link_tokens_per_s=None,
+                           transport="nccl"):
+    """A calibration from per-GPU rates given by hand: one target's tokens/s (draftfeed-bench
+    engine, or a split run's calibration) and one drafter's (split_trainer.py --calibrate), for
+    one transport; the link is no term unless given (NCCL between GPUs of one host moves a
+    27B batch in ~1% of its forward)."""
+    for name, v in (("target", target_tokens_per_s), ("drafter", drafter_tokens_per_s)):
+        if not v or v <= 0:
+            raise SystemExit(f"--{name}-tokens-per-s must be > 0 (got {v})")
+    if link_tokens_per_s is not None and link_tokens_per_s <= 0:
+        raise SystemExit(f"--link-tokens-per-s must be > 0 (got {link_tokens_per_s})")
+    return {"target_tokens_per_s": float(target_tokens_per_s),
+            "drafter_tokens_per_s": float(drafter_tokens_per_s),
+            "drafter_tokens_per_s_by_transport": {transport: float(drafter_tokens_per_s)},
+            "link_by_transport": {transport: {"link_tokens_per_s": link_tokens_per_s}}}
+
+
+def calibration_doc(cal, mode, source, **meta):
+    """The file --save_calibration writes and --calibration reads. `mode` is the mode the
+    rates were measured in (cpu-emulated calibrations keep their host's core count: the
+    host-cpu term depends on it)."""
+    keep = ("target_tokens_per_s", "drafter_tokens_per_s", "drafter_tokens_per_s_by_transport",
+            "drafter_compute_tokens_per_s", "drafter_step_ms", "drafter_h2d_ms",
+            "drafter_flops_per_token", "link_by_transport", "pipeline_cpu_s_per_token", "model")
+    return {"kind": CALIBRATION_KIND, "version": 1, "mode": mode, "source": source, **meta,
+            "calibration": {k: cal[k] for k in keep if k in cal}}
+
+
+def load_calibration(path):
+    """(calibration, mode, cpu_count, doc) from a file --save_calibration wrote or from a
+    splits.json (its advisor's calibration); a clear error naming the file otherwise."""
+    try:
+        doc = json.loads(pathlib.Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--calibration {path}: cannot read it as JSON: {e}")
+    if isinstance(doc, dict) and doc.get("kind") == CALIBRATION_KIND:
+        cal, mode, cpus = doc.get("calibration"), doc.get("mode", "cuda"), doc.get("cpu_count")
+    elif isinstance(doc, dict) and isinstance(doc.get("advisor"), dict):
+        cfg = doc.get("config", {})
+        cal, mode, cpus = doc["advisor"].get("calibration"), cfg.get("mode", "cuda"), cfg.get(
+            "cpu_count")
+    else:
+        raise SystemExit(f"--calibration {path}: neither a calibration (kind "
+                         f"{CALIBRATION_KIND!r}) nor a splits.json with an advisor section")
+    for key in ("target_tokens_per_s", "drafter_tokens_per_s"):
+        v = (cal or {}).get(key)
+        if not isinstance(v, (int, float)) or v <= 0:
+            raise SystemExit(f"--calibration {path}: calibration.{key} is {v!r}, not a rate > 0")
+    if mode == "cpu-emulated" and "pipeline_cpu_s_per_token" not in cal:
+        raise SystemExit(f"--calibration {path}: a cpu-emulated calibration needs "
+                         f"calibration.pipeline_cpu_s_per_token")
+    return cal, mode, cpus, doc
+
+
+def calibration_transports(cal):
+    """The transports a calibration has rates for, in a stable order; [""] for none."""
+    names = set(cal.get("drafter_tokens_per_s_by_transport", {})) | set(
+        cal.get("link_by_transport", {}))
+    order = ["grpc", "nccl", "auto"]
+    return sorted(names, key=lambda n: (order.index(n) if n in order else len(order), n)) or [""]
+
+
+def print_predictions(predictions, out=sys.stdout):
+    """One line per split (terms included), then the best split per transport."""
+    for q in predictions:
+        terms = ", ".join(f"{k} {v:,.0f}" for k, v in q["limits"].items())
+        print(f"advisor: {q['split']:>10} predicted {q['tokens_per_s']:>9,.0f} tok/s, "
+              f"{q['bottleneck']}-bound ({terms})", file=out, flush=True)
+    for tr, q in best_by_transport(predictions).items():
+        print(f"advisor: best split{' over ' + tr if tr else ''} {q['split']} at "
+              f"{q['tokens_per_s']:,.0f} tok/s (bottleneck: {q['bottleneck']})", file=out,
+              flush=True)
+
+
+def predict_main(args):
+    """--predict N: every split of N GPUs from one saved calibration (or from rates given on
+    the command line), without running anything."""
+    if args.calibration:
+        if args.target_tokens_per_s or args.drafter_tokens_per_s:
+            raise SystemExit("--calibration and --target/--drafter-tokens-per-s exclude each other")
+        cal, mode, cpus, src = load_calibration(args.calibration)
+        source = f"{args.calibration}" + (f" ({src['source']})" if src.get("source") else "")
+        if "config" in src:  # a splits.json: what its run measured, to keep beside the rates
+            cfg = src["config"]
+            meta = {k: cfg.get(k) for k in ("model", "gpus", "drafter", "drafter_layers",
+                                            "batch_tokens", "layers", "cpu_count")}
+            if cfg.get("started"):
+                meta["measured_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                     time.gmtime(cfg["started"]))
+        else:
+            meta = {k: v for k, v in src.items()
+                    if k not in ("kind", "version", "mode", "source", "calibration")}
+    elif args.target_tokens_per_s or args.drafter_tokens_per_s:
+        cal = calibration_from_rates(args.target_tokens_per_s, args.drafter_tokens_per_s,
+                                     args.link_tokens_per_s, args.rates_transport)
+        mode, cpus, source = "cuda", None, "rates given on the command line"
+        meta = {}
+    else:
+        raise SystemExit("--predict needs --calibration FILE or --target-tokens-per-s and "
+                         "--drafter-tokens-per-s")
+    cpu_mode = mode == "cpu-emulated"
+    transports = calibration_transports(cal)
+    if args.transport:
+        if args.transport not in transports:
+            raise SystemExit(f"--transport {args.transport}: the calibration has rates for "
+                             f"{', '.join(t or '(none)' for t in transports)} only")
+        transports = [args.transport]
+    if args.predict < 2:
+        raise SystemExit("--predict N needs N >= 2 (one GPU is the shared mode, split 1-1; "
+                         "it needs its own calibration run)")
+    predictions = predict_all(cal, args.predict, transports, cpu_mode, cpu_count=cpus,
+                              label=transports != [""])
+    print(f"advisor: {args.predict} GPUs from {source}: one target "
+          f"{cal['target_tokens_per_s']:,.0f} tok/s, one drafter "
+          + ", ".join(f"{v:,.0f} ({tr})" for tr, v in
+                      cal.get("drafter_tokens_per_s_by_transport", {}).items())
+          + f" tok/s; prediction = min(T x target, D x drafter, min(T, D) x link)", flush=True)
+    print_predictions(predictions)
+    if args.save_calibration:
+        save_calibration(args.save_calibration, calibration_doc(cal, mode, source, **meta))
+    return 0
+
+
+def save_calibration(path, doc):
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote calibration {path}", flush=True)
 
 
 # ---------------------------------------------------------------------------- one split
@@ -592,15 +760,16 @@ def parse_transports(text, device, gpus):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, required=True,
+    p.add_argument("--gpus", type=int, default=0,
                    help="devices to split (T + D); --device cuda --gpus 1: shared smoke mode")
-    p.add_argument("--splits", required=True, help="comma-separated T-D, e.g. 5-3,4-4")
+    p.add_argument("--splits", default="", help="comma-separated T-D, e.g. 5-3,4-4")
     p.add_argument("--model", default="tiny-random",
                    help="draftfeed-target --model (e.g. random:qwen3.6-27b in cuda mode)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu: emulated devices; cuda: one process per real GPU")
-    p.add_argument("--transport", default="grpc",
-                   help="grpc | nccl | auto | both (cuda mode: every split once per transport)")
+    p.add_argument("--transport", default=None,
+                   help="grpc (default) | nccl | auto | both (cuda mode: every split once per "
+                        "transport); with --predict: one of the calibration's (default: all)")
     p.add_argument("--max-batch-tokens", type=int, default=16384,
                    help="cuda mode: the targets' --max_batch_tokens (token budget of a batch)")
     p.add_argument("--tokens-per-split", type=int, default=20000, help="measured tokens per split")
@@ -631,9 +800,32 @@ def main(argv=None):
     p.add_argument("--gpu-sample-s", type=float, default=0.5, help="nvidia-smi sampling period")
     p.add_argument("--binary", default=str(REPO / "build" / "bin" / "draftfeed-target"))
     p.add_argument("--out", default="splits-out", help="directory for splits.json / splits.png")
+    p.add_argument("--predict", type=int, default=0, metavar="N",
+                   help="run nothing: print every T-D split of N GPUs predicted from "
+                        "--calibration FILE (or from --target/--drafter-tokens-per-s)")
+    p.add_argument("--calibration", default="",
+                   help="with --predict: a file --save_calibration wrote, or a splits.json")
+    p.add_argument("--save-calibration", "--save_calibration", dest="save_calibration",
+                   default="", metavar="FILE",
+                   help="write the calibration (measured, or built from the rates given) here")
+    p.add_argument("--target-tokens-per-s", type=float, default=0.0,
+                   help="with --predict: one target GPU's tokens/s (instead of --calibration)")
+    p.add_argument("--drafter-tokens-per-s", type=float, default=0.0,
+                   help="with --predict: one drafter GPU's tokens/s (instead of --calibration)")
+    p.add_argument("--link-tokens-per-s", type=float, default=None,
+                   help="with --predict and rates: one target->trainer link's tokens/s "
+                        "(default: no link term)")
+    p.add_argument("--rates-transport", default="nccl",
+                   help="with --predict and rates: the transport they were measured over")
     args = p.parse_args(argv)
 
+    if args.predict:
+        return predict_main(args)
+    args.transport = args.transport or "grpc"
+    if not args.gpus or not args.splits:
+        p.error("--gpus and --splits are required (unless --predict N)")
     cuda = args.device == "cuda"
+    mode = ("cuda-shared" if args.gpus == 1 else "cuda") if cuda else "cpu-emulated"
     splits = parse_splits(args.splits, args.gpus, args.device)
     transports = parse_transports(args.transport, args.device, args.gpus)
     args.batch_tokens = args.batch_tokens or (args.max_batch_tokens if cuda else 512)
@@ -677,23 +869,17 @@ def main(argv=None):
               + f"); {links}"
               + ("" if cuda else f"; feed costs {cal['pipeline_cpu_s_per_token'] * 1e6:.0f} "
                                  f"host CPU-us per token"), flush=True)
-        predictions = []
-        candidates = [(1, 1)] if cuda and args.gpus == 1 else [
-            (t, args.gpus - t) for t in range(1, args.gpus)]
-        for tr in transports:
-            for t, d in candidates:
-                rate, neck, limits = predict(cal, t, d, not cuda, tr, cuda and args.gpus == 1)
-                predictions.append({"split": f"{t}-{d}" + (f"/{tr}" if cuda else ""),
-                                    "transport": tr, "tokens_per_s": rate, "bottleneck": neck,
-                                    "limits": limits})
-        for q in predictions:
-            terms = ", ".join(f"{k} {v:,.0f}" for k, v in q["limits"].items())
-            print(f"advisor: {q['split']:>10} predicted {q['tokens_per_s']:>9,.0f} tok/s, "
-                  f"{q['bottleneck']}-bound ({terms})", flush=True)
+        if args.save_calibration:
+            save_calibration(args.save_calibration, calibration_doc(
+                cal, mode, f"bench/splits.py --device {args.device} --gpus {args.gpus} "
+                f"--model {args.model}", measured_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                     time.gmtime()),
+                cpu_count=os.cpu_count(), drafter=args.drafter, batch_tokens=args.batch_tokens,
+                layers=args.layers))
+        predictions = predict_all(cal, args.gpus, transports, not cuda,
+                                  shared=cuda and args.gpus == 1, label=cuda)
+        print_predictions(predictions)
         best = max(predictions, key=lambda q: q["tokens_per_s"]) if predictions else None
-        if best:
-            print(f"advisor: best split {best['split']} at {best['tokens_per_s']:,.0f} tok/s "
-                  f"(bottleneck: {best['bottleneck']})", flush=True)
         by_index = {}
         for i in order:
             t, d = splits[i]
@@ -734,7 +920,7 @@ def main(argv=None):
     doc = {
         "config": {**vars(args), "cpu_count": os.cpu_count(),
                    "python": sys.version.split()[0],
-                   "mode": ("cuda-shared" if args.gpus == 1 else "cuda") if cuda else "cpu-emulated",
+                   "mode": mode,
                    "transports": transports,
                    "started": t_start, "elapsed_s": time.time() - t_start},
         "advisor": {"calibration": cal, "predictions": predictions, "best": best},
