@@ -1,0 +1,278 @@
+// The grouped expert GEMMs of the MoE family (declared in moe.cuh): every
+// expert's rows in one launch, on the tensor cores (mma.sync m16n8k16, bf16
+// in, fp32 accumulate).
+//
+// Design. MoePermute sorts the T·k (token, slot) rows by expert and writes a
+// tile map: tile i is kMoeTileRows (128) consecutive rows of one expert (an
+// expert's last tile partial), with the expert id and row range. A block
+// computes one 128-row tile × one column tile; blockIdx.x = tile·n_tiles +
+// column tile, so the blocks resident at once are a few tiles of the same
+// expert across all its columns: each gathered activation tile and each
+// expert's weights are read from HBM about once and then hit in L2. The grid
+// is sized from the worst case (MoeMaxTiles), blocks past the routing's last
+// tile exit at once, so nothing waits on the host.
+//
+// Per block: 128 × 128 outputs, K in steps of 64 through a 3-stage cp.async
+// pipeline (rows of 64 bf16 = 128 bytes in shared memory, 16-byte chunks
+// XOR-swizzled by row so ldmatrix is conflict-free); 8 warps as 2 × 4, each
+// 64 × 32. The gate_up GEMM gathers its A rows (the tokens) through
+// row_token and interleaves its B rows so that each warp's 32 columns are 16
+// gate rows and the 16 matching up rows: a thread then holds gate and up of
+// the same output in registers and writes SiLU(gate)·up directly (the [rows,
+// 2I] product never reaches memory). Rows and columns past the tile's end
+// load zeros (cp.async zero-fill) and are not stored.
+#include "kernels/mma_sm80.cuh"
+#include "kernels/moe.cuh"
+#include "kernels/vec_io.cuh"
+
+namespace draftfeed::cuda {
+namespace {
+
+using sm80::LdMatrixX4;
+using sm80::Mma;
+using sm80::SmemAddr;
+
+constexpr int kBM = kMoeTileRows;
+constexpr int kBN = 128;  // B rows (output columns, or gate + up columns) per block
+constexpr int kBK = 64;
+constexpr int kStages = 3;
+constexpr int kThreads = 256;
+constexpr int kLoadRows = kThreads / (kBK / 8);  // rows one pass of 16-byte chunks covers
+constexpr int kLoadsPerThread = kBM / kLoadRows;
+constexpr int kSmemBytes = kStages * (kBM + kBN) * kBK * 2;
+static_assert(kBM == kBN && kBM % kLoadRows == 0, "one load loop covers A and B");
+
+// 16-byte async copy; when !valid the destination is zero-filled and src is
+// not read (it must still be a valid address).
+__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Element offset of (row, 16-byte chunk) in a [rows][kBK] stage: chunk c of
+// row r is stored at chunk c ^ (r % 8), so the 8 rows one ldmatrix phase
+// reads fall in 8 different bank groups.
+__device__ __forceinline__ int Swizzle(int row, int chunk) {
+  return row * kBK + ((chunk ^ (row & 7)) << 3);
+}
+
+enum class Epilogue { kSwiGlu, kPlain };
+
+struct GemmParams {
+  const bf16* a;  // A rows: a + row·a_stride
+  int64_t a_stride;
+  const int32_t* a_rows;    // gather: A row of sorted row r is a_rows[r]; null: r itself
+  const bf16* w;            // [E][w_rows][k]
+  int64_t w_expert_stride;  // w_rows·k
+  int64_t k;
+  int64_t n;      // output columns: I (SwiGLU) or D (plain)
+  int64_t inter;  // SwiGLU: the up rows start at w row `inter`
+  int n_tiles;
+  const int4* tile_map;
+  bf16* out;  // [rows][out_stride]
+  int64_t out_stride;
+};
+
+template <Epilogue kEpilogue>
+__global__ void __launch_bounds__(kThreads, 2) GroupedGemmKernel(GemmParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* const sa = reinterpret_cast<bf16*>(smem);
+  bf16* const sb = sa + kStages * kBM * kBK;
+
+  const int64_t tile = blockIdx.x / p.n_tiles;
+  const int n_tile = static_cast<int>(blockIdx.x % p.n_tiles);
+  const int4 entry = p.tile_map[tile];
+  if (entry.x < 0) return;
+  const int64_t row0 = entry.y;
+  const int rows = entry.z - entry.y;
+  const bf16* const w = p.w + entry.x * p.w_expert_stride;
+
+  // This thread loads chunk `chunk` of rows load_row + kLoadRows·i of A and B.
+  const int tid = threadIdx.x;
+  const int chunk = tid % (kBK / 8);
+  const int load_row = tid / (kBK / 8);
+  const bf16* a_src[kLoadsPerThread];
+  const bf16* b_src[kLoadsPerThread];
+  bool a_ok[kLoadsPerThread], b_ok[kLoadsPerThread];
+#pragma unroll
+  for (int i = 0; i < kLoadsPerThread; ++i) {
+    const int r = load_row + kLoadRows * i;
+    a_ok[i] = r < rows;
+    int64_t src = 0;
+    if (a_ok[i]) src = p.a_rows != nullptr ? p.a_rows[row0 + r] : row0 + r;
+    a_src[i] = p.a + src * p.a_stride + chunk * 8;
+    int64_t w_row;
+    if constexpr (kEpilogue == Epilogue::kSwiGlu) {
+      // Smem row r of warp column r / 32: lanes' rows 0-15 gate, 16-31 up.
+      const int64_t col = static_cast<int64_t>(n_tile) * (kBN / 2) + (r / 32) * 16 + (r % 16);
+      b_ok[i] = col < p.n;
+      w_row = (r % 32) < 16 ? col : p.inter + col;
+    } else {
+      w_row = static_cast<int64_t>(n_tile) * kBN + r;
+      b_ok[i] = w_row < p.n;
+    }
+    b_src[i] = w + (b_ok[i] ? w_row : 0) * p.k + chunk * 8;
+  }
+  const int k_tiles = static_cast<int>((p.k + kBK - 1) / kBK);
+  auto load = [&](int stage, int kt) {
+    const bool k_ok = static_cast<int64_t>(kt) * kBK + chunk * 8 < p.k;
+    bf16* const da = sa + stage * kBM * kBK;
+    bf16* const db = sb + stage * kBN * kBK;
+#pragma unroll
+    for (int i = 0; i < kLoadsPerThread; ++i) {
+      const int r = load_row + kLoadRows * i;
+      const bool av = a_ok[i] && k_ok, bv = b_ok[i] && k_ok;
+      CpAsync16(da + Swizzle(r, chunk), av ? a_src[i] + kt * kBK : p.a, av);
+      CpAsync16(db + Swizzle(r, chunk), bv ? b_src[i] + kt * kBK : p.w, bv);
+    }
+  };
+
+  const int lane = tid % 32, warp = tid / 32;
+  const int wm = warp % 2, wn = warp / 2;  // warp tile: rows wm·64, columns wn·32
+  float acc[4][4][4] = {};
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load(s, s);
+    CpAsyncCommit();
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    CpAsyncWait<kStages - 2>();  // stage kt has landed (this thread's part)
+    __syncthreads();             // everyone's part; stage kt - 1 is free to refill
+    if (kt + kStages - 1 < k_tiles) load((kt + kStages - 1) % kStages, kt + kStages - 1);
+    CpAsyncCommit();
+    const bf16* const as = sa + (kt % kStages) * kBM * kBK;
+    const bf16* const bs = sb + (kt % kStages) * kBN * kBK;
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk) {
+      uint32_t af[4][4], bfrag[2][4];
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        const int r = wm * 64 + mi * 16 + (lane & 15);
+        LdMatrixX4(af[mi], as + Swizzle(r, kk * 2 + (lane >> 4)));
+      }
+#pragma unroll
+      for (int pj = 0; pj < 2; ++pj) {
+        const int n = wn * 32 + pj * 16 + (lane & 7) + ((lane >> 4) << 3);
+        LdMatrixX4(bfrag[pj], bs + Swizzle(n, kk * 2 + ((lane >> 3) & 1)));
+      }
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          Mma(acc[mi][j], af[mi], bfrag[j / 2][(j % 2) * 2], bfrag[j / 2][(j % 2) * 2 + 1]);
+        }
+      }
+    }
+  }
+  CpAsyncWait<0>();
+
+  // Accumulator (mi, j) element 2h + c is row wm·64 + mi·16 + g + 8h, column
+  // j·8 + 2q + c of the warp tile (g = lane / 4, q = lane % 4).
+  const int g = lane / 4, q = lane % 4;
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = wm * 64 + mi * 16 + g + 8 * h;
+      if (r >= rows) continue;
+      bf16* const out = p.out + (row0 + r) * p.out_stride;
+      if constexpr (kEpilogue == Epilogue::kSwiGlu) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int64_t col = static_cast<int64_t>(n_tile) * (kBN / 2) + wn * 16 + j * 8 + 2 * q;
+          if (col >= p.n) continue;  // n is even, so col + 1 < n too
+          const float* gate = acc[mi][j] + 2 * h;
+          const float* up = acc[mi][j + 2] + 2 * h;
+          *reinterpret_cast<__nv_bfloat162*>(out + col) =
+              __floats2bfloat162_rn(vec::Silu(gate[0]) * up[0], vec::Silu(gate[1]) * up[1]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int64_t col = static_cast<int64_t>(n_tile) * kBN + wn * 32 + j * 8 + 2 * q;
+          if (col >= p.n) continue;
+          *reinterpret_cast<__nv_bfloat162*>(out + col) =
+              __floats2bfloat162_rn(acc[mi][j][2 * h], acc[mi][j][2 * h + 1]);
+        }
+      }
+    }
+  }
+}
+
+template <Epilogue kEpilogue>
+cudaError_t Launch(const GemmParams& p, int num_experts, int64_t num_rows,
+                   const MoeRouting& routing, cudaStream_t stream) {
+  const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
+  if (tiles > routing.max_tiles) return cudaErrorInvalidValue;
+  const int64_t blocks = tiles * p.n_tiles;
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  if (blocks == 0) return cudaSuccess;
+  const auto kernel = GroupedGemmKernel<kEpilogue>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+bool Aligned16(const void* p) { return vec::Aligned16(p); }
+
+bool ValidShapes(int64_t hidden, int64_t inter, int num_experts, int64_t num_rows) {
+  return hidden > 0 && inter > 0 && hidden % 8 == 0 && inter % 8 == 0 && num_experts >= 1 &&
+         num_experts <= kMoeMaxExperts && num_rows >= 0 && num_rows <= INT32_MAX;
+}
+
+}  // namespace
+
+cudaError_t MoeGateUpSwiGlu(const bf16* x, int64_t x_stride, const bf16* gate_up, int64_t hidden,
+                            int64_t inter, int num_experts, int64_t num_rows,
+                            const MoeRouting& routing, bf16* act, cudaStream_t stream) {
+  if (!ValidShapes(hidden, inter, num_experts, num_rows) || x_stride < hidden ||
+      x_stride % 8 != 0 || !Aligned16(x) || !Aligned16(gate_up) || !Aligned16(act)) {
+    return cudaErrorInvalidValue;
+  }
+  GemmParams p;
+  p.a = x;
+  p.a_stride = x_stride;
+  p.a_rows = routing.row_token;
+  p.w = gate_up;
+  p.w_expert_stride = 2 * inter * hidden;
+  p.k = hidden;
+  p.n = inter;
+  p.inter = inter;
+  p.n_tiles = static_cast<int>((inter + kBN / 2 - 1) / (kBN / 2));
+  p.tile_map = reinterpret_cast<const int4*>(routing.tile_map);
+  p.out = act;
+  p.out_stride = inter;
+  return Launch<Epilogue::kSwiGlu>(p, num_experts, num_rows, routing, stream);
+}
+
+cudaError_t MoeDown(const bf16* act, const bf16* down, int64_t hidden, int64_t inter,
+                    int num_experts, int64_t num_rows, const MoeRouting& routing, bf16* y,
+                    cudaStream_t stream) {
+  if (!ValidShapes(hidden, inter, num_experts, num_rows) || !Aligned16(act) || !Aligned16(down) ||
+      !Aligned16(y)) {
+    return cudaErrorInvalidValue;
+  }
+  GemmParams p;
+  p.a = act;
+  p.a_stride = inter;
+  p.a_rows = nullptr;
+  p.w = down;
+  p.w_expert_stride = hidden * inter;
+  p.k = inter;
+  p.n = hidden;
+  p.inter = 0;
+  p.n_tiles = static_cast<int>((hidden + kBN - 1) / kBN);
+  p.tile_map = reinterpret_cast<const int4*>(routing.tile_map);
+  p.out = y;
+  p.out_stride = hidden;
+  return Launch<Epilogue::kPlain>(p, num_experts, num_rows, routing, stream);
+}
+
+}  // namespace draftfeed::cuda
