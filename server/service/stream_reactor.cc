@@ -156,7 +156,7 @@ void StreamReactor::OnResult(uint64_t batch_id, absl::StatusOr<ForwardResult> re
   std::lock_guard<std::mutex> lock(mu_);
   if (finished_ || broken_) return;
   if (!result.ok()) {
-    PushError(batch_id, result.status(), /*releases_credit=*/true);
+    PushError(batch_id, result.status());
   } else {
     Outgoing out;
     out.batch_id = batch_id;
@@ -164,7 +164,7 @@ void StreamReactor::OnResult(uint64_t batch_id, absl::StatusOr<ForwardResult> re
     out.payload = transport_->WritePayload(batch_id, out.result);
     out.checksum = checksum;
     out.releases_credit = true;
-    outbox_.push_back(std::move(out));
+    Enqueue(std::move(out));
   }
   Pump();
 }
@@ -197,7 +197,7 @@ void StreamReactor::OnTransportFailed(absl::Status status) {
 void StreamReactor::OnSend(StreamResponse msg) {
   std::lock_guard<std::mutex> lock(mu_);
   if (finished_ || broken_) return;
-  outbox_.push_back(Outgoing{.message = std::move(msg)});
+  Enqueue(Outgoing{.message = std::move(msg)});
   Pump();
 }
 
@@ -243,7 +243,7 @@ void StreamReactor::SendOpened(const TransportOpened& transport) {
   opened->set_max_inflight_batches(credits_);
   opened->set_chunk_bytes(opt.chunk_bytes);
   opened->set_transport_note(transport.note);
-  outbox_.push_back(Outgoing{.message = std::move(resp)});
+  Enqueue(Outgoing{.message = std::move(resp)});
 }
 
 void StreamReactor::HandleRequest() {
@@ -258,8 +258,8 @@ void StreamReactor::HandleRequest() {
   v1::Batch* batch = req_.mutable_batch();
   const uint64_t batch_id = batch->batch_id();
   if (draining_ || service_->draining()) {
-    PushError(batch_id,
-              absl::UnavailableError("target is shutting down; send this batch elsewhere"), false);
+    RejectBatch(batch_id,
+                absl::UnavailableError("target is shutting down; send this batch elsewhere"));
     return;
   }
   WorkItem item;
@@ -277,9 +277,8 @@ void StreamReactor::HandleRequest() {
                            service_->options().max_batch_tokens);
   if (valid.ok()) valid = service_->CheckCaptureLayers(item.layers.size());
   if (!valid.ok()) {
-    PushError(batch_id,
-              absl::Status(valid.code(), absl::StrCat("batch ", batch_id, ": ", valid.message())),
-              false);
+    RejectBatch(batch_id, absl::Status(valid.code(),
+                                       absl::StrCat("batch ", batch_id, ": ", valid.message())));
     return;
   }
   std::shared_ptr<ReactorLink> link = link_;
@@ -288,20 +287,33 @@ void StreamReactor::HandleRequest() {
     link->Deliver(batch_id, std::move(r));
   };
   transport_->Post(batch_id, item);
-  ++inflight_;
   if (absl::Status s = service_->scheduler().Submit(std::move(item)); !s.ok()) {
-    --inflight_;
-    PushError(batch_id, s, false);
+    RejectBatch(batch_id, s);
+    return;
   }
+  ++inflight_;
 }
 
-void StreamReactor::PushError(uint64_t batch_id, const absl::Status& status, bool releases_credit) {
+void StreamReactor::RejectBatch(uint64_t batch_id, const absl::Status& status) {
+  // The error takes the batch's credit until it is written: otherwise a client
+  // that sends invalid batches and never reads would have the stream read on
+  // and queue errors without bound.
+  ++inflight_;
+  PushError(batch_id, status);
+}
+
+void StreamReactor::PushError(uint64_t batch_id, const absl::Status& status) {
   StreamResponse resp;
   v1::BatchError* err = resp.mutable_error();
   err->set_batch_id(batch_id);
   err->set_code(static_cast<int32_t>(status.code()));
   err->set_message(std::string(status.message()));
-  outbox_.push_back(Outgoing{.message = std::move(resp), .releases_credit = releases_credit});
+  Enqueue(Outgoing{.message = std::move(resp), .releases_credit = true});
+}
+
+void StreamReactor::Enqueue(Outgoing out) {
+  outbox_.push_back(std::move(out));
+  service_->NoteQueuedResponses(static_cast<int64_t>(outbox_.size()));
 }
 
 void StreamReactor::FailStream(absl::Status status) {

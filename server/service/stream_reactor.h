@@ -41,8 +41,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   friend class ReactorLink;
 
   // One thing to send: a ready message, or a batch result sent as its
-  // payload then BatchDone. `releases_credit` marks the last message of an
-  // accepted batch.
+  // payload then BatchDone. `releases_credit` marks the last message of a
+  // batch (accepted or rejected).
   struct Outgoing {
     std::optional<v1::StreamResponse> message;
     uint64_t batch_id = 0;
@@ -62,7 +62,13 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void HandleOpen();
   void SendOpened(const TransportOpened& opened);
   void HandleRequest();
-  void PushError(uint64_t batch_id, const absl::Status& status, bool releases_credit);
+  // Queues `out` behind what is already waiting to be written.
+  void Enqueue(Outgoing out);
+  // Queues the BatchError that ends a batch holding a credit.
+  void PushError(uint64_t batch_id, const absl::Status& status);
+  // Answers a batch that is not run with a BatchError, which holds a credit
+  // until it is written.
+  void RejectBatch(uint64_t batch_id, const absl::Status& status);
   // Ends the stream with `status` once what is already queued has been sent.
   void FailStream(absl::Status status);
   // Fills raw_resp_ with the next message of the outbox front.
@@ -85,7 +91,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   CaptureEncoding encoding_ = CaptureEncoding::kBf16;
   absl::Status finish_status_;
   int32_t credits_ = 0;
-  int64_t inflight_ = 0;  // accepted batches whose last message is not yet written
+  int64_t inflight_ = 0;  // batches (accepted or rejected) whose last message is not yet written
   bool opened_ = false;
   bool read_pending_ = false;
   bool write_pending_ = false;

@@ -99,6 +99,12 @@ void TargetService::Unregister(StreamReactor* r) {
   streams_.erase(r);
 }
 
+void TargetService::NoteQueuedResponses(int64_t queued) {
+  int64_t peak = peak_queued_responses_.load(std::memory_order_relaxed);
+  while (queued > peak && !peak_queued_responses_.compare_exchange_weak(peak, queued)) {
+  }
+}
+
 void TargetService::BeginDrain() {
   draining_ = true;
   std::lock_guard<std::mutex> lock(mu_);

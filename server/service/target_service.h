@@ -82,16 +82,21 @@ class TargetService final
   TransportEnv transport_env() const;
   Scheduler& scheduler() { return scheduler_; }
   bool draining() const { return draining_.load(); }
+  // The most responses one stream has held queued and not yet written, over
+  // the target's life: what the stream's memory holds beyond its payloads.
+  int64_t peak_queued_responses() const { return peak_queued_responses_.load(); }
 
  private:
   friend class StreamReactor;
   void Register(StreamReactor* r);
   void Unregister(StreamReactor* r);
+  void NoteQueuedResponses(int64_t queued);
 
   std::vector<Engine*> engines_;
   const ServiceOptions options_;
   Scheduler scheduler_;
   std::atomic<bool> draining_{false};
+  std::atomic<int64_t> peak_queued_responses_{0};
   mutable std::mutex mu_;
   std::set<StreamReactor*> streams_;
 };

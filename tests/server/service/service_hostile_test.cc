@@ -1,0 +1,121 @@
+// Hostile clients: whatever a stream sends, and however little it reads, the
+// target holds a bounded number of responses for it and keeps serving others.
+#include <grpc/grpc.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+
+#include "draftfeed/v1/draftfeed.grpc.pb.h"
+#include "tests/server/service/loopback_target.h"
+#include "tests/server/service/test_tokens.h"
+
+namespace draftfeed {
+namespace {
+
+using Server = testing::LoopbackTarget;
+using testing::OpenFor;
+using Stream = grpc::ClientReaderWriter<v1::StreamRequest, v1::StreamResponse>;
+
+// A channel whose receive window stays small (no BDP growth), so responses
+// the client does not read back up into the target after a few kilobytes
+// instead of filling megabytes of transport buffers first.
+std::shared_ptr<grpc::Channel> SmallWindowChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 1024);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+// Waits until `count` stops moving for `quiet` or reaches `goal`.
+void WaitUntilStill(const std::atomic<int>& count, int goal, std::chrono::milliseconds quiet) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  int last = -1;
+  while (count.load() < goal && std::chrono::steady_clock::now() < deadline) {
+    const int now = count.load();
+    if (now == last) return;
+    last = now;
+    std::this_thread::sleep_for(quiet);
+  }
+}
+
+// A stream that sends only invalid batches (each rejected at once, taking no
+// forward) and never reads. Every rejection is a BatchError the target must
+// hold until it is written; were reading to go on regardless, 10,000 empty
+// batches would queue thousands of them. The bound: the stream's credits
+// (unsent errors count against the window) plus the Opened message.
+TEST(HostileClientTest, UnreadErrorsOfInvalidBatchesStayWithinTheCredits) {
+  Server server;
+  constexpr int kCredits = 4, kBatches = 10000;
+  auto stub = v1::TargetService::NewStub(SmallWindowChannel(server.address()));
+  grpc::ClientContext ctx;
+  std::unique_ptr<Stream> stream = stub->StreamHiddenStates(&ctx);
+  v1::StreamRequest open;
+  *open.mutable_open() = OpenFor({0, -1});
+  open.mutable_open()->set_max_inflight_batches(kCredits);
+  ASSERT_TRUE(stream->Write(open));
+
+  std::atomic<int> sent{0};
+  std::thread writer([&] {
+    for (int id = 1; id <= kBatches; ++id) {
+      v1::StreamRequest req;
+      req.mutable_batch()->set_batch_id(static_cast<uint64_t>(id));  // no tokens: invalid
+      if (!stream->Write(req)) return;
+      ++sent;
+    }
+    stream->WritesDone();
+  });
+  // Once the target stops reading, the writer blocks on flow control.
+  WaitUntilStill(sent, kBatches, std::chrono::milliseconds(1000));
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the target reads what it will
+  EXPECT_LE(server.service().peak_queued_responses(), kCredits + 1)
+      << sent.load() << " batches sent unread";
+
+  // The client reads at last: every error arrives, in order, and the stream
+  // ends cleanly.
+  v1::StreamResponse r;
+  ASSERT_TRUE(stream->Read(&r));
+  ASSERT_TRUE(r.has_opened());
+  for (int id = 1; id <= kBatches; ++id) {
+    ASSERT_TRUE(stream->Read(&r)) << "batch " << id;
+    ASSERT_TRUE(r.has_error()) << "batch " << id;
+    ASSERT_EQ(r.error().batch_id(), static_cast<uint64_t>(id));
+    ASSERT_EQ(r.error().code(), static_cast<int32_t>(absl::StatusCode::kInvalidArgument));
+    ASSERT_NE(r.error().message().find("empty batch"), std::string::npos) << r.error().message();
+  }
+  writer.join();
+  EXPECT_FALSE(stream->Read(&r));
+  grpc::Status st = stream->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_LE(server.service().peak_queued_responses(), kCredits + 1);
+
+  // The target still serves a well-behaved stream.
+  auto stub2 = v1::TargetService::NewStub(
+      grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx2;
+  std::unique_ptr<Stream> good = stub2->StreamHiddenStates(&ctx2);
+  *open.mutable_open() = OpenFor({-1});
+  ASSERT_TRUE(good->Write(open));
+  v1::StreamRequest req;
+  req.mutable_batch()->set_batch_id(7);
+  const std::vector<int32_t> tokens = testing::RandomTokens(12, 4096, 5);
+  req.mutable_batch()->mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  req.mutable_batch()->add_seq_lens(12);
+  ASSERT_TRUE(good->Write(req));
+  good->WritesDone();
+  ASSERT_TRUE(good->Read(&r));
+  ASSERT_TRUE(r.has_opened());
+  int64_t payload = 0;
+  while (good->Read(&r) && r.has_chunk()) payload += static_cast<int64_t>(r.chunk().data().size());
+  ASSERT_TRUE(r.has_done());
+  EXPECT_EQ(r.done().batch_id(), 7u);
+  EXPECT_EQ(r.done().tokens(), 12);
+  EXPECT_EQ(payload, 12 * server.model().config.hidden_size * 2);
+  EXPECT_TRUE(good->Finish().ok());
+}
+
+}  // namespace
+}  // namespace draftfeed
