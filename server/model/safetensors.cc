@@ -230,18 +230,41 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     regions.push_back({begin, end, &it->first});
   }
 
-  // Regions may come in any order in the JSON object but must not share bytes.
+  // The tensors must tile the data section exactly: every byte belongs to one
+  // tensor. A gap or trailing bytes mean the offsets are not what the writer
+  // meant (a header length shortened into the header's padding shifts every
+  // tensor and still parses), so the weights would be garbage. Regions come in
+  // any order in the JSON object; empty tensors own no bytes.
   std::sort(regions.begin(), regions.end(), [](const Region& a, const Region& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
-  const Region* reach = nullptr;  // the region that extends furthest so far
+  const Region* prev = nullptr;  // the last non-empty region
+  uint64_t covered = 0;          // bytes [0, covered) belong to the regions so far
   for (const Region& cur : regions) {
-    if (cur.end == cur.begin) continue;  // empty tensors occupy no bytes
-    if (reach != nullptr && cur.begin < reach->end) {
+    if (cur.end == cur.begin) continue;
+    if (cur.begin < covered) {
       return fail("tensor ", *cur.name, " [", cur.begin, ", ", cur.end, ") overlaps tensor ",
-                  *reach->name, " [", reach->begin, ", ", reach->end, ")");
+                  *prev->name, " [", prev->begin, ", ", prev->end, ")");
     }
-    if (reach == nullptr || cur.end > reach->end) reach = &cur;
+    if (cur.begin > covered) {
+      return fail("tensor ", *cur.name, " [", cur.begin, ", ", cur.end, ") leaves bytes [", covered,
+                  ", ", cur.begin, ") of the data section unused",
+                  prev == nullptr ? std::string()
+                                  : absl::StrCat(" after tensor ", *prev->name, " [", prev->begin,
+                                                 ", ", prev->end, ")"),
+                  "; tensors must be packed back to back");
+    }
+    covered = cur.end;
+    prev = &cur;
+  }
+  if (covered != data_size) {
+    return fail("the data section is ", data_size, " bytes but its tensors cover ", covered,
+                prev == nullptr ? std::string()
+                                : absl::StrCat(" (the last, tensor ", *prev->name, ", ends at ",
+                                               prev->end, ")"),
+                "; ", data_size - covered,
+                " trailing bytes belong to no tensor (a header length that is too short, or "
+                "bytes appended to the file)");
   }
   file.mapping_ = std::move(mapping);
   return file;

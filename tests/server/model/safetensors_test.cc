@@ -253,5 +253,74 @@ TEST_F(SafetensorsTest, OverlappingRegions) {
             "safetensors file " + path + ": tensor b [20, 28) overlaps tensor a [0, 32)");
 }
 
+// The tensors must tile the data section: a file that parses but whose bytes
+// are not exactly its tensors' is refused, naming the file and the tensor.
+TEST_F(SafetensorsTest, HeaderLengthShortenedIntoItsPadding) {
+  // The header's trailing spaces still parse when the length field is cut
+  // into them; every tensor would then read 3 bytes early.
+  const std::string header = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                             R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})";
+  const std::string padded = header + "   ";
+  const std::string ok = WriteRaw("ok.safetensors", padded, 12);
+  EXPECT_TRUE(SafetensorsFile::Open(ok).ok());
+  const std::string path = WriteRaw("short_len.safetensors", padded, 12,
+                                    /*declared_len=*/static_cast<int64_t>(header.size()));
+  EXPECT_EQ(OpenError(path), "safetensors file " + path +
+                                 ": the data section is 15 bytes but its tensors cover 12 (the "
+                                 "last, tensor b, ends at 12); 3 trailing bytes belong to no "
+                                 "tensor (a header length that is too short, or bytes appended "
+                                 "to the file)");
+}
+
+TEST_F(SafetensorsTest, TrailingBytesAfterTheLastTensor) {
+  const std::vector<float> w(3, 1.0f);
+  const std::string path = Path("trailing.safetensors");
+  ASSERT_TRUE(WriteSafetensors(path, {Entry("w", "F32", {3}, w)}, {}).ok());
+  ASSERT_TRUE(SafetensorsFile::Open(path).ok());
+  std::ofstream(path, std::ios::binary | std::ios::app) << "xy";
+  EXPECT_EQ(OpenError(path), "safetensors file " + path +
+                                 ": the data section is 14 bytes but its tensors cover 12 (the "
+                                 "last, tensor w, ends at 12); 2 trailing bytes belong to no "
+                                 "tensor (a header length that is too short, or bytes appended "
+                                 "to the file)");
+  // Data with no tensor at all is as wrong.
+  const std::string none = WriteRaw("none.safetensors", "{}", 4);
+  EXPECT_EQ(OpenError(none), "safetensors file " + none +
+                                 ": the data section is 4 bytes but its tensors cover 0; 4 "
+                                 "trailing bytes belong to no tensor (a header length that is "
+                                 "too short, or bytes appended to the file)");
+}
+
+TEST_F(SafetensorsTest, GapsBetweenTensors) {
+  const std::string gap = WriteRaw("gap.safetensors",
+                                   R"({"late":{"dtype":"F32","shape":[1],"data_offsets":[12,16]},
+                                       "early":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+                                   16);
+  EXPECT_EQ(OpenError(gap), "safetensors file " + gap +
+                                ": tensor late [12, 16) leaves bytes [8, 12) of the data section "
+                                "unused after tensor early [0, 8); tensors must be packed back "
+                                "to back");
+  const std::string lead =
+      WriteRaw("lead.safetensors", R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8);
+  EXPECT_EQ(OpenError(lead), "safetensors file " + lead +
+                                 ": tensor w [4, 8) leaves bytes [0, 4) of the data section "
+                                 "unused; tensors must be packed back to back");
+}
+
+TEST_F(SafetensorsTest, PartlyOverlappingTensors) {
+  const std::string path = WriteRaw("partial.safetensors",
+                                    R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,12]},
+                                        "b":{"dtype":"F32","shape":[3],"data_offsets":[8,20]}})",
+                                    20);
+  EXPECT_EQ(OpenError(path),
+            "safetensors file " + path + ": tensor b [8, 20) overlaps tensor a [0, 12)");
+  // Empty tensors own no bytes, wherever their offsets point inside the data.
+  const std::string empty = WriteRaw("empty.safetensors",
+                                     R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},
+                                         "e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
+                                     8);
+  EXPECT_TRUE(SafetensorsFile::Open(empty).ok());
+}
+
 }  // namespace
 }  // namespace draftfeed
