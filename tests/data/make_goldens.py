@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Make draftfeed's golden models and hidden states with Hugging Face transformers.
 
-Usage:  python3 tests/data/make_goldens.py --out DIR
+Usage:  python3 tests/data/make_goldens.py --out DIR [--only all|dense|moe]
+
+(--only moe runs make_moe_goldens.py: the MoE models, merged into DIR/goldens_report.json.)
 
 Builds three small random-weight models with transformers' own classes (seeded), saves
 them in HF format (config.json + safetensors), runs each test sequence ALONE through
@@ -550,8 +552,8 @@ def build_qwen3(models_dir):
 # ----------------------------------------------------------------------------------------
 # Running
 # ----------------------------------------------------------------------------------------
-def load(cls, d, dtype, device):
-    kw = dict(attn_implementation="eager")
+def load(cls, d, dtype, device, **extra):
+    kw = dict(attn_implementation="eager", **extra)
     try:
         model, info = cls.from_pretrained(str(d), dtype=dtype, output_loading_info=True, **kw)
     except TypeError:
@@ -797,7 +799,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder (gets goldens_*.safetensors and models/)")
     ap.add_argument("--device", default="auto", help="device for the bf16 runs (auto: cuda if available)")
+    ap.add_argument("--only", default="all", choices=["all", "dense", "moe"],
+                    help="dense: qwen35_text, qwen35_mm, qwen3; moe: qwen35_moe, qwen3_moe "
+                         "(make_moe_goldens.py, merged into the report); all: both")
     args = ap.parse_args()
+    status = 0 if args.only == "moe" else main_dense(args)
+    if args.only != "dense":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import make_moe_goldens
+
+        status = max(status, make_moe_goldens.run(args))
+    return status
+
+
+def main_dense(args):
 
     t0 = time.time()
     set_fp32_exact()
