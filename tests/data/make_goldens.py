@@ -813,7 +813,7 @@ def main():
 
 
 def main_dense(args):
-
+    """The dense models (qwen35_text, qwen35_mm, qwen3): builds, runs, writes the report."""
     t0 = time.time()
     set_fp32_exact()
     import safetensors

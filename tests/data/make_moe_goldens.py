@@ -11,6 +11,9 @@ with save_pretrained as it writes them, each test sequence run ALONE in fp32 on 
 experts implementation (experts visited in ascending id, each bf16 add rounded: the
 reference order; grouped_mm / batched_mm sum the k slots in one reduction).
 
+Past ~600 lines for make_goldens.py's reason: it is the record of how the checked-in MoE goldens
+were made, run once where transformers is installed, configs and checks beside the writers.
+
 Writes, under DIR:
   models/qwen35_moe/  Qwen3_5MoeForConditionalGeneration (model_type qwen3_5_moe, decoder under
                       text_config, model.language_model.* naming, a tiny vision tower): hybrid
