@@ -3,8 +3,8 @@
 //   build/bin/draftfeed-bench-kernels [--benchmark_filter=Attention]
 //
 // The benchmarks live in memory_bound_kernels_benchmark.cc (GB/s: norms,
-// rope, elementwise, embedding, checksum, random init), attention_benchmark.cc
-// and gdn_benchmark.cc (TFLOP/s). Without a CUDA device it says so and exits
+// rope, elementwise, embedding, checksum, random init), attention_benchmark.cc,
+// gdn_benchmark.cc and moe_benchmark.cc (TFLOP/s). Without a CUDA device it says so and exits
 // 0, so a CPU machine can build and run it.
 #include <cuda_runtime.h>
 
