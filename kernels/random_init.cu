@@ -41,6 +41,24 @@ __global__ void FillKernel(T* p, int64_t n, uint64_t seed, float a, float b) {
   }
 }
 
+// N(0, 1) of (seed, row) by Box-Muller from two hashes of a separate stream;
+// u1 is kept off 0 so the log is finite.
+__device__ __forceinline__ float RowNormal(uint64_t seed, int64_t row) {
+  const uint64_t s = Mix(seed ^ 0x5DEECE66DULL);
+  const float u1 = Unit(s, 2 * row) + 0.5f / 16777216.0f;
+  const float u2 = Unit(s, 2 * row + 1);
+  return sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+}
+
+__global__ void FillRowScaledKernel(bf16* p, int64_t n, int64_t cols, uint64_t seed, float scale,
+                                    float offset, float row_log_sigma) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float row_scale = scale * expf(row_log_sigma * RowNormal(seed, i / cols));
+    p[i] = __float2bfloat16(offset + row_scale * Uniform(seed, i));
+  }
+}
+
 template <typename T, bool kLogUniform = false>
 cudaError_t Fill(T* p, int64_t n, uint64_t seed, float a, float b, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
@@ -61,6 +79,17 @@ cudaError_t FillRandomBf16(bf16* p, int64_t n, uint64_t seed, float scale, float
 cudaError_t FillRandomF32(float* p, int64_t n, uint64_t seed, float scale, float offset,
                           cudaStream_t stream) {
   return Fill(p, n, seed, scale, offset, stream);
+}
+
+cudaError_t FillRowScaledRandomBf16(bf16* p, int64_t rows, int64_t cols, uint64_t seed, float scale,
+                                    float offset, float row_log_sigma, cudaStream_t stream) {
+  const int64_t n = rows * cols;
+  if (n <= 0) return cudaSuccess;
+  const int threads = 256;
+  const int64_t blocks = std::min<int64_t>((n + threads - 1) / threads, 132 * 32);
+  FillRowScaledKernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      p, n, cols, seed, scale, offset, row_log_sigma);
+  return cudaGetLastError();
 }
 
 cudaError_t FillLogUniformBf16(bf16* p, int64_t n, uint64_t seed, float lo, float hi,

@@ -13,6 +13,11 @@ cudaError_t FillRandomBf16(bf16* p, int64_t n, uint64_t seed, float scale, float
 // The same in fp32 (A_log, dt_bias).
 cudaError_t FillRandomF32(float* p, int64_t n, uint64_t seed, float scale, float offset,
                           cudaStream_t stream);
+// Row r of a [rows, cols] tensor: p = bf16(offset + scale·exp(row_log_sigma·n_r)·u_i),
+// n_r ~ N(0, 1) hashed from (seed, r) (Box-Muller), u_i as above: rows of
+// unequal norm (a random MoE router whose experts are unevenly loaded).
+cudaError_t FillRowScaledRandomBf16(bf16* p, int64_t rows, int64_t cols, uint64_t seed, float scale,
+                                    float offset, float row_log_sigma, cudaStream_t stream);
 // p[i] = log(lo + (hi − lo)·u_i), u_i uniform in [0, 1) from the same hash (a
 // log-uniform, as for GDN's A_log = log(U(1, 16))).
 cudaError_t FillLogUniformBf16(bf16* p, int64_t n, uint64_t seed, float lo, float hi,

@@ -88,7 +88,8 @@ absl::Status ModelConfig::Validate() const {
       {"head_dim", head_dim},
   };
   // Only a dense MLP reads intermediate_size (qwen3_5_moe has none).
-  const bool dense_mlp = features.mlp == MlpKind::kDenseSwiGlu || has_dense_mlp();
+  const bool dense_mlp =
+      features.mlp == MlpKind::kDenseSwiGlu || (features.mlp == MlpKind::kMoe && has_dense_mlp());
   for (const auto& s : sizes) {
     if (s.name == "intermediate_size" && !dense_mlp) continue;
     if (s.value <= 0) return bad(s.name, " must be positive, got ", s.value);

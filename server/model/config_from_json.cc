@@ -23,9 +23,11 @@ using google::protobuf::ListValue;
 using google::protobuf::Struct;
 using google::protobuf::Value;
 
-constexpr absl::string_view kSupportedModelTypes = "qwen3_5, qwen3_5_text, qwen3";
+constexpr absl::string_view kSupportedModelTypes =
+    "qwen3_5, qwen3_5_text, qwen3, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe";
 constexpr absl::string_view kSupportedArchitectures =
-    "Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM, Qwen3ForCausalLM";
+    "Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM, Qwen3ForCausalLM, "
+    "Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM";
 
 // Largest integer a JSON number (an IEEE double here) holds exactly.
 constexpr double kMaxExactInt = 9007199254740992.0;
@@ -162,7 +164,13 @@ constexpr ArchInfo kArchitectures[] = {
     {"Qwen3_5ForConditionalGeneration", "qwen3_5", Arch::kQwen35Hybrid},
     {"Qwen3_5ForCausalLM", "qwen3_5_text", Arch::kQwen35Hybrid},
     {"Qwen3ForCausalLM", "qwen3", Arch::kQwen3Dense},
+    {"Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", Arch::kQwen35Moe},
+    {"Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", Arch::kQwen35Moe},
+    {"Qwen3MoeForCausalLM", "qwen3_moe", Arch::kQwen3Moe},
 };
+
+// The Qwen3.5 family (dense or MoE) shares its config dialect and defaults.
+bool IsQwen35(Arch arch) { return FeaturesOf(arch).linear_attention; }
 
 std::optional<Arch> ArchOfModelType(absl::string_view model_type) {
   for (const ArchInfo& a : kArchitectures) {
@@ -230,22 +238,78 @@ absl::Status ParseRope(const JsonObject& dec, Arch arch, absl::string_view sourc
   };
   DF_ASSIGN_OR_RETURN(std::optional<double> theta, lookup("rope_theta"));
   DF_ASSIGN_OR_RETURN(std::optional<double> factor, lookup("partial_rotary_factor"));
-  const bool hybrid = arch == Arch::kQwen35Hybrid;
+  const bool hybrid = IsQwen35(arch);
   cfg.rope_theta = theta.value_or(hybrid ? 1e7 : 1e6);
   cfg.partial_rotary_factor = factor.value_or(hybrid ? 0.25 : 1.0);
   return absl::OkStatus();
 }
 
+// The MoE fields, with transformers' defaults: Qwen3_5MoeTextConfig's (256
+// experts, top 8, widths 512; every layer MoE and renormalised, so it has no
+// norm_topk_prob, decoder_sparse_step or mlp_only_layers and such keys are
+// ignored) or Qwen3MoeConfig's (128, top 8, width 768, norm_topk_prob false).
+absl::Status ParseMoe(const JsonObject& dec, Arch arch, absl::string_view source,
+                      ModelConfig& cfg) {
+  const bool qwen35 = IsQwen35(arch);
+  DF_ASSIGN_OR_RETURN(std::optional<int64_t> experts, dec.Int("num_experts"));
+  if (!experts.has_value() && !qwen35) {
+    // Qwen3MoeConfig maps num_experts to num_local_experts, the key it saves.
+    DF_ASSIGN_OR_RETURN(experts, dec.Int("num_local_experts"));
+  }
+  cfg.num_experts = experts.value_or(qwen35 ? 256 : 128);
+  DF_ASSIGN_OR_RETURN(std::optional<int64_t> k, dec.Int("num_experts_per_tok"));
+  cfg.num_experts_per_tok = k.value_or(8);
+  DF_ASSIGN_OR_RETURN(std::optional<int64_t> inter, dec.Int("moe_intermediate_size"));
+  cfg.moe_intermediate_size = inter.value_or(qwen35 ? 512 : 768);
+  if (qwen35) {
+    DF_ASSIGN_OR_RETURN(std::optional<int64_t> shared, dec.Int("shared_expert_intermediate_size"));
+    cfg.shared_expert_intermediate_size = shared.value_or(512);
+    cfg.norm_topk_prob = true;
+    cfg.decoder_sparse_step = 1;
+    cfg.mlp_only_layers.clear();
+    return absl::OkStatus();
+  }
+  DF_ASSIGN_OR_RETURN(std::optional<bool> norm, dec.Bool("norm_topk_prob"));
+  cfg.norm_topk_prob = norm.value_or(false);
+  DF_ASSIGN_OR_RETURN(std::optional<int64_t> step, dec.Int("decoder_sparse_step"));
+  cfg.decoder_sparse_step = step.value_or(1);
+  DF_ASSIGN_OR_RETURN(const ListValue* dense, dec.List("mlp_only_layers"));
+  cfg.mlp_only_layers.clear();
+  if (dense != nullptr) {
+    for (int i = 0; i < dense->values_size(); ++i) {
+      const Value& v = dense->values(i);
+      const std::string path = absl::StrCat("mlp_only_layers[", i, "]");
+      if (v.kind_case() != Value::kNumberValue) return dec.WrongType(path, "an integer", v);
+      const double d = v.number_value();
+      if (!std::isfinite(d) || std::trunc(d) != d || std::fabs(d) > kMaxExactInt) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(source, ": field ", dec.Path(path), " must be an integer, got ", d));
+      }
+      cfg.mlp_only_layers.push_back(static_cast<int64_t>(d));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ParseDecoder(const JsonObject& dec, Arch arch, absl::string_view source,
                           ModelConfig& cfg) {
-  const bool hybrid = arch == Arch::kQwen35Hybrid;
+  const bool hybrid = IsQwen35(arch);
   DF_ASSIGN_OR_RETURN(cfg.vocab_size, dec.RequiredInt("vocab_size"));
   DF_ASSIGN_OR_RETURN(cfg.hidden_size, dec.RequiredInt("hidden_size"));
-  DF_ASSIGN_OR_RETURN(cfg.intermediate_size, dec.RequiredInt("intermediate_size"));
+  if (arch == Arch::kQwen3Moe) {
+    // The dense width of mlp_only_layers; Qwen3MoeConfig's default.
+    DF_ASSIGN_OR_RETURN(std::optional<int64_t> inter, dec.Int("intermediate_size"));
+    cfg.intermediate_size = inter.value_or(6144);
+  } else if (FeaturesOf(arch).mlp == MlpKind::kDenseSwiGlu) {
+    DF_ASSIGN_OR_RETURN(cfg.intermediate_size, dec.RequiredInt("intermediate_size"));
+  }  // qwen3_5_moe has no dense MLP: the key means nothing there
   DF_ASSIGN_OR_RETURN(cfg.num_layers, dec.RequiredInt("num_hidden_layers"));
   DF_ASSIGN_OR_RETURN(cfg.num_heads, dec.RequiredInt("num_attention_heads"));
   if (hybrid) {
     DF_ASSIGN_OR_RETURN(cfg.num_kv_heads, dec.RequiredInt("num_key_value_heads"));
+  } else if (arch == Arch::kQwen3Moe) {
+    DF_ASSIGN_OR_RETURN(std::optional<int64_t> kv, dec.Int("num_key_value_heads"));
+    cfg.num_kv_heads = kv.value_or(4);  // Qwen3MoeConfig's default
   } else {
     // Qwen3Config: an absent KV head count means plain multi-head attention.
     DF_ASSIGN_OR_RETURN(std::optional<int64_t> kv, dec.Int("num_key_value_heads"));
@@ -324,6 +388,8 @@ absl::Status ParseDecoder(const JsonObject& dec, Arch arch, absl::string_view so
     cfg.layer_types.assign(static_cast<size_t>(std::max<int64_t>(cfg.num_layers, 0)),
                            LayerKind::kFullAttention);
   }
+  if (FeaturesOf(arch).mlp != MlpKind::kDenseSwiGlu)
+    DF_RETURN_IF_ERROR(ParseMoe(dec, arch, source, cfg));
   return ParseRope(dec, arch, source, cfg);
 }
 
@@ -374,15 +440,16 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view json,
 
   ModelConfig cfg;
   cfg.SetArch(*arch);
-  if (*model_type == "qwen3_5") {
+  if (*model_type == "qwen3_5" || *model_type == "qwen3_5_moe") {
     cfg.multimodal = true;
     DF_ASSIGN_OR_RETURN(const Struct* text, top.Object("text_config"));
     if (text == nullptr) return top.Missing("text_config");
     const JsonObject dec(*text, source, "text_config.");
     DF_ASSIGN_OR_RETURN(std::optional<std::string> text_type, dec.String("model_type"));
-    if (text_type.has_value() && *text_type != "qwen3_5_text") {
+    const std::string want_text_type = absl::StrCat(*model_type, "_text");
+    if (text_type.has_value() && *text_type != want_text_type) {
       return absl::InvalidArgumentError(absl::StrCat(source, ": text_config.model_type \"",
-                                                     *text_type, "\" should be qwen3_5_text"));
+                                                     *text_type, "\" should be ", want_text_type));
     }
     DF_RETURN_IF_ERROR(ParseDecoder(dec, cfg.arch, source, cfg));
     // The ConditionalGeneration head ties (or not) according to the outer config.

@@ -64,23 +64,29 @@ std::string JsonArray(const std::vector<std::string>& items) {
 }  // namespace
 
 std::string ModelConfig::ToJson() const {
-  const bool hybrid = arch == Arch::kQwen35Hybrid;
+  // The Qwen3.5 family (dense or MoE): hybrid layers, text_config when multimodal.
+  const bool hybrid = features.linear_attention;
+  const bool moe = features.mlp != MlpKind::kDenseSwiGlu;
   // Nested one level under text_config when multimodal.
   const int dec_indent = hybrid && multimodal ? 2 : 0;
+  // Class-name stems: "Qwen3_5Moe" + "ForCausalLM", "qwen3_5_moe" + "_text".
+  const std::string class_stem = absl::StrCat(hybrid ? "Qwen3_5" : "Qwen3", moe ? "Moe" : "");
+  const std::string type_stem(ArchName(arch));
 
   JsonWriter dec;
   if (!hybrid) {
-    dec.Raw("architectures", JsonArray({Quote("Qwen3ForCausalLM")})).Str("model_type", "qwen3");
+    dec.Raw("architectures", JsonArray({Quote(class_stem + "ForCausalLM")}))
+        .Str("model_type", type_stem);
   } else if (!multimodal) {
-    dec.Raw("architectures", JsonArray({Quote("Qwen3_5ForCausalLM")}))
-        .Str("model_type", "qwen3_5_text");
+    dec.Raw("architectures", JsonArray({Quote(class_stem + "ForCausalLM")}))
+        .Str("model_type", type_stem + "_text");
   } else {
-    dec.Str("model_type", "qwen3_5_text");
+    dec.Str("model_type", type_stem + "_text");
   }
-  dec.Int("vocab_size", vocab_size)
-      .Int("hidden_size", hidden_size)
-      .Int("intermediate_size", intermediate_size)
-      .Int("num_hidden_layers", num_layers)
+  dec.Int("vocab_size", vocab_size).Int("hidden_size", hidden_size);
+  // Qwen3_5MoeTextConfig has no intermediate_size (no dense MLP).
+  if (!(moe && hybrid)) dec.Int("intermediate_size", intermediate_size);
+  dec.Int("num_hidden_layers", num_layers)
       .Int("num_attention_heads", num_heads)
       .Int("num_key_value_heads", num_kv_heads)
       .Int("head_dim", head_dim)
@@ -117,6 +123,20 @@ std::string ModelConfig::ToJson() const {
     }
     dec.Bool("use_sliding_window", false);
   }
+  if (moe) {
+    dec.Int("num_experts", num_experts)
+        .Int("num_experts_per_tok", num_experts_per_tok)
+        .Int("moe_intermediate_size", moe_intermediate_size);
+    if (hybrid) {
+      dec.Int("shared_expert_intermediate_size", shared_expert_intermediate_size);
+    } else {
+      std::vector<std::string> dense;
+      for (int64_t l : mlp_only_layers) dense.push_back(absl::StrCat(l));
+      dec.Bool("norm_topk_prob", norm_topk_prob)
+          .Int("decoder_sparse_step", decoder_sparse_step)
+          .Raw("mlp_only_layers", JsonArray(dense));
+    }
+  }
   dec.Object("rope_parameters", rope, dec_indent + 2);
   dec.Str("dtype", "bfloat16").Str("torch_dtype", "bfloat16");
 
@@ -125,8 +145,8 @@ std::string ModelConfig::ToJson() const {
   // No vision_config: transformers builds its default vision tower, whose
   // weights this checkpoint does not have (they load as freshly initialised).
   JsonWriter outer;
-  outer.Raw("architectures", JsonArray({Quote("Qwen3_5ForConditionalGeneration")}))
-      .Str("model_type", "qwen3_5")
+  outer.Raw("architectures", JsonArray({Quote(class_stem + "ForConditionalGeneration")}))
+      .Str("model_type", type_stem)
       .Object("text_config", dec, 2)
       .Bool("tie_word_embeddings", tie_word_embeddings)
       .Str("dtype", "bfloat16")

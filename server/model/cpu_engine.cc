@@ -1,5 +1,6 @@
-// CPU reference forward of the Qwen3.5 hybrid and of Qwen3 dense, as
-// transformers' Qwen3_5 and Qwen3 modeling compute them. Everything is fp32:
+// CPU reference forward of the Qwen3.5 hybrid and of Qwen3 dense, and of
+// their MoE variants, as transformers' Qwen3_5(_moe) and Qwen3(_moe) modeling
+// compute them. Everything is fp32:
 // weights are widened once in Create, the residual stream and every
 // intermediate stay fp32, and none of transformers' intermediate bf16
 // roundings are replayed, so this is the oracle that HF run in fp32 is
@@ -23,6 +24,7 @@
 #include "kernels/cpu/embedding.h"
 #include "kernels/cpu/gdn.h"
 #include "kernels/cpu/gemm.h"
+#include "kernels/cpu/moe.h"
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/swiglu.h"
@@ -48,10 +50,16 @@ struct GdnWeights {
   Buffer w_qkv, w_z, w_b, w_a, conv, a_log, dt_bias, norm, w_out;
 };
 
+struct MoeWeights {
+  Buffer router, experts_gate_up, experts_down;
+  Buffer shared_gate, shared_up, shared_down, shared_expert_gate;  // empty without one
+};
+
 struct LayerF32 {
   Buffer input_norm, post_norm, gate, up, down;
   AttentionWeights attn;
   GdnWeights gdn;
+  MoeWeights moe;
 };
 
 // Checks that a tensor is the one weight_layout.h expects.
@@ -114,6 +122,13 @@ Buffer* LayerSlot(LayerF32& l, Tensor LayerWeights::*member) {
       {&LayerWeights::dt_bias, &l.gdn.dt_bias},
       {&LayerWeights::norm, &l.gdn.norm},
       {&LayerWeights::out_proj, &l.gdn.w_out},
+      {&LayerWeights::router, &l.moe.router},
+      {&LayerWeights::experts_gate_up, &l.moe.experts_gate_up},
+      {&LayerWeights::experts_down, &l.moe.experts_down},
+      {&LayerWeights::shared_gate_proj, &l.moe.shared_gate},
+      {&LayerWeights::shared_up_proj, &l.moe.shared_up},
+      {&LayerWeights::shared_down_proj, &l.moe.shared_down},
+      {&LayerWeights::shared_expert_gate, &l.moe.shared_expert_gate},
   };
   for (const auto& [m, dst] : slots) {
     if (m == member) return dst;
@@ -154,6 +169,7 @@ struct CpuEngine::Impl {
   void Attention(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
   void GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
   void Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
+  void Moe(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
   // The mixer or MLP `kind` of layer `w`: m = block(u).
   void Block(BlockKind kind, const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
   void Linear(const Buffer& x, const Buffer& w, int64_t rows, int64_t out_dim, int64_t in_dim,
@@ -317,6 +333,36 @@ void CpuEngine::Impl::Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Bu
   Linear(gate, w.down, t, d, f, m);
 }
 
+// The mixture of experts: router logits u·W_gᵀ, fp32 softmax and top-k
+// (renormalised as the config says), the routed SwiGLU experts summed by
+// weight, plus (Qwen3.5-MoE) the shared expert scaled by
+// sigmoid(u·shared_expert_gateᵀ).
+void CpuEngine::Impl::Moe(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const {
+  const ModelConfig& c = model->config;
+  const int64_t t = b.tokens, d = c.hidden_size;
+  const int64_t e = c.num_experts, k = c.num_experts_per_tok;
+  Buffer logits;
+  Linear(u, w.moe.router, t, e, d, logits);
+  std::vector<int32_t> ids(static_cast<size_t>(t * k));
+  Buffer weights(static_cast<size_t>(t * k));
+  cpu::MoeRoute(logits.data(), t, e, k, c.norm_topk_prob, ids.data(), weights.data());
+  m.resize(static_cast<size_t>(t * d));
+  cpu::MoeExperts(u.data(), t, d, c.moe_intermediate_size, w.moe.experts_gate_up.data(),
+                  w.moe.experts_down.data(), ids.data(), weights.data(), k, m.data(), threads);
+  if (c.features.mlp != MlpKind::kMoeSharedExpert) return;
+  const int64_t s = c.shared_expert_intermediate_size;
+  Buffer gate, up, shared, shared_logit;
+  Linear(u, w.moe.shared_gate, t, s, d, gate);
+  Linear(u, w.moe.shared_up, t, s, d, up);
+  cpu::SwiGlu(gate.data(), up.data(), t * s, gate.data());
+  Linear(gate, w.moe.shared_down, t, d, s, shared);
+  Linear(u, w.moe.shared_expert_gate, t, 1, d, shared_logit);
+  for (int64_t r = 0; r < t; ++r) {
+    const float g = Sigmoid(shared_logit[static_cast<size_t>(r)]);
+    for (int64_t j = 0; j < d; ++j) m[r * d + j] += g * shared[r * d + j];
+  }
+}
+
 void CpuEngine::Impl::Block(BlockKind kind, const LayerF32& w, const Batch& b, const Buffer& u,
                             Buffer& m) const {
   switch (kind) {
@@ -326,6 +372,8 @@ void CpuEngine::Impl::Block(BlockKind kind, const LayerF32& w, const Batch& b, c
       return GatedDeltaNet(w, b, u, m);
     case BlockKind::kDenseMlp:
       return Ffn(w, b, u, m);
+    case BlockKind::kMoeMlp:
+      return Moe(w, b, u, m);
     case BlockKind::kNorms:
       break;  // applied by Run around the blocks
   }

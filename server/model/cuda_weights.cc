@@ -98,7 +98,11 @@ absl::Status CudaEngine::Impl::UploadWeights() {
       const float a = static_cast<float>(log_uniform ? r.lo : r.scale);
       const float b = static_cast<float>(log_uniform ? r.hi : r.offset);
       cudaError_t e;
-      if (spec.device_f32) {
+      if (r.row_log_sigma > 0) {  // bf16 projections only (the MoE router)
+        const int64_t cols = spec.shape.back();
+        e = cuda::FillRowScaledRandomBf16(reinterpret_cast<bf16*>(dst[i]), n / cols, cols, seed, a,
+                                          b, static_cast<float>(r.row_log_sigma), stream);
+      } else if (spec.device_f32) {
         float* p = reinterpret_cast<float*>(dst[i]);
         e = log_uniform ? cuda::FillLogUniformF32(p, n, seed, a, b, stream)
                         : cuda::FillRandomF32(p, n, seed, a, b, stream);

@@ -135,6 +135,15 @@ std::string ComputeFingerprint(const Model& model) {
   }
   d.U64(c.layer_types.size());
   for (LayerKind k : c.layer_types) d.U64(static_cast<uint64_t>(k));
+  if (c.features.mlp != MlpKind::kDenseSwiGlu) {  // hashed only where they mean something
+    for (int64_t v : {c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                      c.shared_expert_intermediate_size, c.decoder_sparse_step}) {
+      d.U64(static_cast<uint64_t>(v));
+    }
+    d.U64(c.norm_topk_prob ? 1 : 0);
+    d.U64(c.mlp_only_layers.size());
+    for (int64_t l : c.mlp_only_layers) d.U64(static_cast<uint64_t>(l));
+  }
   if (model.weights_on_device_random) {
     // Weights made on the GPU from a seed: the seed stands for their bytes.
     d.Str("device-random");

@@ -1,6 +1,7 @@
 // Saves a Model as a Hugging Face directory: config.json plus one
 // model.safetensors, or N shards and model.safetensors.index.json.
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -122,8 +123,29 @@ absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
         {std::move(name), &t, static_cast<uint64_t>(t.numel()) * DTypeSize(options.dtype)});
     return absl::OkStatus();
   };
+  // Stacked experts go out one tensor per expert and part, as transformers'
+  // save_pretrained writes them: views into the stacked tensor.
+  std::deque<Tensor> expert_views;
   for (const WeightSpec& spec : DecoderWeightSpecs(config)) {
     DF_RETURN_IF_ERROR(add(spec, prefix + spec.name));
+    if (spec.expert_parts.empty()) continue;
+    const Tensor& stacked = *items.back().tensor;
+    items.pop_back();
+    const int64_t parts = static_cast<int64_t>(spec.expert_parts.size());
+    const int64_t rows = spec.shape[1] / parts, cols = spec.shape[2];
+    const std::string base = prefix + spec.name.substr(0, spec.name.rfind('.') + 1);
+    for (int64_t e = 0; e < spec.shape[0]; ++e) {
+      for (int64_t p = 0; p < parts; ++p) {
+        Tensor& view = expert_views.emplace_back();
+        view.dtype = stacked.dtype;
+        view.shape = {rows, cols};
+        view.data = stacked.data +
+                    static_cast<size_t>((e * parts + p) * rows * cols) * DTypeSize(stacked.dtype);
+        items.push_back(
+            {absl::StrCat(base, e, ".", spec.expert_parts[static_cast<size_t>(p)], ".weight"),
+             &view, static_cast<uint64_t>(rows * cols) * DTypeSize(options.dtype)});
+      }
+    }
   }
   if (!config.tie_word_embeddings && model.weights.lm_head.valid()) {
     const WeightSpec head = LmHeadSpec(config);

@@ -3,6 +3,7 @@
 // Every decoder tensor is checked against the shape the config implies, and
 // the Tensors point straight into the read-only mappings (copied only when a
 // tensor's offset leaves it misaligned for its dtype).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -79,6 +80,7 @@ class CheckpointLoader {
   absl::Status IndexTensors();
   absl::Status Classify();
   absl::StatusOr<Tensor> Bind(const Found& f, const WeightSpec& spec);
+  absl::StatusOr<Tensor> BindExperts(const WeightSpec& spec, std::set<std::string>& expected);
   std::string ExtraReason(const std::string& suffix) const;
 
   std::string dir_;
@@ -222,6 +224,31 @@ std::string CheckpointLoader::ExtraReason(const std::string& suffix) const {
     return absl::StrCat(" (layer ", layer, " is ", full ? "full_attention" : "linear_attention",
                         " in config.json)");
   }
+  if (!absl::StartsWith(part, "mlp.")) return "";
+  const bool moe = config_.MlpOfLayer(layer) != MlpKind::kDenseSwiGlu;
+  const bool moe_tensor = absl::StartsWith(part, "mlp.gate.") ||
+                          absl::StartsWith(part, "mlp.experts.") ||
+                          absl::StartsWith(part, "mlp.shared_expert");
+  if (moe_tensor && !moe) {
+    return absl::StrCat(" (layer ", layer,
+                        " has a dense MLP in config.json: num_experts, mlp_only_layers, "
+                        "decoder_sparse_step)");
+  }
+  if (!moe_tensor && moe) {
+    return absl::StrCat(" (layer ", layer, " is a mixture-of-experts layer in config.json)");
+  }
+  if (absl::StartsWith(part, "mlp.shared_expert") &&
+      config_.features.mlp != MlpKind::kMoeSharedExpert) {
+    return absl::StrCat(" (", std::string(ArchName(config_.arch)), " has no shared expert)");
+  }
+  int64_t expert = 0;
+  const absl::string_view after = part.substr(std::min(part.size(), sizeof("mlp.experts.") - 1));
+  if (absl::StartsWith(part, "mlp.experts.") &&
+      absl::SimpleAtoi(after.substr(0, after.find('.')), &expert) &&
+      expert >= config_.num_experts) {
+    return absl::StrCat(" (expert ", expert, " >= num_experts=", config_.num_experts,
+                        " from config.json)");
+  }
   return "";
 }
 
@@ -245,6 +272,89 @@ absl::StatusOr<Tensor> CheckpointLoader::Bind(const Found& f, const WeightSpec& 
     t.data = copy.get();
     storage_->copies.push_back(std::move(copy));
   }
+  return t;
+}
+
+// Stacked experts come fused under the spec's own name (transformers' in-memory
+// layout, which BF16 hub releases use) or as one tensor per expert and part
+// (what save_pretrained writes, and FP8 releases); the latter are stacked in
+// expert order, parts in order, into a copy the model owns.
+absl::StatusOr<Tensor> CheckpointLoader::BindExperts(const WeightSpec& spec,
+                                                     std::set<std::string>& expected) {
+  const int64_t experts = spec.shape[0];
+  const int64_t parts = static_cast<int64_t>(spec.expert_parts.size());
+  const int64_t part_rows = spec.shape[1] / parts, cols = spec.shape[2];
+  // "layers.N.mlp.experts." and "layers.N.mlp.experts.{e}.<part>.weight".
+  const std::string base = spec.name.substr(0, spec.name.rfind('.') + 1);
+  auto part_name = [&](int64_t e, int64_t p) {
+    return absl::StrCat(base, e, ".", spec.expert_parts[static_cast<size_t>(p)], ".weight");
+  };
+  const auto fused = decoder_.find(spec.name);
+  const Found* first_part = nullptr;
+  for (int64_t e = 0; e < experts && first_part == nullptr; ++e) {
+    for (int64_t p = 0; p < parts && first_part == nullptr; ++p) {
+      if (auto it = decoder_.find(part_name(e, p)); it != decoder_.end()) {
+        first_part = &it->second;
+      }
+    }
+  }
+  if (fused != decoder_.end()) {
+    if (first_part != nullptr) {
+      return Error("layer ", spec.layer, " stores its experts both fused (", fused->second.name,
+                   " in ", fused->second.file, ") and per expert (", first_part->name, " in ",
+                   first_part->file, ")");
+    }
+    const SafetensorsTensor& st = *fused->second.tensor;
+    if (st.shape.size() == 3 && st.shape[0] != experts) {
+      return Error("tensor ", fused->second.name, " in ", fused->second.file, " holds ",
+                   st.shape[0], " experts (its first dim), config.json has num_experts=", experts);
+    }
+    return Bind(fused->second, spec);
+  }
+  if (first_part == nullptr) {
+    return Error("missing tensor ", prefix_, spec.name, " (or its per-expert form ", prefix_,
+                 part_name(0, 0), ", ...; looked in ", absl::StrJoin(shard_names_, ", "), ")");
+  }
+
+  Tensor t;
+  t.dtype = DTypeFromSafetensors(first_part->tensor->dtype);
+  t.shape = spec.shape;
+  const size_t part_bytes = static_cast<size_t>(part_rows * cols) * DTypeSize(t.dtype);
+  std::unique_ptr<std::byte[]> stacked;
+  for (int64_t e = 0; e < experts; ++e) {
+    for (int64_t p = 0; p < parts; ++p) {
+      const std::string name = part_name(e, p);
+      const auto it = decoder_.find(name);
+      if (it == decoder_.end()) {
+        return Error("missing tensor ", prefix_, name, " (expert ", e, " of num_experts=", experts,
+                     " from config.json; looked in ", absl::StrJoin(shard_names_, ", "), ")");
+      }
+      const Found& f = it->second;
+      const DType dtype = DTypeFromSafetensors(f.tensor->dtype);
+      if (dtype == DType::kInvalid) {
+        return Error("tensor ", f.name, " in ", f.file, " has dtype ", f.tensor->dtype,
+                     "; only BF16, F16 and F32 are supported");
+      }
+      if (dtype != t.dtype) {
+        return Error("tensor ", f.name, " in ", f.file, " has dtype ", f.tensor->dtype, " but ",
+                     first_part->name, " has ", first_part->tensor->dtype,
+                     "; one layer's experts must share a dtype");
+      }
+      if (f.tensor->shape != std::vector<int64_t>{part_rows, cols}) {
+        return Error("tensor ", f.name, " in ", f.file, " has shape [",
+                     absl::StrJoin(f.tensor->shape, ", "), "], expected [", part_rows, ", ", cols,
+                     "] (from config.json: ", spec.origin, ")");
+      }
+      if (stacked == nullptr) {
+        stacked = std::make_unique<std::byte[]>(part_bytes * static_cast<size_t>(experts * parts));
+      }
+      std::memcpy(stacked.get() + static_cast<size_t>(e * parts + p) * part_bytes, f.tensor->data,
+                  part_bytes);
+      expected.insert(name);
+    }
+  }
+  t.data = stacked.get();
+  storage_->copies.push_back(std::move(stacked));
   return t;
 }
 
@@ -276,6 +386,10 @@ absl::StatusOr<std::unique_ptr<Model>> CheckpointLoader::Load() {
   std::set<std::string> expected;
   for (const WeightSpec& spec : specs) {
     expected.insert(spec.name);
+    if (!spec.expert_parts.empty()) {
+      DF_ASSIGN_OR_RETURN(WeightSlot(w, spec), BindExperts(spec, expected));
+      continue;
+    }
     auto it = decoder_.find(spec.name);
     if (it == decoder_.end()) {
       return Error("missing tensor ", prefix_, spec.name, " (looked in ",

@@ -74,9 +74,15 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir);
 
 // Built-in random models. Specs: "tiny-random" or "tiny-random:SEED" (a small
 // Qwen3.5 hybrid with both layer kinds), "tiny-random-qwen3[:SEED]" (dense),
-// and real shapes whose weights are made on the GPU: "random:qwen3.6-27b[:SEED]",
-// "random:qwen3-8b[:SEED]".
+// "tiny-random-moe[:SEED]" / "tiny-random-qwen3-moe[:SEED]" (their MoE
+// variants), "small-random*" (real head sizes), and real shapes whose weights
+// are made on the GPU: "random:qwen3.6-27b[:SEED]", "random:qwen3-8b[:SEED]",
+// "random:qwen3.6-35b-a3b[:SEED]", "random:qwen3-30b-a3b[:SEED]",
+// "random:qwen3.5-122b-a10b[:SEED]" (two GPUs' worth in bf16).
 absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec);
+// A model of any config (checked with Validate) with host random weights drawn
+// as the built-ins' are, for tests that need a shape the table lacks.
+absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const ModelConfig& config, uint64_t seed);
 
 // Resolves --model: a built-in spec, else a checkpoint directory.
 absl::StatusOr<std::unique_ptr<Model>> OpenModel(const std::string& spec);

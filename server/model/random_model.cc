@@ -32,6 +32,9 @@ struct RandomShape {
   int64_t full_attention_interval = 1;
   int64_t conv_kernel = 0, key_head_dim = 0, value_head_dim = 0;
   int64_t num_key_heads = 0, num_value_heads = 0;
+  // MoE only (arch kQwen35Moe / kQwen3Moe).
+  int64_t experts = 0, experts_per_tok = 0, moe_intermediate = 0, shared_intermediate = 0;
+  int64_t mlp_only_layer = -1;  // qwen3_moe: one dense layer, so both MLP paths run
   // Real sizes: weights are made on the GPU (Model::weights_on_device_random).
   bool device_weights = false;
 };
@@ -120,6 +123,153 @@ constexpr RandomShape kShapes[] = {
      .num_key_heads = 16,
      .num_value_heads = 48,
      .device_weights = true},
+    // MoE variants of tiny-random and tiny-random-qwen3: 8 experts, top 2.
+    {.name = "tiny-random-moe",
+     .arch = Arch::kQwen35Moe,
+     .vocab = 4096,
+     .hidden = 128,
+     .intermediate = 0,
+     .layers = 4,
+     .heads = 4,
+     .kv_heads = 2,
+     .head_dim = 64,
+     .rope_theta = 1e7,
+     .partial_rotary_factor = 0.25,
+     .tie_word_embeddings = false,
+     .full_attention_interval = 4,
+     .conv_kernel = 4,
+     .key_head_dim = 32,
+     .value_head_dim = 32,
+     .num_key_heads = 2,
+     .num_value_heads = 4,
+     .experts = 8,
+     .experts_per_tok = 2,
+     .moe_intermediate = 64,
+     .shared_intermediate = 64},
+    {.name = "tiny-random-qwen3-moe",
+     .arch = Arch::kQwen3Moe,
+     .vocab = 4096,
+     .hidden = 128,
+     .intermediate = 256,
+     .layers = 3,
+     .heads = 4,
+     .kv_heads = 2,
+     .head_dim = 32,
+     .rope_theta = 1e6,
+     .partial_rotary_factor = 1.0,
+     .tie_word_embeddings = true,
+     .experts = 8,
+     .experts_per_tok = 2,
+     .moe_intermediate = 64,
+     .mlp_only_layer = 1},
+    // MoE at the real head sizes and top-k widths the CUDA kernels tile for
+    // (expert width 128), small enough for the CPU reference.
+    {.name = "small-random-moe",
+     .arch = Arch::kQwen35Moe,
+     .vocab = 4096,
+     .hidden = 512,
+     .intermediate = 0,
+     .layers = 4,
+     .heads = 4,
+     .kv_heads = 2,
+     .head_dim = 256,
+     .rope_theta = 1e4,
+     .partial_rotary_factor = 0.25,
+     .tie_word_embeddings = false,
+     .full_attention_interval = 2,
+     .conv_kernel = 4,
+     .key_head_dim = 128,
+     .value_head_dim = 128,
+     .num_key_heads = 1,
+     .num_value_heads = 3,
+     .experts = 32,
+     .experts_per_tok = 4,
+     .moe_intermediate = 128,
+     .shared_intermediate = 128},
+    {.name = "small-random-qwen3-moe",
+     .arch = Arch::kQwen3Moe,
+     .vocab = 4096,
+     .hidden = 512,
+     .intermediate = 1024,
+     .layers = 3,
+     .heads = 8,
+     .kv_heads = 2,
+     .head_dim = 128,
+     .rope_theta = 1e4,
+     .partial_rotary_factor = 1.0,
+     .tie_word_embeddings = true,
+     .experts = 32,
+     .experts_per_tok = 4,
+     .moe_intermediate = 128,
+     .mlp_only_layer = 0},
+    // Qwen3.6-35B-A3B: 10 × (3 GDN + 1 gated attention), every MLP 256
+    // experts top-8 plus a shared expert.
+    {.name = "random:qwen3.6-35b-a3b",
+     .arch = Arch::kQwen35Moe,
+     .vocab = 248320,
+     .hidden = 2048,
+     .intermediate = 0,
+     .layers = 40,
+     .heads = 16,
+     .kv_heads = 2,
+     .head_dim = 256,
+     .rope_theta = 1e7,
+     .partial_rotary_factor = 0.25,
+     .tie_word_embeddings = false,
+     .full_attention_interval = 4,
+     .conv_kernel = 4,
+     .key_head_dim = 128,
+     .value_head_dim = 128,
+     .num_key_heads = 16,
+     .num_value_heads = 32,
+     .experts = 256,
+     .experts_per_tok = 8,
+     .moe_intermediate = 512,
+     .shared_intermediate = 512,
+     .device_weights = true},
+    // Qwen3.5-122B-A10B, for memory planning: about 244 GB of bf16 weights,
+    // two H200s (or FP8 on one); a single GPU refuses it at the weight
+    // allocation.
+    {.name = "random:qwen3.5-122b-a10b",
+     .arch = Arch::kQwen35Moe,
+     .vocab = 248320,
+     .hidden = 3072,
+     .intermediate = 0,
+     .layers = 48,
+     .heads = 32,
+     .kv_heads = 2,
+     .head_dim = 256,
+     .rope_theta = 1e7,
+     .partial_rotary_factor = 0.25,
+     .tie_word_embeddings = false,
+     .full_attention_interval = 4,
+     .conv_kernel = 4,
+     .key_head_dim = 128,
+     .value_head_dim = 128,
+     .num_key_heads = 16,
+     .num_value_heads = 64,
+     .experts = 256,
+     .experts_per_tok = 8,
+     .moe_intermediate = 1024,
+     .shared_intermediate = 1024,
+     .device_weights = true},
+    // Qwen3-30B-A3B: 48 layers, every MLP 128 experts top-8, no shared expert.
+    {.name = "random:qwen3-30b-a3b",
+     .arch = Arch::kQwen3Moe,
+     .vocab = 151936,
+     .hidden = 2048,
+     .intermediate = 6144,
+     .layers = 48,
+     .heads = 32,
+     .kv_heads = 4,
+     .head_dim = 128,
+     .rope_theta = 1e6,
+     .partial_rotary_factor = 1.0,
+     .tie_word_embeddings = false,
+     .experts = 128,
+     .experts_per_tok = 8,
+     .moe_intermediate = 768,
+     .device_weights = true},
     // Qwen3-8B shape.
     {.name = "random:qwen3-8b",
      .arch = Arch::kQwen3Dense,
@@ -169,6 +319,14 @@ ModelConfig ConfigFor(const RandomShape& s) {
     const bool full = (i + 1) % s.full_attention_interval == 0;
     c.layer_types.push_back(full ? LayerKind::kFullAttention : LayerKind::kLinearAttention);
   }
+  if (c.features.mlp != MlpKind::kDenseSwiGlu) {
+    c.num_experts = s.experts;
+    c.num_experts_per_tok = s.experts_per_tok;
+    c.moe_intermediate_size = s.moe_intermediate;
+    c.shared_expert_intermediate_size = s.shared_intermediate;
+    c.norm_topk_prob = true;  // the released Qwen3-MoE configs set it
+    if (s.mlp_only_layer >= 0) c.mlp_only_layers = {s.mlp_only_layer};
+  }
   return c;
 }
 
@@ -198,6 +356,11 @@ class Sampler {
   bool has_spare_ = false;
 };
 
+// A model of `config` (validated) with random weights: on the host from
+// `seed`, or (on_device) shapes only, the GPU engine filling them.
+std::unique_ptr<Model> MakeRandomWeights(const ModelConfig& config, uint64_t seed, std::string id,
+                                         bool on_device);
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) {
@@ -225,14 +388,31 @@ absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) 
         absl::StrCat("unknown built-in model '", spec, "'; built-in specs are ", ValidSpecs()));
   }
 
-  auto model = std::make_unique<Model>();
-  model->id = absl::StrCat(std::string(shape->name), ":", seed);
-  model->config = ConfigFor(*shape);
-  if (absl::Status st = model->config.Validate(); !st.ok()) {
+  const ModelConfig config = ConfigFor(*shape);
+  if (absl::Status st = config.Validate(); !st.ok()) {
     return absl::InternalError(
         absl::StrCat("built-in shape ", std::string(shape->name), ": ", st.message()));
   }
-  const ModelConfig& config = model->config;
+  return MakeRandomWeights(config, seed, absl::StrCat(std::string(shape->name), ":", seed),
+                           shape->device_weights);
+}
+
+absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const ModelConfig& config, uint64_t seed) {
+  if (absl::Status st = config.Validate(); !st.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("random model config: ", st.message()));
+  }
+  return MakeRandomWeights(config, seed,
+                           absl::StrCat("random-", std::string(ArchName(config.arch)), ":", seed),
+                           /*on_device=*/false);
+}
+
+namespace {
+
+std::unique_ptr<Model> MakeRandomWeights(const ModelConfig& config, uint64_t seed, std::string id,
+                                         bool on_device) {
+  auto model = std::make_unique<Model>();
+  model->id = std::move(id);
+  model->config = config;
 
   std::vector<WeightSpec> specs = DecoderWeightSpecs(config);
   if (!config.tie_word_embeddings) specs.push_back(LmHeadSpec(config));
@@ -240,7 +420,7 @@ absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) 
   for (size_t i = 0; i < model->weights.layers.size(); ++i) {
     model->weights.layers[i].kind = config.layer_types[i];
   }
-  if (shape->device_weights) {
+  if (on_device) {
     for (const WeightSpec& s : specs) {
       Tensor& t = WeightSlot(model->weights, s);
       t.dtype = DType::kBF16;
@@ -260,10 +440,16 @@ absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) 
     const RandomInit& init = s.init;
     const int64_t n = s.numel();
     uint16_t* dst = buffer->data() + offset;
+    const int64_t cols = s.shape.back();
+    double scale = init.scale;
     for (int64_t i = 0; i < n; ++i) {
+      // A row's own scale factor is drawn just before its first element.
+      if (init.row_log_sigma > 0 && i % cols == 0) {
+        scale = init.scale * std::exp(init.row_log_sigma * sampler.Normal());
+      }
       const double v = init.dist == RandomInit::Dist::kLogUniform
                            ? std::log(init.lo + (init.hi - init.lo) * sampler.Uniform())
-                           : init.offset + init.scale * sampler.Normal();
+                           : init.offset + scale * sampler.Normal();
       dst[i] = FloatToBf16(static_cast<float>(v));
     }
     Tensor& t = WeightSlot(model->weights, s);
@@ -278,4 +464,5 @@ absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) 
   return model;
 }
 
+}  // namespace
 }  // namespace draftfeed

@@ -309,10 +309,14 @@ TEST(ConfigTest, ToJsonShapes) {
 TEST(ConfigTest, UnknownModelTypeListsSupported) {
   EXPECT_EQ(ErrorOf(R"({"model_type": "llama", "hidden_size": 8})"),
             "/ckpt/config.json: unsupported model_type \"llama\"; supported: qwen3_5, "
-            "qwen3_5_text, qwen3");
+            "qwen3_5_text, qwen3, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe");
+  EXPECT_EQ(ErrorOf(Edit(kQwen3, "Qwen3ForCausalLM", "MixtralForCausalLM")),
+            "/ckpt/config.json: unsupported architecture \"MixtralForCausalLM\"; supported: "
+            "Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM, Qwen3ForCausalLM, "
+            "Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM");
   EXPECT_EQ(ErrorOf(Edit(kQwen3, "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
-            "/ckpt/config.json: unsupported architecture \"Qwen3MoeForCausalLM\"; supported: "
-            "Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM, Qwen3ForCausalLM");
+            "/ckpt/config.json: architecture \"Qwen3MoeForCausalLM\" does not match model_type "
+            "\"qwen3\"");
   EXPECT_EQ(ErrorOf(Edit(kQwen3, "\"model_type\": \"qwen3\"", "\"model_type\": \"qwen3_5_text\"")),
             "/ckpt/config.json: architecture \"Qwen3ForCausalLM\" does not match model_type "
             "\"qwen3_5_text\"");

@@ -523,7 +523,8 @@ TEST_F(LoaderTest, UnknownArchitecture) {
   EXPECT_EQ(LoadError(dir), config.string() +
                                 ": unsupported architecture \"MambaForCausalLM\"; supported: "
                                 "Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM, "
-                                "Qwen3ForCausalLM");
+                                "Qwen3ForCausalLM, Qwen3_5MoeForConditionalGeneration, "
+                                "Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM");
 }
 
 TEST_F(LoaderTest, MissingShard) {
