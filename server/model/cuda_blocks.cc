@@ -1,6 +1,7 @@
 // The forward on the compute stream: embedding, then per layer the input
 // norm, its mixer block, the post norm and its MLP block (weight_layout's
-// BlockKind), the residual adds fused into the next norm, and the captures.
+// BlockKind), the residual adds fused into the next norm (an MoE MLP adds
+// into the residual itself), and the captures.
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "kernels/elementwise.cuh"
 #include "kernels/embedding.cuh"
 #include "kernels/gdn.cuh"
+#include "kernels/moe.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope.cuh"
 #include "server/model/cuda_engine_impl.h"
@@ -26,6 +28,8 @@ absl::Status CudaEngine::Impl::Block(const DeviceBlock& b, int64_t T, int32_t ns
       return GatedDeltaNet(b, T, nseq);
     case BlockKind::kDenseMlp:
       return DenseMlp(b, T);
+    case BlockKind::kMoeMlp:
+      return MoeMlp(b, T);
     case BlockKind::kNorms:
       break;  // fused into the residual adds by Run
   }
@@ -143,6 +147,50 @@ absl::Status CudaEngine::Impl::DenseMlp(const DeviceBlock& w, int64_t T) {
   return Timed("gemm", [&] { return gemm.Run(act, w.bf(kMlpDown), mix, T, D, F, stream); });
 }
 
+// The mixture of experts, all on the device: router logits (cuBLASLt, bf16
+// as transformers rounds them), fp32 softmax top-k, the pairs sorted by
+// expert, the grouped gate_up (+ SwiGLU) and down GEMMs, then (Qwen3.5-MoE)
+// the shared expert through the dense path into `mix` with its gate logit,
+// and one combine that adds Σ_j w·y (+ sigmoid(gate)·shared) into the fp32
+// residual, unrounded.
+absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
+  const int experts = static_cast<int>(E), k = static_cast<int>(top_k);
+  DF_RETURN_IF_ERROR(Timed("router", [&]() -> absl::Status {
+    DF_RETURN_IF_ERROR(gemm.Run(u, w.bf(kMoeRouter), router_logits, T, E, D, stream));
+    return CudaStatus(cuda::MoeTopK(router_logits, E, T, experts, k, renormalize, moe.expert_ids,
+                                    moe.weights, stream),
+                      "MoeTopK");
+  }));
+  DF_RETURN_IF_ERROR(Timed("permute", [&] {
+    return CudaStatus(cuda::MoePermute(moe.expert_ids, T, experts, k, moe.routing, stream),
+                      "MoePermute");
+  }));
+  DF_RETURN_IF_ERROR(Timed("expert_gemm", [&] {
+    cudaError_t e = cuda::MoeGateUpSwiGlu(u, D, w.bf(kMoeExpertsGateUp), D, I_moe, experts, T * k,
+                                          moe.routing, moe.act, stream);
+    if (e == cudaSuccess) {
+      e = cuda::MoeDown(moe.act, w.bf(kMoeExpertsDown), D, I_moe, experts, T * k, moe.routing,
+                        moe.y, stream);
+    }
+    return CudaStatus(e, "MoE expert GEMMs");
+  }));
+  const bool shared = I_shared > 0;
+  if (shared) {
+    DF_RETURN_IF_ERROR(Timed("shared_expert", [&]() -> absl::Status {
+      DF_RETURN_IF_ERROR(gemm.Run(u, w.bf(kMoeSharedGateUp), proj, T, 2 * I_shared, D, stream));
+      DF_RETURN_IF_ERROR(CudaStatus(cuda::SwiGlu(proj, T, I_shared, act, stream), "SwiGlu"));
+      DF_RETURN_IF_ERROR(gemm.Run(act, w.bf(kMoeSharedDown), mix, T, D, I_shared, stream));
+      return gemm.Run(u, w.bf(kMoeSharedGate), shared_logit, T, 1, D, stream);
+    }));
+  }
+  return Timed("moe_combine", [&] {
+    return CudaStatus(
+        cuda::MoeCombine(moe.y, moe.routing.pair_row, moe.weights, T, k, D, shared ? mix : nullptr,
+                         D, shared ? shared_logit : nullptr, 1, residual, stream),
+        "MoeCombine");
+  });
+}
+
 absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
   DF_CUDA(cudaSetDevice(options.device));
   DF_RETURN_IF_ERROR(ValidateForwardInput(model->config, in, options.max_tokens));
@@ -207,7 +255,13 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
     // asked for, is written straight into its capture slot below.
     const bf16* next_norm =
         l + 1 < L ? layers[static_cast<size_t>(l + 1)].norms.bf(kInputNorm) : final_norm;
-    DF_RETURN_IF_ERROR(Timed("norm", [&] {
+    DF_RETURN_IF_ERROR(Timed("norm", [&]() -> absl::Status {
+      if (AddsToResidual(w.mlp)) {
+        if (l == last) return absl::OkStatus();
+        return CudaStatus(
+            cuda::RmsNormF32(residual, D, next_norm, T, D, eps, norm_kind, u, D, stream),
+            "RmsNormF32");
+      }
       return CudaStatus(l == last ? cuda::AddResidual(residual, mix, T, D, stream)
                                   : cuda::AddRmsNormF32(residual, mix, next_norm, T, D, eps,
                                                         norm_kind, u, stream),

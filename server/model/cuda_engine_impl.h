@@ -20,6 +20,7 @@
 
 #include "common/cuda_status.h"
 #include "kernels/common.cuh"
+#include "kernels/moe.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "server/model/cuda_engine.h"
 #include "server/model/cuda_gemm.h"
@@ -88,6 +89,10 @@ struct CudaEngine::Impl {
   int64_t p_attn = 0, p_gdn = 0;
   bool gated = true;    // features.gated_attention
   bool qk_norm = true;  // features.qk_norm
+  // Mixture of experts: E experts of width I_moe, top_k per token, the
+  // shared expert's width (0: none).
+  int64_t E = 0, top_k = 0, I_moe = 0, I_shared = 0;
+  bool renormalize = true;  // config.norm_topk_prob
 
   // Workspace.
   int32_t* d_ids = nullptr;
@@ -104,6 +109,9 @@ struct CudaEngine::Impl {
   bf16* normed = nullptr;
   bf16* mix = nullptr;
   bf16* act = nullptr;
+  bf16* router_logits = nullptr;  // [T, E]
+  bf16* shared_logit = nullptr;   // [T] the shared expert's gate
+  cuda::MoeBuffers moe;           // routing, activations and outputs of the routed experts
   // Double-buffered capture: ForwardAsync copies one buffer to the host on
   // copy_stream while the next forward writes the other. `capture` is the
   // buffer of the current (or last) forward.
@@ -178,10 +186,13 @@ struct CudaEngine::Impl {
   // Enqueues the forward on `stream`; `sync` waits for it (and surfaces
   // errors of its kernels) before returning.
   absl::Status Run(const ForwardInput& in, bool sync = true);
-  // mix = block(u) for the mixer or MLP `b` of a layer.
+  // mix = block(u) for the mixer or MLP `b` of a layer; an MoE MLP instead
+  // adds its output into the residual itself (AddsToResidual).
   absl::Status Block(const DeviceBlock& b, int64_t T, int32_t nseq, int32_t max_len);
+  static bool AddsToResidual(const DeviceBlock& b) { return b.kind == BlockKind::kMoeMlp; }
   absl::Status Attention(const DeviceBlock& b, int64_t T, int32_t nseq, int32_t max_len);
   absl::Status GatedDeltaNet(const DeviceBlock& b, int64_t T, int32_t nseq);
   absl::Status DenseMlp(const DeviceBlock& b, int64_t T);
+  absl::Status MoeMlp(const DeviceBlock& b, int64_t T);
 };
 }  // namespace draftfeed

@@ -6,6 +6,7 @@
 #include "common/payload_checksum.h"
 #include "common/status_macros.h"
 #include "kernels/gdn.cuh"
+#include "kernels/moe.cuh"
 #include "server/model/cuda_engine_impl.h"
 
 namespace draftfeed {
@@ -15,7 +16,9 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   options = opt;
   const ModelConfig& c = m->config;
   D = c.hidden_size;
-  F = c.intermediate_size;
+  // intermediate_size applies only where some layer has a dense MLP (a
+  // Qwen3.5-MoE config has none).
+  F = c.has_dense_mlp() ? c.intermediate_size : 0;
   L = c.num_layers;
   Hq = c.num_heads;
   Hkv = c.num_kv_heads;
@@ -36,6 +39,23 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
     C = 2 * Nk * dk + Nv * dv;
     p_gdn = C + 2 * Nv;
   }
+  bool any_moe = false;
+  for (int64_t l = 0; l < L; ++l) any_moe |= BlocksOfLayer(c, l).mlp == BlockKind::kMoeMlp;
+  if (any_moe) {
+    E = c.num_experts;
+    top_k = c.num_experts_per_tok;
+    I_moe = c.moe_intermediate_size;
+    I_shared = c.features.mlp == MlpKind::kMoeSharedExpert ? c.shared_expert_intermediate_size : 0;
+    renormalize = c.norm_topk_prob;
+    // The kernels' limits, checked once here rather than failing a forward.
+    if (E > cuda::kMoeMaxExperts || top_k > cuda::kMoeMaxTopK || D % 8 != 0 || I_moe % 8 != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the CUDA MoE kernels take num_experts <= ", cuda::kMoeMaxExperts,
+                       ", num_experts_per_tok <= ", cuda::kMoeMaxTopK,
+                       " and hidden_size, moe_intermediate_size multiples of 8; this model has ", E,
+                       ", ", top_k, ", ", D, ", ", I_moe));
+    }
+  }
   if (options.max_layers <= 0) options.max_layers = L + 1;
 
   int count = 0;
@@ -51,7 +71,13 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
 
   // Workspace, sized once from the token budget.
   const int64_t T = options.max_tokens;
-  const int64_t proj_cols = std::max({p_attn, p_gdn, 2 * F});
+  // The shared expert runs through proj and act as the dense MLP does.
+  const int64_t ffn_cols = std::max(F, I_shared);
+  const int64_t proj_cols = std::max({p_attn, p_gdn, 2 * ffn_cols});
+  // Every routing of T tokens fits (MoeWorkspaceBytes is the worst case).
+  const size_t moe_bytes =
+      any_moe ? cuda::MoeWorkspaceBytes(T, static_cast<int>(E), static_cast<int>(top_k), D, I_moe)
+              : 0;
   cuda::GdnArgs probe;
   probe.num_tokens = T;
   probe.num_k_heads = Nk;
@@ -74,8 +100,11 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   add(T * std::max(Nv * dv, Hq * hd) * 2);     // core
   add(T * std::max(Nv * dv, Hq * hd) * 2);     // normed
   add(T * D * 2);                              // mix
-  add(T * F * 2);                              // act
-  add(T * options.max_layers * D * 2);         // capture, twice
+  add(T * ffn_cols * 2);                       // act
+  add(T * E * 2);                              // router logits
+  add(T * 2);                                  // shared expert gate logit
+  add(moe_bytes);
+  add(T * options.max_layers * D * 2);  // capture, twice
   add(T * options.max_layers * D * 2);
   add(gdn_bytes);
   add(gemm_ws);
@@ -96,7 +125,14 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   core = work.Take<bf16>(T * std::max(Nv * dv, Hq * hd));
   normed = work.Take<bf16>(T * std::max(Nv * dv, Hq * hd));
   mix = work.Take<bf16>(T * D);
-  act = work.Take<bf16>(T * F);
+  act = work.Take<bf16>(T * ffn_cols);
+  router_logits = work.Take<bf16>(T * E);
+  shared_logit = work.Take<bf16>(T);
+  void* moe_base = work.Take<char>(static_cast<int64_t>(moe_bytes));
+  if (any_moe && moe_base != nullptr) {
+    moe = cuda::CarveMoeWorkspace(moe_base, T, static_cast<int>(E), static_cast<int>(top_k), D,
+                                  I_moe);
+  }
   captures[0] = work.Take<bf16>(T * options.max_layers * D);
   captures[1] = work.Take<bf16>(T * options.max_layers * D);
   capture = captures[current];
