@@ -89,7 +89,30 @@ struct Region {
   const std::string* name;
 };
 
+const char* FileKind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
 }  // namespace
+
+absl::Status CheckRegularFile(const std::string& path, std::string_view what_view) {
+  const absl::string_view what(what_view.data(), what_view.size());
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    return ErrnoError(errno, absl::StrCat("cannot open ", what, " ", path));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " ", path, ": not a regular file (", FileKind(st.st_mode),
+                     "); reading it could block start-up or never end"));
+  }
+  return absl::OkStatus();
+}
 
 size_t SafetensorsDTypeSize(std::string_view dtype) {
   for (const DTypeInfo& d : kDTypes) {
@@ -115,13 +138,20 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     return absl::InvalidArgumentError(absl::StrCat("safetensors file ", path, ": ", parts...));
   };
 
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  DF_RETURN_IF_ERROR(CheckRegularFile(path, "safetensors file"));
+  // O_NONBLOCK: should a FIFO replace the file after the check, open returns
+  // at once (and fstat refuses it) instead of waiting for a writer.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return ErrnoError(errno, absl::StrCat("cannot open safetensors file ", path));
   struct stat st;
   if (fstat(fd, &st) != 0) {
     const int err = errno;
     ::close(fd);
     return ErrnoError(err, absl::StrCat("cannot stat safetensors file ", path));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return fail("not a regular file (", FileKind(st.st_mode), ")");
   }
   const uint64_t file_size = static_cast<uint64_t>(st.st_size);
   if (file_size < 8) {

@@ -30,6 +30,12 @@ struct SafetensorsTensor {
   size_t nbytes = 0;
 };
 
+// OK when `path` names a regular file (symlinks followed). Anything else (a
+// FIFO, a device, a directory) fails naming `what` and the path, before any
+// open: opening a FIFO blocks until a writer appears, and a device may never
+// end.
+absl::Status CheckRegularFile(const std::string& path, std::string_view what);
+
 class SafetensorsFile {
  public:
   // Maps `path` and validates its header; errors name the file and tensor.

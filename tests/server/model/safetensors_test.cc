@@ -1,10 +1,18 @@
 #include "server/model/safetensors.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -320,6 +328,43 @@ TEST_F(SafetensorsTest, PartlyOverlappingTensors) {
                                          "e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
                                      8);
   EXPECT_TRUE(SafetensorsFile::Open(empty).ok());
+}
+
+// Anything but a regular file is refused before it is opened: opening a FIFO
+// would block start-up until a writer appeared.
+TEST_F(SafetensorsTest, FifoIsRefusedWithoutBlocking) {
+  const std::string path = Path("model.safetensors");
+  ASSERT_EQ(mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  std::promise<absl::Status> opened;
+  std::future<absl::Status> result = opened.get_future();
+  std::thread t([&] { opened.set_value(SafetensorsFile::Open(path).status()); });
+  if (result.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    // Unblock the reader so the test fails instead of hanging.
+    const int fd = ::open(path.c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) ::close(fd);
+    t.join();
+    FAIL() << "SafetensorsFile::Open blocked on a FIFO for 10 s";
+  }
+  t.join();
+  const absl::Status s = result.get();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "safetensors file " + path +
+                             ": not a regular file (a FIFO); reading it could block start-up or "
+                             "never end");
+}
+
+TEST_F(SafetensorsTest, DevicesAndDirectoriesAreRefused) {
+  EXPECT_EQ(OpenError("/dev/zero"),
+            "safetensors file /dev/zero: not a regular file (a character device); reading it "
+            "could block start-up or never end");
+  EXPECT_EQ(OpenError(dir_.string()), "safetensors file " + dir_.string() +
+                                          ": not a regular file (a directory); reading it could "
+                                          "block start-up or never end");
+  // A symlink to a regular file is fine.
+  const std::vector<float> w = {1.0f};
+  ASSERT_TRUE(WriteSafetensors(Path("real.safetensors"), {Entry("w", "F32", {1}, w)}, {}).ok());
+  fs::create_symlink(Path("real.safetensors"), Path("link.safetensors"));
+  EXPECT_TRUE(SafetensorsFile::Open(Path("link.safetensors")).ok());
 }
 
 }  // namespace
