@@ -32,7 +32,10 @@
 
 ABSL_FLAG(std::string, model, "tiny-random",
           "Checkpoint directory (HF config.json + safetensors, single or sharded) or a built-in "
-          "random model: tiny-random[:SEED] (Qwen3.5 hybrid), tiny-random-qwen3[:SEED].");
+          "random model: tiny-random[:SEED] (Qwen3.5 hybrid), tiny-random-qwen3[:SEED], "
+          "tiny-random-moe[:SEED], tiny-random-qwen3-moe[:SEED], or a real shape with weights "
+          "made on the GPU: random:qwen3.6-27b, random:qwen3-8b, random:qwen3.6-35b-a3b, "
+          "random:qwen3-30b-a3b, random:qwen3.5-122b-a10b (needs two H200s in bf16).");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "Address to serve on. Port 0 picks a free port (see --port_file).");
 ABSL_FLAG(std::string, device, "auto",

@@ -213,3 +213,27 @@ def test_an_unknown_encoding_fails_by_name():
     pytest.importorskip("torch")
     with pytest.raises(draftfeed.DraftfeedError, match="cannot read captures encoded as 'fp8_e4m3'"):
         r.torch()
+
+
+def test_moe_target_streams_the_same_states_on_every_run(make_target):
+    # Two target processes serving tiny-random-moe (8 experts, top 2, a shared
+    # expert) give the same bits for the same packed batches: routing and the
+    # experts' sums do not depend on the run, the thread count or the packing.
+    lens = [[5, 60], [1, 2, 3], [200]]
+    batches = [(tokens(sum(l), 70 + i), np.array(l, dtype=np.int32)) for i, l in enumerate(lens)]
+    layers = [0, 3, -1]
+    runs = []
+    for threads in ("1", "2"):
+        t = make_target(model="tiny-random-moe", extra=[f"--threads={threads}"])
+        info = draftfeed.describe_target(t.address)
+        assert info["model_id"] == "tiny-random-moe:0"
+        assert info["architecture"] == "qwen3_5_moe"
+        with draftfeed.Feed(targets=[t.address], layers=layers, prefetch=2) as feed:
+            results = list(feed.map(batches))
+        for (tok, _), r in zip(batches, results):
+            assert r.hidden_bits.shape == (len(tok), 3, 128)
+            assert np.isfinite(r.hidden).all() and r.hidden.std() > 0.01
+        runs.append([r.hidden_bits.copy() for r in results])
+        t.kill()
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
