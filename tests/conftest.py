@@ -21,7 +21,7 @@ class TargetProcess:
         self.log = open(os.path.join(self.dir, "log"), "w+")
         self.proc = subprocess.Popen(
             [str(TARGET_BIN), f"--model={model}", "--listen=127.0.0.1:0", f"--port_file={port_file}",
-             "--threads=1", *extra],  # a later --listen in `extra` wins
+             "--threads=1", "--check_weights", *extra],  # a later --listen in `extra` wins
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 60
         while not os.path.exists(port_file):

@@ -27,6 +27,7 @@
 #include "server/model/cuda_engine.h"
 #endif
 #include "server/model/model.h"
+#include "server/model/weight_check.h"
 #include "server/service/target_service.h"
 #include "server/service/version.h"
 
@@ -70,6 +71,9 @@ ABSL_FLAG(double, nccl_timeout_s, 120,
           "An NCCL stream's setup, and each batch's send, must finish within this many "
           "seconds; otherwise the communicator is aborted and the stream ends.");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written there once serving.");
+ABSL_FLAG(bool, check_weights, false,
+          "At load, scan every weight for NaN and infinities and refuse to start on the first, "
+          "naming the tensor (one pass over the weights: seconds for a large checkpoint).");
 
 namespace draftfeed {
 namespace {
@@ -129,6 +133,11 @@ int Run() {
   const auto t0 = std::chrono::steady_clock::now();
   auto model = OpenModel(absl::GetFlag(FLAGS_model));
   if (!model.ok()) return Fail(std::string(model.status().message()));
+  if (absl::GetFlag(FLAGS_check_weights)) {
+    if (absl::Status s = CheckWeightsFinite(**model); !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
+  }
   std::vector<std::unique_ptr<Engine>> engines;
   if (gpus.empty()) {
     auto engine = CpuEngine::Create(model->get(), absl::GetFlag(FLAGS_threads));

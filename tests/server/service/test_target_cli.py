@@ -1,0 +1,96 @@
+"""draftfeed-target refuses what it cannot serve at start-up, naming the cause:
+checkpoints that are not regular files or whose tensors do not tile their data
+section, and (with --check_weights) non-finite weights."""
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+
+import pytest
+
+from conftest import REPO, TARGET_BIN, TargetProcess
+
+QWEN3 = REPO / "tests" / "data" / "models" / "qwen3"
+
+
+def run_target(*args, timeout=60):
+    """Runs the target expecting it to exit by itself (it must not start serving)."""
+    return subprocess.run([str(TARGET_BIN), "--listen=127.0.0.1:0", "--threads=1", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def copy_checkpoint(tmp_path):
+    d = tmp_path / "ckpt"
+    shutil.copytree(QWEN3, d)
+    return d
+
+
+def tensor_entries(path):
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def test_fifo_checkpoint_is_refused_without_hanging(tmp_path):
+    d = copy_checkpoint(tmp_path)
+    st = d / "model.safetensors"
+    st.unlink()
+    os.mkfifo(st)
+    r = run_target(f"--model={d}", timeout=30)  # before: blocked in open() until the timeout
+    assert r.returncode == 1, r.stderr
+    assert f"safetensors file {st}: not a regular file (a FIFO)" in r.stderr, r.stderr
+
+
+def test_header_length_cut_into_its_padding_is_refused(tmp_path):
+    # The checkpoint's header ends in spaces (padding to 8 bytes): cutting the
+    # length into them still parses, and every tensor would read 7 bytes early.
+    d = copy_checkpoint(tmp_path)
+    st = d / "model.safetensors"
+    data = bytearray(st.read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    pad = len(data[8:8 + n]) - len(data[8:8 + n].rstrip(b" "))
+    assert pad > 0, "the test checkpoint's header has no padding to cut into"
+    data[:8] = struct.pack("<Q", n - pad)
+    st.write_bytes(bytes(data))
+    r = run_target(f"--model={d}")
+    assert r.returncode == 1, r.stderr
+    assert f"safetensors file {st}: the data section is" in r.stderr, r.stderr
+    assert f"{pad} trailing bytes belong to no tensor" in r.stderr, r.stderr
+
+
+def test_check_weights_names_a_nan_tensor(tmp_path):
+    d = copy_checkpoint(tmp_path)
+    st = d / "model.safetensors"
+    start, entries = tensor_entries(st)
+    name = "model.layers.1.mlp.down_proj.weight"
+    entry = entries[name]
+    assert entry["dtype"] == "BF16"
+    data = bytearray(st.read_bytes())
+    at = start + entry["data_offsets"][0] + 2 * 5  # element 5
+    data[at:at + 2] = struct.pack("<H", 0x7FC0)
+    st.write_bytes(bytes(data))
+
+    r = run_target(f"--model={d}", "--check_weights")
+    assert r.returncode == 1, r.stderr
+    assert (f"tensor layers.1.mlp.down_proj.weight (BF16 {entry['shape']}) holds NaN at "
+            "element 5") in r.stderr, r.stderr
+    # Off by default (the test fixture turns it on): the same checkpoint serves.
+    port_file = tmp_path / "port"
+    p = subprocess.Popen([str(TARGET_BIN), f"--model={d}", "--listen=127.0.0.1:0", "--threads=1",
+                          f"--port_file={port_file}"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert "serving" in p.stderr.readline()
+    finally:
+        p.kill()
+        p.wait()
+    # A clean checkpoint passes the scan.
+    t = TargetProcess(model=str(QWEN3))
+    try:
+        assert "serving" in t.output()
+        assert t.terminate() == 0
+    finally:
+        t.kill()
