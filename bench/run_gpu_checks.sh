@@ -5,6 +5,7 @@
 # then on the GPU machine, from the repository root (carrying .bundle.tar.xz):
 #   PART=tests bash bench/run_gpu_checks.sh     # correctness suites
 #   PART=speed bash bench/run_gpu_checks.sh     # engine, kernels, gRPC, end to end
+#   PART=moe bash bench/run_gpu_checks.sh       # MoE suites, MoE engines beside transformers
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bins=(build/bin/draftfeed-target build/bin/draftfeed-bench build/bin/draftfeed-bench-kernels
@@ -12,7 +13,8 @@ bins=(build/bin/draftfeed-target build/bin/draftfeed-bench build/bin/draftfeed-b
       build/tests/server/model/cuda_engine_test build/tests/server/model/goldens_test
       build/tests/server/service/service_test build/tests/server/service/transport_test
       build/tests/kernels/cuda/small_ops_cuda_test build/tests/kernels/cuda/gdn_cuda_test
-      build/tests/kernels/cuda/attention_cuda_test build/tests/common/payload_checksum_test)
+      build/tests/kernels/cuda/attention_cuda_test build/tests/common/payload_checksum_test
+      build/tests/kernels/cuda/moe_cuda_test build/tests/server/model/cuda_moe_engine_test)
 if [[ ${1:-} == bundle ]]; then
   rm -rf .bundle
   bash scripts/make-bundle.sh .bundle "${bins[@]}"
@@ -30,7 +32,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 summary() { grep -E "^\[  PASSED|^\[  FAILED|^\[  SKIPPED|Failure\$|Expected|Which is|error while loading|No such file" || true; }
 if [[ ${PART:-tests} == tests ]]; then
   for t in small_ops_cuda_test gdn_cuda_test attention_cuda_test payload_checksum_test \
-           cuda_engine_test; do
+           moe_cuda_test cuda_engine_test cuda_moe_engine_test; do
     echo "== $t"; timeout 240 .bundle/bin/$t 2>&1 | summary
   done
   echo "== goldens_test *Cuda*"
@@ -39,6 +41,24 @@ if [[ ${PART:-tests} == tests ]]; then
   timeout 240 .bundle/bin/service_test --gtest_filter='CudaService*' 2>&1 | summary
   echo "== transport_test (two-GPU cases skip on one GPU)"
   timeout 240 .bundle/bin/transport_test 2>&1 | summary
+elif [[ $PART == moe ]]; then
+  for t in moe_cuda_test cuda_moe_engine_test; do
+    echo "== $t"; timeout 240 .bundle/bin/$t 2>&1 | summary
+  done
+  echo "== goldens_test *Moe*"
+  timeout 240 .bundle/bin/goldens_test --gtest_filter='*Moe*' 2>&1 | summary
+  timeout 120 .bundle/bin/draftfeed-bench-kernels --benchmark_filter='Moe|DenseCeiling' \
+    --benchmark_min_time=0.1 2>&1 | grep -v WARNING
+  for m in ${MOE_MODELS:-qwen3.6-35b-a3b qwen3-30b-a3b}; do
+    out=$(timeout 300 .bundle/bin/draftfeed-bench engine --model "random:$m" --tokens 49152 \
+      --iters "${ITERS:-5}")
+    echo "$out"
+    rate=$(echo "$out" | sed -n 's/.* = \([0-9]*\) tokens\/s.*/\1/p' | head -1)
+    if [[ ${TRANSFORMERS:-1} == 1 ]]; then
+      timeout 300 python3 bench/transformers_prefill.py --model "$m" --tokens 49152 --iters 2 \
+        --draftfeed-tokens-per-s "${rate:-0}"
+    fi
+  done
 else
   for t in ${TOKENS:-16384 49152}; do
     timeout 300 .bundle/bin/draftfeed-bench engine --tokens "$t" --iters "${ITERS:-5}"
