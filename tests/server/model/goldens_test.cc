@@ -581,6 +581,16 @@ INSTANTIATE_TEST_SUITE_P(Checkpoints, GoldensTest,
                            return info.param;
                          });
 
+// The MoE goldens: a Qwen3.5-MoE saved by Qwen3_5MoeForConditionalGeneration
+// (8 experts top-2 plus the shared expert) and a Qwen3-MoE with one dense layer,
+// both with per-expert tensors as save_pretrained writes them, through the same
+// checks and bounds as the dense models.
+INSTANTIATE_TEST_SUITE_P(MoeCheckpoints, GoldensTest,
+                         ::testing::Values("qwen35_moe", "qwen3_moe"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
 // qwen35_mm is qwen35_text saved by Qwen3_5ForConditionalGeneration: other
 // names, 4 shards, vision and MTP tensors to skip, and A_log / dt_bias stored
 // as F32 (values exactly representable in bf16). The decoder must come out

@@ -1,21 +1,26 @@
 // MoE configs (qwen3_5_moe in both dialects, qwen3_moe), their layout, the
-// built-in MoE random models and their router's load spread, and the CPU
-// engine's MoE block checked against dense models it must reduce to.
+// built-in MoE random models and their router's load spread, the CPU
+// engine's MoE block checked against dense models it must reduce to, and the
+// routing against transformers' (tests/data goldens).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/moe.h"
 #include "server/model/cpu_engine.h"
 #include "server/model/model.h"
+#include "server/model/safetensors.h"
 #include "server/model/weight_layout.h"
 
 namespace draftfeed {
@@ -512,6 +517,69 @@ TEST(MoeCpuEngineTest, PackedEqualsAloneAndThreadCountsAgree) {
       begin += len;
     }
     for (float v : packed) ASSERT_TRUE(std::isfinite(v));
+  }
+}
+
+}  // namespace
+}  // namespace draftfeed
+
+namespace draftfeed {
+namespace {
+
+std::string GoldensPath(const std::string& model) {
+  return (std::filesystem::path(__FILE__).parent_path() / ".." / ".." / "data" /
+          absl::StrCat("goldens_", model, ".safetensors"))
+      .lexically_normal()
+      .string();
+}
+
+template <typename T>
+std::vector<T> Copy(const SafetensorsTensor& t) {
+  std::vector<T> out(t.nbytes / sizeof(T));
+  std::memcpy(out.data(), t.data, t.nbytes);
+  return out;
+}
+
+// MoeRoute on transformers' own fp32 router logits (the goldens record them
+// per token and layer) picks transformers' experts in its order with its
+// weights: fp32 softmax, top-k and renormalisation as transformers 5.17 runs
+// them on the CPU. Weights to 1e-6 (a few fp32 ulps of values <= 1).
+TEST(MoeRouteGoldensTest, MatchesTransformersRouting) {
+  for (const std::string model : {"qwen35_moe", "qwen3_moe"}) {
+    absl::StatusOr<SafetensorsFile> f = SafetensorsFile::Open(GoldensPath(model));
+    ASSERT_TRUE(f.ok()) << f.status();
+    const std::map<std::string, std::string>& md = f->metadata();
+    const int64_t experts = std::stoll(md.at("num_experts"));
+    const int64_t k = std::stoll(md.at("num_experts_per_tok"));
+    const bool renormalize = md.at("renormalise_topk") == "True";
+    const int64_t layers = std::stoll(md.at("num_layers"));
+    const std::vector<std::string> mlp = absl::StrSplit(md.at("mlp_types"), ',');
+    int64_t routed = 0;
+    for (int s = 0; s < std::stoi(md.at("num_seqs")); ++s) {
+      const std::string p = absl::StrCat("seq", s, ".fp32.");
+      const SafetensorsTensor* logits_t = f->Find(p + "router_logits");
+      ASSERT_NE(logits_t, nullptr);
+      const std::vector<float> logits = Copy<float>(*logits_t);
+      const std::vector<int32_t> want_ids = Copy<int32_t>(*f->Find(p + "topk_ids"));
+      const std::vector<float> want_w = Copy<float>(*f->Find(p + "topk_weights"));
+      const int64_t tokens = logits_t->shape[0];
+      for (int64_t l = 0; l < layers; ++l) {
+        if (mlp[static_cast<size_t>(l)] != "moe") continue;
+        for (int64_t t = 0; t < tokens; ++t) {
+          std::vector<int32_t> ids(static_cast<size_t>(k));
+          std::vector<float> w(static_cast<size_t>(k));
+          cpu::MoeRoute(logits.data() + (t * layers + l) * experts, 1, experts, k, renormalize,
+                        ids.data(), w.data());
+          for (int64_t j = 0; j < k; ++j) {
+            const size_t at = static_cast<size_t>((t * layers + l) * k + j);
+            ASSERT_EQ(ids[j], want_ids[at]) << model << " seq" << s << " layer " << l << " t" << t;
+            ASSERT_NEAR(w[j], want_w[at], 1e-6) << model << " seq" << s << " layer " << l;
+          }
+          ++routed;
+        }
+      }
+    }
+    EXPECT_GT(routed, 300) << model;
   }
 }
 
