@@ -585,8 +585,7 @@ INSTANTIATE_TEST_SUITE_P(Checkpoints, GoldensTest,
 // (8 experts top-2 plus the shared expert) and a Qwen3-MoE with one dense layer,
 // both with per-expert tensors as save_pretrained writes them, through the same
 // checks and bounds as the dense models.
-INSTANTIATE_TEST_SUITE_P(MoeCheckpoints, GoldensTest,
-                         ::testing::Values("qwen35_moe", "qwen3_moe"),
+INSTANTIATE_TEST_SUITE_P(MoeCheckpoints, GoldensTest, ::testing::Values("qwen35_moe", "qwen3_moe"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });
