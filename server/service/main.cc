@@ -6,6 +6,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -17,6 +18,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -83,6 +85,59 @@ int Fail(const std::string& msg) {
   return 1;
 }
 
+// gRPC messages are under 2 GiB; a chunk is one message.
+constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
+// Larger caps would overflow a byte count.
+constexpr int64_t kMaxHostMemoryCapGib = int64_t{1} << 20;
+
+// The numeric flags, checked before anything loads: a value that would make
+// every batch fail, or that means nothing, stops start-up naming the flag.
+// Comparisons are written so that NaN fails them.
+absl::Status CheckFlags() {
+  auto refuse = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  if (!(absl::GetFlag(FLAGS_max_batch_tokens) >= 1)) {
+    return refuse("--max_batch_tokens=", absl::GetFlag(FLAGS_max_batch_tokens), " must be >= 1");
+  }
+  if (const int64_t c = absl::GetFlag(FLAGS_chunk_bytes); !(c >= 1 && c <= kMaxChunkBytes)) {
+    return refuse("--chunk_bytes=", c, " must be in [1, ", kMaxChunkBytes,
+                  "] (a chunk is one gRPC message)");
+  }
+  if (!(absl::GetFlag(FLAGS_max_capture_layers) >= 1)) {
+    return refuse("--max_capture_layers=", absl::GetFlag(FLAGS_max_capture_layers),
+                  " must be >= 1");
+  }
+  const int32_t default_credits = absl::GetFlag(FLAGS_default_credits);
+  const int32_t max_credits = absl::GetFlag(FLAGS_max_credits);
+  if (!(max_credits >= 1)) return refuse("--max_credits=", max_credits, " must be >= 1");
+  if (!(default_credits >= 1 && default_credits <= max_credits)) {
+    return refuse("--default_credits=", default_credits,
+                  " must be in [1, --max_credits=", max_credits, "]");
+  }
+  if (const int64_t q = absl::GetFlag(FLAGS_max_queued_batches); !(q >= 1)) {
+    return refuse("--max_queued_batches=", q,
+                  " must be >= 1 (the scheduler queue across all streams; 0 would fail every "
+                  "batch)");
+  }
+  if (!(absl::GetFlag(FLAGS_threads) >= 0)) {
+    return refuse("--threads=", absl::GetFlag(FLAGS_threads), " must be >= 0 (0 = all cores)");
+  }
+  if (!(absl::GetFlag(FLAGS_drain_timeout_s) >= 0)) {
+    return refuse("--drain_timeout_s=", absl::GetFlag(FLAGS_drain_timeout_s), " must be >= 0");
+  }
+  if (const double t = absl::GetFlag(FLAGS_throttle_tokens_per_s); !(t >= 0)) {
+    return refuse("--throttle_tokens_per_s=", t, " must be >= 0 (0 = off)");
+  }
+  if (const double g = absl::GetFlag(FLAGS_host_memory_cap_gib);
+      !(g >= 0 && g <= static_cast<double>(kMaxHostMemoryCapGib))) {
+    return refuse("--host_memory_cap_gib=", g, " must be in [0, ", kMaxHostMemoryCapGib,
+                  "] (0 = no cap)");
+  }
+  if (const double t = absl::GetFlag(FLAGS_nccl_timeout_s); !(t > 0 && std::isfinite(t))) {
+    return refuse("--nccl_timeout_s=", t, " must be a finite number > 0");
+  }
+  return absl::OkStatus();
+}
+
 int Run() {
   // Which backend: explicit --devices / cuda:N, else a GPU when there is one.
   std::string device = absl::GetFlag(FLAGS_device);
@@ -115,12 +170,7 @@ int Run() {
                              "--device=cpu"));
   }
 #endif
-  if (absl::GetFlag(FLAGS_max_batch_tokens) < 1) return Fail("--max_batch_tokens must be >= 1");
-  if (absl::GetFlag(FLAGS_chunk_bytes) < 1) return Fail("--chunk_bytes must be >= 1");
-  if (absl::GetFlag(FLAGS_max_capture_layers) < 1) return Fail("--max_capture_layers must be >= 1");
-  if (absl::GetFlag(FLAGS_default_credits) < 1 || absl::GetFlag(FLAGS_max_credits) < 1) {
-    return Fail("--default_credits and --max_credits must be >= 1");
-  }
+  if (absl::Status s = CheckFlags(); !s.ok()) return Fail(std::string(s.message()));
 
   // Signals are taken by sigwait below; every thread started from here on
   // inherits the block.
@@ -175,14 +225,10 @@ int Run() {
   // while their next forward runs.
   if (!gpus.empty()) options.host_allocator = PinnedHostAllocator();
 #endif
-  if (options.throttle_tokens_per_s < 0) return Fail("--throttle_tokens_per_s must be >= 0");
-  if (absl::GetFlag(FLAGS_host_memory_cap_gib) < 0)
-    return Fail("--host_memory_cap_gib must be >= 0");
   options.host_memory_cap_bytes =
       static_cast<int64_t>(absl::GetFlag(FLAGS_host_memory_cap_gib) * (int64_t{1} << 30));
   options.enable_nccl = absl::GetFlag(FLAGS_nccl);
   options.nccl_timeout_s = absl::GetFlag(FLAGS_nccl_timeout_s);
-  if (options.nccl_timeout_s <= 0) return Fail("--nccl_timeout_s must be > 0");
   TargetService service(engine_ptrs, options);
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -198,6 +244,7 @@ int Run() {
     return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen),
                              " (address in use or malformed?)"));
   }
+  service.ServeHealth(server.get());
   const Model& m = **model;
   std::fprintf(stderr,
                "draftfeed-target %s: serving %s (%s, %lld layers, hidden %lld, fingerprint %s) "

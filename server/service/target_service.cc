@@ -105,13 +105,25 @@ void TargetService::NoteQueuedResponses(int64_t queued) {
   }
 }
 
+void TargetService::ServeHealth(grpc::Server* server) {
+  std::lock_guard<std::mutex> lock(mu_);
+  health_ = server->GetHealthCheckService();
+  if (health_ == nullptr) return;
+  const bool serving = !draining_.load();
+  health_->SetServingStatus(v1::TargetService::service_full_name(), serving);
+  health_->SetServingStatus("", serving);
+}
+
 void TargetService::BeginDrain() {
   draining_ = true;
   std::lock_guard<std::mutex> lock(mu_);
+  // Load balancers stop sending new streams here while the open ones finish.
+  if (health_ != nullptr) health_->SetServingStatus(false);
   for (StreamReactor* r : streams_) r->Drain();
 }
 
-LoopbackServer ServeOnLoopback(grpc::Service* service) {
+LoopbackServer ServeOnLoopback(TargetService* service) {
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -119,6 +131,7 @@ LoopbackServer ServeOnLoopback(grpc::Service* service) {
   LoopbackServer out;
   out.server = builder.BuildAndStart();
   out.address = absl::StrCat("127.0.0.1:", port);
+  if (out.server != nullptr) service->ServeHealth(out.server.get());
   return out;
 }
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/server.h>
 
 #include "common/capture_encoding.h"
@@ -37,13 +38,16 @@ struct ServiceOptions {
 
 class StreamReactor;
 
+class TargetService;
+
 // A gRPC server for `service` on 127.0.0.1 at a free port, and its address
-// ("127.0.0.1:PORT"): how tests and benchmarks run a target in-process.
+// ("127.0.0.1:PORT"): how tests and benchmarks run a target in-process. It
+// serves grpc.health.v1.Health as draftfeed-target does.
 struct LoopbackServer {
   std::unique_ptr<grpc::Server> server;
   std::string address;
 };
-LoopbackServer ServeOnLoopback(grpc::Service* service);
+LoopbackServer ServeOnLoopback(TargetService* service);
 
 // StreamHiddenStates is served raw (ByteBuffer in and out) so that payload
 // chunks leave as slices pointing at the capture buffer, never copied into a
@@ -62,8 +66,16 @@ class TargetService final
   grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* StreamHiddenStates(
       grpc::CallbackServerContext* ctx) override;
 
+  // Answers grpc.health.v1.Health for "draftfeed.v1.TargetService" (and the
+  // server as a whole, "") on `server`'s default health service: SERVING
+  // from now until the drain begins, NOT_SERVING from then on. A server built
+  // without the default health service (grpc::EnableDefaultHealthCheckService)
+  // has none; then this does nothing.
+  void ServeHealth(grpc::Server* server);
+
   // Graceful shutdown, step 1: no new batches are accepted; every stream ends
-  // with UNAVAILABLE once its accepted batches have been sent in full.
+  // with UNAVAILABLE once its accepted batches have been sent in full; health
+  // checks answer NOT_SERVING.
   void BeginDrain();
   int64_t open_streams() const;
   // Step 2, after the server has shut down: finish queued work, join workers.
@@ -99,6 +111,7 @@ class TargetService final
   std::atomic<int64_t> peak_queued_responses_{0};
   mutable std::mutex mu_;
   std::set<StreamReactor*> streams_;
+  grpc::HealthCheckServiceInterface* health_ = nullptr;  // owned by the server; guarded by mu_
 };
 
 }  // namespace draftfeed

@@ -1,6 +1,6 @@
 """draftfeed-target refuses what it cannot serve at start-up, naming the cause:
-checkpoints that are not regular files or whose tensors do not tile their data
-section, and (with --check_weights) non-finite weights."""
+nonsensical flag values, checkpoints that are not regular files or whose tensors
+do not tile their data section, and (with --check_weights) non-finite weights."""
 
 import json
 import os
@@ -19,6 +19,34 @@ def run_target(*args, timeout=60):
     """Runs the target expecting it to exit by itself (it must not start serving)."""
     return subprocess.run([str(TARGET_BIN), "--listen=127.0.0.1:0", "--threads=1", *args],
                           capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--max_queued_batches=0",
+     "--max_queued_batches=0 must be >= 1 (the scheduler queue across all streams; 0 would fail "
+     "every batch)"),
+    ("--max_queued_batches=-3", "--max_queued_batches=-3 must be >= 1"),
+    ("--max_credits=-1", "--max_credits=-1 must be >= 1"),
+    ("--default_credits=0", "--default_credits=0 must be in [1, --max_credits=32]"),
+    ("--default_credits=40", "--default_credits=40 must be in [1, --max_credits=32]"),
+    ("--chunk_bytes=0", "--chunk_bytes=0 must be in [1, 1073741824] (a chunk is one gRPC message)"),
+    ("--chunk_bytes=4294967296", "--chunk_bytes=4294967296 must be in [1, 1073741824]"),
+    ("--max_batch_tokens=0", "--max_batch_tokens=0 must be >= 1"),
+    ("--max_capture_layers=0", "--max_capture_layers=0 must be >= 1"),
+    ("--threads=-2", "--threads=-2 must be >= 0 (0 = all cores)"),
+    ("--drain_timeout_s=-1", "--drain_timeout_s=-1 must be >= 0"),
+    ("--throttle_tokens_per_s=-5", "--throttle_tokens_per_s=-5 must be >= 0 (0 = off)"),
+    ("--throttle_tokens_per_s=nan", "--throttle_tokens_per_s=nan must be >= 0"),
+    ("--host_memory_cap_gib=-1", "--host_memory_cap_gib=-1 must be in [0, 1048576] (0 = no cap)"),
+    ("--host_memory_cap_gib=inf", "--host_memory_cap_gib=inf must be in [0, 1048576]"),
+    ("--nccl_timeout_s=0", "--nccl_timeout_s=0 must be a finite number > 0"),
+    ("--nccl_timeout_s=nan", "--nccl_timeout_s=nan must be a finite number > 0"),
+])
+def test_nonsensical_flags_are_refused(flag, message):
+    r = run_target(flag)
+    assert r.returncode == 1, r.stderr
+    assert "draftfeed-target: error: " + message in r.stderr, r.stderr
+    assert "serving" not in r.stderr
 
 
 def copy_checkpoint(tmp_path):
