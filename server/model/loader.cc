@@ -44,6 +44,9 @@ constexpr absl::string_view kLmHeadNames[] = {"lm_head.weight", "language_model.
 constexpr absl::string_view kSkippedPrefixes[] = {"mtp.", "model.visual.", "visual."};
 
 absl::StatusOr<std::string> ReadText(const fs::path& path) {
+  // A FIFO or device in place of config.json or the index would block the read forever.
+  std::error_code ec;
+  if (fs::exists(path, ec)) DF_RETURN_IF_ERROR(CheckRegularFile(path.string(), "text file"));
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path.string()));
   std::ostringstream ss;

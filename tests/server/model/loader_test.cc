@@ -5,6 +5,8 @@
 // lines because every test, the fingerprint's too, reads and writes
 // checkpoints built by the same independent spelling of the HF layout above
 // its tests; apart, that spelling would be a fixture header of its own.
+#include <sys/stat.h>
+
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -796,6 +798,19 @@ TEST_F(LoaderTest, RandomModelRoundTrip) {
   auto opened = OpenModel("tiny-random:3");
   ASSERT_TRUE(opened.ok()) << opened.status();
   EXPECT_EQ((*opened)->fingerprint, src.fingerprint);
+}
+
+// A FIFO in place of config.json would block the read forever: it is refused by name.
+TEST_F(LoaderTest, AFifoInPlaceOfTheConfigIsRefused) {
+  auto src = OpenModel("tiny-random:3");
+  ASSERT_TRUE(src.ok()) << src.status();
+  ASSERT_TRUE(WriteHfCheckpoint(**src, Dir("fifo"), {}).ok());
+  const fs::path config = fs::path(Dir("fifo")) / "config.json";
+  fs::remove(config);
+  ASSERT_EQ(mkfifo(config.c_str(), 0600), 0);
+  auto got = LoadModel(Dir("fifo"));
+  ASSERT_FALSE(got.ok());
+  EXPECT_THAT(std::string(got.status().message()), ::testing::HasSubstr("config.json"));
 }
 
 }  // namespace
