@@ -97,10 +97,20 @@ TEST_P(CudaMoeEngineTest, MatchesCpuReferencePerLayer) {
   // (transformers-bf16 flips the same tokens against fp32). With N(0, 1)
   // logits over 8-32 experts that is ~0.5-2% of tokens per MoE layer, and a
   // flipped token stays off in every later layer. So per layer at most 3% of
-  // tokens plus 3% per MoE layer before it may miss the dense bound, and
-  // every token must keep cosine > 0.9 (a flip swaps one expert's share of
-  // one MLP output, not the whole state); a wiring error (wrong expert,
-  // buffer, norm, gate or renormalisation) puts every token off.
+  // tokens plus 3% per MoE layer before it may miss the dense bound.
+  // Per-token floor: a flip replaces one of the k routed contributions, so the
+  // token's state h becomes h + d with |d| at most about the routed output's
+  // norm, and cos(h, h + d) >= sqrt(1 - (|d|/|h|)^2) while |d| <= |h|. With
+  // k = 2 half of the routed output changes, and the residual stream
+  // (embedding, attention and every earlier MLP) still carries most of |h|:
+  // measured flips reach cosine 0.84 (tiny-random-moe, two flipped layers).
+  // The floor 0.5 allows |d| up to 0.87 |h|; an output unrelated to the
+  // reference (wrong buffer, garbage) has cosine ~1/sqrt(H) ~ 0.1.
+  // A broken kernel cannot hide in the allowances: it moves the bulk, so the
+  // median cosine must stay >= 0.9999 (measured >= 0.99994 on every layer of
+  // the four models) and the 90th-percentile relative error within the dense
+  // bound; a wiring error (wrong expert, buffer, norm, gate or
+  // renormalisation) puts every token off.
   const std::string name = GetParam();
   const bool tiny_gdn = name == "tiny-random-moe";
   const double rel_bound = tiny_gdn ? 0.12 : 4e-2;
@@ -114,20 +124,27 @@ TEST_P(CudaMoeEngineTest, MatchesCpuReferencePerLayer) {
     const TokenErrors e = Compare(ref, got, T, K, slot, H);
     int64_t off = 0;
     double worst_rel = 0, min_cos = 1;
+    std::vector<double> rels;
     for (int64_t t = 0; t < T; ++t) {
       const double rel = e.max_abs[t] / e.max_ref;
       worst_rel = std::max(worst_rel, rel);
       min_cos = std::min(min_cos, e.cos[t]);
       if (!(rel <= rel_bound && e.cos[t] >= cos_bound)) ++off;
-      EXPECT_GE(e.cos[t], 0.9) << "token " << t;
+      EXPECT_GE(e.cos[t], 0.5) << "token " << t;
+      rels.push_back(rel);
     }
     std::vector<double> sorted = e.cos;
     std::sort(sorted.begin(), sorted.end());
+    std::sort(rels.begin(), rels.end());
+    const double median_cos = sorted[sorted.size() / 2];
+    const double p90_rel = rels[rels.size() * 9 / 10];
     std::printf(
-        "%s id %3d: %3ld/%ld tokens off the dense bound, max_rel %.3e, min_cos %.6f, "
-        "median_cos %.6f\n",
-        name.c_str(), id, static_cast<long>(off), static_cast<long>(T), worst_rel, min_cos,
-        sorted[sorted.size() / 2]);
+        "%s id %3d: %3ld/%ld tokens off the dense bound, max_rel %.3e, p90_rel %.3e, "
+        "min_cos %.6f, median_cos %.6f\n",
+        name.c_str(), id, static_cast<long>(off), static_cast<long>(T), worst_rel, p90_rel, min_cos,
+        median_cos);
+    EXPECT_GE(median_cos, 0.9999);
+    EXPECT_LE(p90_rel, rel_bound);
     const double allowed = (0.03 + 0.03 * std::min(moe_layers_before, 4)) * static_cast<double>(T);
     EXPECT_LE(static_cast<double>(off), allowed);
   }
