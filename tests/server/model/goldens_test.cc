@@ -2,9 +2,11 @@
 // output_hidden_states' last entry is the final normed output, not layer L-1's
 // raw one): the three checked-in checkpoints, every decoder layer and the
 // final norm, each sequence alone and packed together, fp32 and bf16 outputs.
-// The goldens are read with our own safetensors reader. One file past ~600
-// lines because every test shares the golden reader, the error metrics and the
-// bounds derived from HF-bf16's own error, which are the point of the file.
+// The goldens are read with our own safetensors reader; what only the MoE
+// goldens carry (router logits, near-tie tokens) is in golden_moe_routing.h.
+// One file past ~600 lines because every test shares the golden reader, the
+// error metrics and the bounds derived from HF-bf16's own error, which are the
+// point of the file.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -32,6 +34,7 @@
 #include "server/model/model.h"
 #include "server/model/safetensors.h"
 #include "server/model/weight_layout.h"
+#include "tests/server/model/golden_moe_routing.h"
 #if DRAFTFEED_HAVE_CUDA
 #include "server/model/cuda_engine.h"
 #endif
@@ -97,18 +100,13 @@ struct GoldenSeq {
   std::vector<int32_t> ids;
   // [T, N, H] raw layer outputs and [T, H] final-normed state, HF fp32 / bf16.
   std::vector<float> fp32_layers, fp32_final, bf16_layers, bf16_final;
-  // MoE goldens only: [T, N, E] router logits of HF fp32 / bf16 (rows of
-  // layers that are not MoE are 0).
-  std::vector<float> fp32_router, bf16_router;
 };
 
 struct Goldens {
   int64_t num_layers = 0, hidden = 0;
   std::vector<std::string> layer_types;
-  // MoE goldens only: experts, experts per token and each layer's MLP kind.
-  int64_t experts = 0, top_k = 0;
-  std::vector<std::string> mlp_types;
   std::vector<GoldenSeq> seqs;
+  MoeGoldens moe;  // experts == 0 for a dense model
   int64_t tokens() const {
     int64_t n = 0;
     for (const GoldenSeq& s : seqs) n += static_cast<int64_t>(s.ids.size());
@@ -154,22 +152,15 @@ absl::StatusOr<Goldens> LoadGoldens(const std::string& model) {
     return absl::InvalidArgumentError(absl::StrCat(f->path(), ": bad num_layers/hidden_size"));
   }
   g.layer_types = absl::StrSplit(md.at("layer_types"), ',');
-  if (md.contains("num_experts")) {
-    if (!md.contains("num_experts_per_tok") || !md.contains("mlp_types") ||
-        !absl::SimpleAtoi(md.at("num_experts"), &g.experts) ||
-        !absl::SimpleAtoi(md.at("num_experts_per_tok"), &g.top_k) || g.top_k >= g.experts) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(f->path(), ": bad num_experts/num_experts_per_tok/mlp_types"));
-    }
-    g.mlp_types = absl::StrSplit(md.at("mlp_types"), ',');
-  }
   const int64_t n = g.num_layers, h = g.hidden;
+  std::vector<int64_t> seq_lens;
   int i = 0;
   for (absl::string_view len_text : absl::StrSplit(md.at("seq_lens"), ',')) {
     int64_t len = 0;
     if (!absl::SimpleAtoi(len_text, &len)) {
       return absl::InvalidArgumentError(absl::StrCat(f->path(), ": bad seq_lens"));
     }
+    seq_lens.push_back(len);
     const std::string p = absl::StrCat("seq", i++, ".");
     GoldenSeq s;
     auto ids = Read<int32_t>(*f, p + "input_ids", "I32", {len});
@@ -186,16 +177,11 @@ absl::StatusOr<Goldens> LoadGoldens(const std::string& model) {
     s.fp32_final = *std::move(ff);
     s.bf16_layers = *std::move(bl);
     s.bf16_final = *std::move(bf);
-    if (g.experts > 0) {
-      auto fr = Read<float>(*f, p + "fp32.router_logits", "F32", {len, n, g.experts});
-      auto br = Read<float>(*f, p + "bf16.router_logits", "F32", {len, n, g.experts});
-      if (!fr.ok()) return fr.status();
-      if (!br.ok()) return br.status();
-      s.fp32_router = *std::move(fr);
-      s.bf16_router = *std::move(br);
-    }
     g.seqs.push_back(std::move(s));
   }
+  absl::StatusOr<MoeGoldens> moe = LoadMoeGoldens(*f, n, seq_lens);
+  if (!moe.ok()) return moe.status();
+  g.moe = *std::move(moe);
   return g;
 }
 
@@ -289,65 +275,6 @@ absl::StatusOr<std::vector<float>> RunFloat(CpuEngine& engine, const std::vector
 
 std::string KindName(LayerKind k) {
   return k == LayerKind::kLinearAttention ? "linear_attention" : "full_attention";
-}
-
-// Routing is discontinuous: a token whose k-th and (k+1)-th fp32 router
-// logits z_(k), z_(k+1) are closer than the bf16 noise on them may take
-// another expert in any bf16 run, and which such tokens flip depends on the
-// exact noise (HF-bf16 flips 4-18 tokens per layer of qwen35_moe, ours others).
-// Logits, not softmax probabilities, because the noise adds to the logits: a
-// flip needs |Δz_a − Δz_b| > z_(k) − z_(k+1), and |Δz_a − Δz_b| <= 2 max|Δz|.
-// tau is 2x the largest max_e |Δz_e| of HF-bf16 vs fp32 at the first MoE
-// layer, over every token of every sequence: that layer's router input carries
-// the bf16 rounding of one block and no earlier flip (later layers' |Δz| mix
-// in the flips and the GDN amplification: qwen35_moe's reaches 1.1). Measured
-// on the goldens: tau = 0.178 (qwen35_moe), 0.080 (qwen3_moe), and every token
-// that HF-bf16 routes differently (35 and 10) has, at its first differing
-// layer, a gap under 2x its own |Δz| there; all but one of qwen35_moe's have
-// one under tau. A token is near-tie if its gap is under tau at any MoE layer
-// (a flip at layer l changes its state, hence its routing, after l).
-// The tokens after a flip in the same sequence stay in: in qwen3_moe, HF-bf16's
-// last-layer per-token cosine to fp32 of the tokens after a flip (min 0.99993,
-// 155 tokens) equals that of tokens before any flip (0.99993, 175); in
-// qwen35_moe it is lower (0.972 vs 0.998, 262 vs 43 tokens) but those are the
-// later positions, where its tiny GDN heads amplify bf16 error anyway, and
-// whatever a neighbour's flip spreads is in HF's error on the same tokens too.
-struct NearTies {
-  double tau = 0;
-  std::vector<std::vector<bool>> stable;  // per sequence, per token: not a near-tie
-  int64_t near_tie = 0, total = 0;
-};
-
-NearTies FindNearTies(const Goldens& g) {
-  NearTies r;
-  const int64_t n = g.num_layers, e = g.experts;
-  int64_t first_moe = -1;
-  for (int64_t l = 0; l < n && first_moe < 0; ++l) {
-    if (g.mlp_types[static_cast<size_t>(l)] == "moe") first_moe = l;
-  }
-  for (const GoldenSeq& s : g.seqs) {
-    for (size_t t = 0; t < s.ids.size(); ++t) {
-      for (int64_t x = 0; x < e; ++x) {
-        const size_t at = (t * n + first_moe) * e + x;
-        r.tau = std::max(r.tau, 2.0 * std::abs(s.fp32_router[at] - s.bf16_router[at]));
-      }
-    }
-  }
-  for (const GoldenSeq& s : g.seqs) {
-    std::vector<bool>& stable = r.stable.emplace_back(s.ids.size(), true);
-    for (size_t t = 0; t < s.ids.size(); ++t) {
-      for (int64_t l = 0; l < n; ++l) {
-        if (g.mlp_types[static_cast<size_t>(l)] != "moe") continue;
-        std::vector<float> z(s.fp32_router.begin() + (t * n + l) * e,
-                             s.fp32_router.begin() + (t * n + l + 1) * e);
-        std::sort(z.begin(), z.end(), std::greater<float>());
-        if (z[g.top_k - 1] - z[g.top_k] < r.tau) stable[t] = false;
-      }
-      ++r.total;
-      if (!stable[t]) ++r.near_tie;
-    }
-  }
-  return r;
 }
 
 class GoldensTest : public ::testing::TestWithParam<std::string> {
@@ -603,9 +530,9 @@ TEST_P(GoldensTest, Bf16OutputNoWorseThanHfBf16) {
 // weight or shared-expert gate puts the stable tokens off too.
 TEST_P(GoldensTest, CudaEngineNoWorseThanHfBf16) {
   NearTies ties;
-  if (goldens_.experts > 0) {
+  if (goldens_.moe.experts > 0) {
     constexpr double kMaxNearTieFraction = 0.75;
-    ties = FindNearTies(goldens_);
+    ties = FindNearTies(goldens_.moe);
     std::cout << GetParam() << ": " << ties.near_tie << " of " << ties.total
               << " tokens near-tie (fp32 top-k logit gap < tau = " << ties.tau
               << " at some MoE layer), compared on the other " << ties.total - ties.near_tie
