@@ -68,4 +68,27 @@ absl::StatusOr<StreamPlan> PlanStream(const TargetService& service, const v1::Op
   return plan;
 }
 
+absl::StatusOr<BatchPlan> PlanBatch(const TargetService& service,
+                                    std::span<const int32_t> stream_layers,
+                                    CaptureEncoding encoding, const v1::Batch& batch) {
+  BatchPlan out;
+  out.token_ids.assign(batch.token_ids().begin(), batch.token_ids().end());
+  out.seq_lens.assign(batch.seq_lens().begin(), batch.seq_lens().end());
+  if (batch.layers_size() > 0) {
+    out.layers.assign(batch.layers().begin(), batch.layers().end());
+  } else {
+    out.layers.assign(stream_layers.begin(), stream_layers.end());
+  }
+  out.encoding = encoding;
+  absl::Status valid = ValidateForwardInput(
+      service.model().config, ForwardInput{out.token_ids, out.seq_lens, out.layers, out.encoding},
+      service.options().max_batch_tokens);
+  if (valid.ok()) valid = service.CheckCaptureLayers(out.layers.size());
+  if (!valid.ok()) {
+    return absl::Status(valid.code(),
+                        absl::StrCat("batch ", batch.batch_id(), ": ", valid.message()));
+  }
+  return out;
+}
+
 }  // namespace draftfeed

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -23,5 +24,19 @@ struct StreamPlan {
 // FAILED_PRECONDITION: another model; INVALID_ARGUMENT: an encoding the
 // target does not serve, or bad layers; UNIMPLEMENTED: an unknown transport.
 absl::StatusOr<StreamPlan> PlanStream(const TargetService& service, const v1::Open& open);
+
+// What one Batch on a stream of `stream_layers` and `encoding` asks the engine: its tokens,
+// lengths and layers (the stream's when the batch names none), checked
+// against the model, the token budget and the capture-layer limit. Errors
+// are the batch's alone ("batch 7: ..."), INVALID_ARGUMENT naming the field.
+struct BatchPlan {
+  std::vector<int32_t> token_ids;
+  std::vector<int32_t> seq_lens;
+  std::vector<int32_t> layers;
+  CaptureEncoding encoding = CaptureEncoding::kBf16;
+};
+absl::StatusOr<BatchPlan> PlanBatch(const TargetService& service,
+                                    std::span<const int32_t> stream_layers,
+                                    CaptureEncoding encoding, const v1::Batch& batch);
 
 }  // namespace draftfeed

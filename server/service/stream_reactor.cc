@@ -86,8 +86,12 @@ StreamResponse DoneMessage(uint64_t batch_id, const ForwardResult& r, uint64_t c
 
 }  // namespace
 
-StreamReactor::StreamReactor(TargetService* service, grpc::CallbackServerContext* ctx)
-    : service_(service), ctx_(ctx), link_(std::make_shared<ReactorLink>(this)) {
+StreamReactor::StreamReactor(TargetService* service, grpc::CallbackServerContext* ctx,
+                             std::string token_name)
+    : service_(service),
+      ctx_(ctx),
+      token_name_(std::move(token_name)),
+      link_(std::make_shared<ReactorLink>(this)) {
   service_->Register(this);
   std::lock_guard<std::mutex> lock(mu_);
   Pump();
@@ -244,6 +248,7 @@ void StreamReactor::SendOpened(const TransportOpened& transport) {
   opened->set_chunk_bytes(opt.chunk_bytes);
   opened->set_transport_note(transport.note);
   Enqueue(Outgoing{.message = std::move(resp)});
+  LogStreamOpened(*ctx_, token_name_, req_.open(), *opened);
 }
 
 void StreamReactor::HandleRequest() {
@@ -262,25 +267,16 @@ void StreamReactor::HandleRequest() {
                 absl::UnavailableError("target is shutting down; send this batch elsewhere"));
     return;
   }
-  WorkItem item;
-  item.token_ids.assign(batch->token_ids().begin(), batch->token_ids().end());
-  item.seq_lens.assign(batch->seq_lens().begin(), batch->seq_lens().end());
-  if (batch->layers_size() > 0) {
-    item.layers.assign(batch->layers().begin(), batch->layers().end());
-  } else {
-    item.layers = layers_;
-  }
-  item.encoding = encoding_;
-  absl::Status valid =
-      ValidateForwardInput(service_->model().config,
-                           ForwardInput{item.token_ids, item.seq_lens, item.layers, item.encoding},
-                           service_->options().max_batch_tokens);
-  if (valid.ok()) valid = service_->CheckCaptureLayers(item.layers.size());
-  if (!valid.ok()) {
-    RejectBatch(batch_id, absl::Status(valid.code(),
-                                       absl::StrCat("batch ", batch_id, ": ", valid.message())));
+  absl::StatusOr<BatchPlan> planned = PlanBatch(*service_, layers_, encoding_, *batch);
+  if (!planned.ok()) {
+    RejectBatch(batch_id, planned.status());
     return;
   }
+  WorkItem item;
+  item.token_ids = std::move(planned->token_ids);
+  item.seq_lens = std::move(planned->seq_lens);
+  item.layers = std::move(planned->layers);
+  item.encoding = planned->encoding;
   std::shared_ptr<ReactorLink> link = link_;
   item.cancelled = [link] { return link->cancelled(); };
   item.done = [link, batch_id](absl::StatusOr<ForwardResult> r) {
