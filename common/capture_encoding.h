@@ -14,12 +14,17 @@ namespace draftfeed {
 // client convert with a cast after EncodingFromWire has checked the value.
 enum class CaptureEncoding : uint8_t {
   kBf16 = 1,  // exact: 2 bytes per value, little endian
+  // Per token: K*H e4m3 codes ([K, H], layer-major), then K little-endian
+  // fp32 scales, one per layer; a value is code * scale (common/fp8_capture.h).
+  kFp8E4m3 = 2,
 };
 
 inline constexpr std::string_view EncodingName(CaptureEncoding e) {
   switch (e) {
     case CaptureEncoding::kBf16:
       return "bf16";
+    case CaptureEncoding::kFp8E4m3:
+      return "fp8_e4m3";
   }
   return "unknown";
 }
@@ -31,6 +36,8 @@ inline constexpr int64_t CaptureBytesPerToken(CaptureEncoding e, int64_t layers,
   switch (e) {
     case CaptureEncoding::kBf16:
       return layers * hidden * 2;
+    case CaptureEncoding::kFp8E4m3:
+      return layers * hidden + 4 * layers;
   }
   return 0;
 }
@@ -40,6 +47,7 @@ inline constexpr int64_t CaptureBytesPerToken(CaptureEncoding e, int64_t layers,
 // caller before it asks).
 inline constexpr std::optional<CaptureEncoding> EncodingFromWire(int wire) {
   if (wire == static_cast<int>(CaptureEncoding::kBf16)) return CaptureEncoding::kBf16;
+  if (wire == static_cast<int>(CaptureEncoding::kFp8E4m3)) return CaptureEncoding::kFp8E4m3;
   return std::nullopt;
 }
 
