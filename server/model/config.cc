@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "server/model/tensor.h"
 
 namespace draftfeed {
 
@@ -172,6 +173,12 @@ absl::Status ModelConfig::Validate() const {
                    " does not have");
       }
     }
+  }
+  if (quantization.enabled &&
+      (quantization.block_rows != kFp8BlockSize || quantization.block_cols != kFp8BlockSize)) {
+    return bad("quantization_config.weight_block_size [", quantization.block_rows, ", ",
+               quantization.block_cols, "] is not supported (only [", kFp8BlockSize, ", ",
+               kFp8BlockSize, "])");
   }
   return absl::OkStatus();
 }

@@ -50,6 +50,19 @@ struct ArchFeatures {
 };
 ArchFeatures FeaturesOf(Arch arch);
 
+// A fine-grained FP8 checkpoint's quantization_config: e4m3 weights with one
+// scale per block_rows x block_cols block, activations quantised at run time
+// (per token and 128-wide group). The only scheme accepted (quant_method
+// "fp8", fmt "e4m3", activation_scheme "dynamic", weight_block_size
+// [128, 128]); which modules are FP8 is read from the tensors themselves
+// (an F8_E4M3 weight with a weight_scale_inv), never from
+// modules_to_not_convert, which is kept only to be written back.
+struct Fp8Quantization {
+  bool enabled = false;
+  int64_t block_rows = 128, block_cols = 128;
+  std::vector<std::string> modules_to_not_convert;
+};
+
 struct ModelConfig {
   // Set both with SetArch.
   Arch arch = Arch::kQwen35Hybrid;
@@ -94,6 +107,8 @@ struct ModelConfig {
   // keeps the defaults (every layer MoE).
   int64_t decoder_sparse_step = 1;
   std::vector<int64_t> mlp_only_layers;
+  // Top-level quantization_config (FP8 checkpoints, or --quantize fp8).
+  Fp8Quantization quantization;
 
   // The MLP of `layer`: features.mlp for MoE layers, else kDenseSwiGlu.
   MlpKind MlpOfLayer(int64_t layer) const;

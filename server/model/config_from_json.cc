@@ -393,6 +393,61 @@ absl::Status ParseDecoder(const JsonObject& dec, Arch arch, absl::string_view so
   return ParseRope(dec, arch, source, cfg);
 }
 
+// quantization_config: only fine-grained FP8 (quant_method "fp8") as Qwen's
+// FP8 releases and transformers' FineGrainedFP8Config write it; any other
+// method, format, activation scheme or block size would be read as
+// something it is not, so it is refused naming the field and its value.
+absl::Status ParseQuantization(const JsonObject& top, absl::string_view source, ModelConfig& cfg) {
+  DF_ASSIGN_OR_RETURN(const Struct* q, top.Object("quantization_config"));
+  if (q == nullptr) return absl::OkStatus();
+  const JsonObject obj(*q, source, "quantization_config.");
+  auto refuse = [&](absl::string_view key, absl::string_view value, absl::string_view accepted) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", obj.Path(key), " \"", value,
+                                                   "\" is not supported; only ", accepted));
+  };
+  DF_ASSIGN_OR_RETURN(std::optional<std::string> method, obj.String("quant_method"));
+  if (!method.has_value()) return obj.Missing("quant_method");
+  if (*method != "fp8") {
+    return refuse("quant_method", *method,
+                  "\"fp8\" (fine-grained FP8: e4m3 weights, 128x128 block scales, dynamic "
+                  "activations)");
+  }
+  DF_ASSIGN_OR_RETURN(std::optional<std::string> fmt, obj.String("fmt"));
+  if (fmt.has_value() && *fmt != "e4m3") return refuse("fmt", *fmt, "\"e4m3\"");
+  DF_ASSIGN_OR_RETURN(std::optional<std::string> scheme, obj.String("activation_scheme"));
+  if (scheme.has_value() && *scheme != "dynamic") {
+    return refuse("activation_scheme", *scheme, "\"dynamic\" (per-token activation scales)");
+  }
+  Fp8Quantization& quant = cfg.quantization;
+  quant.enabled = true;
+  DF_ASSIGN_OR_RETURN(const ListValue* block, obj.List("weight_block_size"));
+  if (block != nullptr) {
+    if (block->values_size() != 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": ", obj.Path("weight_block_size"), " has ", block->values_size(),
+                       " entries; it must be [rows, cols] ([128, 128])"));
+    }
+    int64_t dims[2];
+    for (int i = 0; i < 2; ++i) {
+      const Value& v = block->values(i);
+      const std::string path = absl::StrCat("weight_block_size[", i, "]");
+      if (v.kind_case() != Value::kNumberValue) return obj.WrongType(path, "an integer", v);
+      const double d = v.number_value();
+      if (!std::isfinite(d) || std::trunc(d) != d || std::fabs(d) > kMaxExactInt) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(source, ": field ", obj.Path(path), " must be an integer, got ", d));
+      }
+      dims[i] = static_cast<int64_t>(d);
+    }
+    quant.block_rows = dims[0];
+    quant.block_cols = dims[1];
+  }
+  DF_ASSIGN_OR_RETURN(std::optional<std::vector<std::string>> skip,
+                      obj.StringList("modules_to_not_convert"));
+  quant.modules_to_not_convert = skip.value_or(std::vector<std::string>{});
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view json,
@@ -458,6 +513,7 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view json,
   } else {
     DF_RETURN_IF_ERROR(ParseDecoder(top, cfg.arch, source, cfg));
   }
+  DF_RETURN_IF_ERROR(ParseQuantization(top, source, cfg));
 
   if (absl::Status st = cfg.Validate(); !st.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": ", st.message()));

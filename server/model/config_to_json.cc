@@ -140,7 +140,23 @@ std::string ModelConfig::ToJson() const {
   dec.Object("rope_parameters", rope, dec_indent + 2);
   dec.Str("dtype", "bfloat16").Str("torch_dtype", "bfloat16");
 
-  if (!(hybrid && multimodal)) return dec.Render() + "\n";
+  // FineGrainedFP8Config as transformers saves it, at the top level.
+  JsonWriter quant;
+  if (quantization.enabled) {
+    std::vector<std::string> skip;
+    for (const std::string& m : quantization.modules_to_not_convert) skip.push_back(Quote(m));
+    quant.Str("quant_method", "fp8")
+        .Str("fmt", "e4m3")
+        .Str("activation_scheme", "dynamic")
+        .Raw("weight_block_size", JsonArray({absl::StrCat(quantization.block_rows),
+                                             absl::StrCat(quantization.block_cols)}))
+        .Raw("modules_to_not_convert", JsonArray(skip));
+  }
+
+  if (!(hybrid && multimodal)) {
+    if (quantization.enabled) dec.Object("quantization_config", quant, 2);
+    return dec.Render() + "\n";
+  }
 
   // No vision_config: transformers builds its default vision tower, whose
   // weights this checkpoint does not have (they load as freshly initialised).
@@ -151,6 +167,7 @@ std::string ModelConfig::ToJson() const {
       .Bool("tie_word_embeddings", tie_word_embeddings)
       .Str("dtype", "bfloat16")
       .Str("torch_dtype", "bfloat16");
+  if (quantization.enabled) outer.Object("quantization_config", quant, 2);
   return outer.Render() + "\n";
 }
 

@@ -6,6 +6,8 @@
 //    name, dtype, shape and bytes. The bytes are hashed whole when the decoder
 //    is under 64 MiB, else as 16 evenly spaced 4 KiB windows per tensor, so a
 //    54 GB checkpoint costs ~54 MB of reads.
+//  - for an FP8 tensor, its block scales too (dtype, shape, bytes), and the
+//    config's quantisation scheme.
 // The raw bytes and the dtype are hashed, so the same values stored as bf16
 // and as f32 fingerprint differently; that is deliberate, since a bf16 and an
 // f32 copy need not give bit-identical states.
@@ -112,6 +114,20 @@ void HashTensor(Digest& d, std::string_view name, const Tensor& t, bool whole) {
   }
 }
 
+// An FP8 weight's values are its bytes times its scales: the scales are
+// hashed whole (1/16384 of the weight's bytes). Hashed only for FP8 tensors,
+// so every other model's fingerprint stays what it was.
+void HashTensorAndScales(Digest& d, std::string_view name, const Tensor& t, bool whole) {
+  HashTensor(d, name, t, whole);
+  if (!t.valid() || !t.fp8()) return;
+  const BlockScales& s = t.scale_inv;
+  d.Str("scale_inv");
+  d.Str(DTypeName(s.dtype));
+  d.U64(s.shape.size());
+  for (int64_t dim : s.shape) d.U64(static_cast<uint64_t>(dim));
+  if (s.valid()) d.Bytes(s.data, s.nbytes());
+}
+
 }  // namespace
 
 std::string ComputeFingerprint(const Model& model) {
@@ -144,6 +160,12 @@ std::string ComputeFingerprint(const Model& model) {
     d.U64(c.mlp_only_layers.size());
     for (int64_t l : c.mlp_only_layers) d.U64(static_cast<uint64_t>(l));
   }
+  if (c.quantization.enabled) {  // absent for unquantised models, whose digests predate it
+    // modules_to_not_convert is not hashed: the tensors' dtypes decide what is FP8.
+    d.Str("fp8-e4m3-dynamic");
+    d.U64(static_cast<uint64_t>(c.quantization.block_rows));
+    d.U64(static_cast<uint64_t>(c.quantization.block_cols));
+  }
   if (model.weights_on_device_random) {
     // Weights made on the GPU from a seed: the seed stands for their bytes.
     d.Str("device-random");
@@ -172,7 +194,7 @@ std::string ComputeFingerprint(const Model& model) {
   const Tensor absent;
   for (const WeightSpec& s : specs) {
     const Tensor* t = slot(s);
-    HashTensor(d, s.name, t != nullptr ? *t : absent, whole);
+    HashTensorAndScales(d, s.name, t != nullptr ? *t : absent, whole);
   }
   return d.Hex();
 }

@@ -1,5 +1,11 @@
 // Saves a Model as a Hugging Face directory: config.json plus one
-// model.safetensors, or N shards and model.safetensors.index.json.
+// model.safetensors, or N shards and model.safetensors.index.json. FP8
+// weights go out as fine-grained FP8 checkpoints ship: F8_E4M3 `weight` plus
+// `weight_scale_inv` in the dtype the model holds them (F32 from the
+// quantiser, BF16 from Qwen's releases: rewriting them in another dtype could
+// change their values, and LoadModel must round-trip bit for bit; transformers
+// upcasts either to fp32), experts per expert, and a quantization_config
+// whose modules_to_not_convert names every Linear left in bf16.
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -33,6 +39,7 @@ std::string_view TorchDTypeName(DType d) {
       return "float16";
     case DType::kF32:
       return "float32";
+    case DType::kF8E4M3:  // weights, never a checkpoint's dtype
     case DType::kInvalid:
       break;
   }
@@ -59,12 +66,14 @@ struct Item {
   std::string name;  // full name in the checkpoint
   const Tensor* tensor;
   uint64_t out_bytes;
+  DType out_dtype;
 };
 
 // `t` in dtype `to`; `buffer` receives the converted bytes unless no
 // conversion is needed, in which case the result points at `t`'s own data.
-SafetensorsTensor Convert(const Item& item, DType to, std::vector<std::byte>& buffer) {
+SafetensorsTensor Convert(const Item& item, std::vector<std::byte>& buffer) {
   const Tensor& t = *item.tensor;
+  const DType to = item.out_dtype;
   SafetensorsTensor out;
   out.name = item.name;
   out.dtype = std::string(DTypeName(to));
@@ -109,7 +118,23 @@ absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
   }
 
   const std::string prefix = options.multimodal_naming ? "model.language_model." : "model.";
+  // A tensor stays F8 on disk unless asked to dequantise; its scales follow
+  // it under <weight name>_scale_inv.
+  auto keep_fp8 = [&](const Tensor& t) { return t.fp8() && !options.dequantize_fp8; };
+  auto out_dtype = [&](const Tensor& t) { return keep_fp8(t) ? DType::kF8E4M3 : options.dtype; };
+  std::deque<Tensor> scale_views;
   std::vector<Item> items;
+  auto add_scales = [&](const Item& weight) {
+    const Tensor& t = *weight.tensor;
+    if (!keep_fp8(t)) return;
+    Tensor& s = scale_views.emplace_back();
+    s.dtype = t.scale_inv.dtype;
+    s.shape = t.scale_inv.shape;
+    s.data = t.scale_inv.data;
+    items.push_back({weight.name + "_scale_inv", &s, s.nbytes(), s.dtype});
+  };
+  std::vector<std::string> bf16_modules;  // quantization_config.modules_to_not_convert
+  bool any_fp8 = false;
   auto add = [&](const WeightSpec& spec, std::string name) -> absl::Status {
     const Tensor& t = WeightSlot(model.weights, spec);
     if (!t.valid() || t.shape != spec.shape || DTypeSize(t.dtype) == 0) {
@@ -119,8 +144,21 @@ absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
                     : "missing",
           ", expected shape [", absl::StrJoin(spec.shape, ", "), "]"));
     }
-    items.push_back(
-        {std::move(name), &t, static_cast<uint64_t>(t.numel()) * DTypeSize(options.dtype)});
+    if (t.fp8() && (!t.scale_inv.valid() || t.scale_inv.shape != Fp8ScaleShape(t.shape))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "WriteHfCheckpoint: model ", model.id, " FP8 tensor ", spec.name,
+          " has no block scales of shape [", absl::StrJoin(Fp8ScaleShape(t.shape), ", "), "]"));
+    }
+    any_fp8 |= keep_fp8(t);
+    // Linear layers (2-D weights and the experts) left unquantised, named as
+    // transformers names modules; embed_tokens is an Embedding, never converted.
+    const bool linear = spec.shape.size() >= 2 && spec.global != &ModelWeights::embed_tokens &&
+                        spec.name != "lm_head.weight";
+    if (linear && !keep_fp8(t)) {  // "x.weight" -> module "x"; "experts.down_proj" -> "experts"
+      bf16_modules.push_back(absl::StrCat(prefix, spec.name.substr(0, spec.name.rfind('.'))));
+    }
+    items.push_back({std::move(name), &t,
+                     static_cast<uint64_t>(t.numel()) * DTypeSize(out_dtype(t)), out_dtype(t)});
     return absl::OkStatus();
   };
   // Stacked experts go out one tensor per expert and part, as transformers'
@@ -128,7 +166,10 @@ absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
   std::deque<Tensor> expert_views;
   for (const WeightSpec& spec : DecoderWeightSpecs(config)) {
     DF_RETURN_IF_ERROR(add(spec, prefix + spec.name));
-    if (spec.expert_parts.empty()) continue;
+    if (spec.expert_parts.empty()) {
+      add_scales(items.back());
+      continue;
+    }
     const Tensor& stacked = *items.back().tensor;
     items.pop_back();
     const int64_t parts = static_cast<int64_t>(spec.expert_parts.size());
@@ -141,16 +182,38 @@ absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
         view.shape = {rows, cols};
         view.data = stacked.data +
                     static_cast<size_t>((e * parts + p) * rows * cols) * DTypeSize(stacked.dtype);
+        if (stacked.fp8()) {
+          // Each part must be whole scale blocks tall (the loader and the
+          // quantiser refuse other widths); then its scales are a contiguous
+          // run of the stacked ones.
+          if (parts > 1 && rows % kFp8BlockSize != 0) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("WriteHfCheckpoint: model ", model.id, " FP8 experts ", spec.name,
+                             " cannot be split per expert: moe_intermediate_size=", rows,
+                             " is not a multiple of ", kFp8BlockSize));
+          }
+          view.scale_inv.dtype = stacked.scale_inv.dtype;
+          view.scale_inv.shape = Fp8ScaleShape(view.shape);
+          view.scale_inv.data =
+              stacked.scale_inv.data + static_cast<size_t>(e * parts + p) * view.scale_inv.nbytes();
+        }
         items.push_back(
             {absl::StrCat(base, e, ".", spec.expert_parts[static_cast<size_t>(p)], ".weight"),
-             &view, static_cast<uint64_t>(rows * cols) * DTypeSize(options.dtype)});
+             &view, static_cast<uint64_t>(rows * cols) * DTypeSize(out_dtype(view)),
+             out_dtype(view)});
+        add_scales(items.back());
       }
     }
   }
   if (!config.tie_word_embeddings && model.weights.lm_head.valid()) {
     const WeightSpec head = LmHeadSpec(config);
     DF_RETURN_IF_ERROR(add(head, head.name));
+    add_scales(items.back());
   }
+  bf16_modules.insert(bf16_modules.begin(), "lm_head");
+  config.quantization =
+      any_fp8 ? Fp8Quantization{.enabled = true, .modules_to_not_convert = bf16_modules}
+              : Fp8Quantization{};
   const size_t n = static_cast<size_t>(options.num_shards);
   if (n > items.size()) {
     return absl::InvalidArgumentError(
@@ -192,7 +255,7 @@ absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
     for (size_t k = 0; k < items.size(); ++k) {
       if (shard_of[k] != shard) continue;
       buffers.emplace_back();
-      entries.push_back(Convert(items[k], options.dtype, buffers.back()));
+      entries.push_back(Convert(items[k], buffers.back()));
     }
     DF_RETURN_IF_ERROR(WriteSafetensors((root / file_names.back()).string(), entries, metadata));
   }

@@ -2,7 +2,9 @@
 // model.safetensors or the shards that model.safetensors.index.json names.
 // Every decoder tensor is checked against the shape the config implies, and
 // the Tensors point straight into the read-only mappings (copied only when a
-// tensor's offset leaves it misaligned for its dtype).
+// tensor's offset leaves it misaligned for its dtype). Fine-grained FP8
+// checkpoints: a weight is FP8 iff it is F8_E4M3 and has a weight_scale_inv
+// beside it, whose shape is checked against the weight's 128x128 block grid.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -82,8 +84,13 @@ class CheckpointLoader {
   absl::Status OpenShards();
   absl::Status IndexTensors();
   absl::Status Classify();
-  absl::StatusOr<Tensor> Bind(const Found& f, const WeightSpec& spec);
+  absl::StatusOr<Tensor> Bind(const Found& f, const WeightSpec& spec,
+                              std::set<std::string>& expected);
+  absl::Status BindScales(const Found& weight, const std::string& suffix, const WeightSpec& spec,
+                          const std::vector<int64_t>& weight_shape, std::set<std::string>& expected,
+                          Tensor& t);
   absl::StatusOr<Tensor> BindExperts(const WeightSpec& spec, std::set<std::string>& expected);
+  const std::byte* Aligned(const std::byte* data, size_t nbytes, size_t alignment);
   std::string ExtraReason(const std::string& suffix) const;
 
   std::string dir_;
@@ -212,6 +219,10 @@ absl::Status CheckpointLoader::Classify() {
 
 // Why a decoder tensor that the config does not call for is there.
 std::string CheckpointLoader::ExtraReason(const std::string& suffix) const {
+  if (absl::EndsWith(suffix, ".weight_scale") || absl::EndsWith(suffix, ".input_scale")) {
+    return " (fine-grained FP8 checkpoints name their block scales weight_scale_inv and have no "
+           "input scales; this is another quantisation format)";
+  }
   if (!absl::StartsWith(suffix, "layers.")) return "";
   const absl::string_view rest = absl::string_view(suffix).substr(7);
   const size_t dot = rest.find('.');
@@ -255,27 +266,92 @@ std::string CheckpointLoader::ExtraReason(const std::string& suffix) const {
   return "";
 }
 
-absl::StatusOr<Tensor> CheckpointLoader::Bind(const Found& f, const WeightSpec& spec) {
+// A tensor's bytes, copied when its offset leaves it misaligned for its dtype.
+const std::byte* CheckpointLoader::Aligned(const std::byte* data, size_t nbytes, size_t alignment) {
+  if (reinterpret_cast<uintptr_t>(data) % alignment == 0) return data;
+  auto copy = std::make_unique<std::byte[]>(nbytes);
+  std::memcpy(copy.get(), data, nbytes);
+  const std::byte* out = copy.get();
+  storage_->copies.push_back(std::move(copy));
+  return out;
+}
+
+// The scale checkpoint name of a weight suffix: "x.weight" -> "x.weight_scale_inv"
+// (per-module Linears), "experts.gate_up_proj" -> "experts.gate_up_proj_scale_inv"
+// (transformers 5's fused FP8 experts).
+std::string ScaleSuffix(const std::string& weight_suffix) {
+  return absl::StrCat(weight_suffix, "_scale_inv");
+}
+
+absl::StatusOr<Tensor> CheckpointLoader::Bind(const Found& f, const WeightSpec& spec,
+                                              std::set<std::string>& expected) {
   const SafetensorsTensor& st = *f.tensor;
   Tensor t;
   t.dtype = DTypeFromSafetensors(st.dtype);
   if (t.dtype == DType::kInvalid) {
     return Error("tensor ", f.name, " in ", f.file, " has dtype ", st.dtype,
-                 "; only BF16, F16 and F32 are supported");
+                 "; only BF16, F16, F32 and F8_E4M3 are supported");
   }
   if (st.shape != spec.shape) {
     return Error("tensor ", f.name, " has shape [", absl::StrJoin(st.shape, ", "), "], expected [",
                  absl::StrJoin(spec.shape, ", "), "] (from config.json: ", spec.origin, ")");
   }
   t.shape = st.shape;
-  t.data = st.data;
-  if (reinterpret_cast<uintptr_t>(st.data) % DTypeSize(t.dtype) != 0) {
-    auto copy = std::make_unique<std::byte[]>(st.nbytes);
-    std::memcpy(copy.get(), st.data, st.nbytes);
-    t.data = copy.get();
-    storage_->copies.push_back(std::move(copy));
-  }
+  t.data = Aligned(st.data, st.nbytes, DTypeSize(t.dtype));
+  DF_RETURN_IF_ERROR(BindScales(f, spec.name, spec, spec.shape, expected, t));
   return t;
+}
+
+// Pairs an FP8 weight with its weight_scale_inv (into t.scale_inv), and
+// refuses every mismatch: an F8 weight without scales or where the engines
+// keep bf16, scales beside a non-F8 weight, a scale of the wrong dtype or
+// shape, F8 weights in a checkpoint whose config.json does not say FP8.
+absl::Status CheckpointLoader::BindScales(const Found& weight, const std::string& suffix,
+                                          const WeightSpec& spec,
+                                          const std::vector<int64_t>& weight_shape,
+                                          std::set<std::string>& expected, Tensor& t) {
+  const std::string scale_suffix = ScaleSuffix(suffix);
+  const auto it = decoder_.find(scale_suffix);
+  const Found* scale = it == decoder_.end() ? nullptr : &it->second;
+  if (!t.fp8()) {
+    if (scale != nullptr) {
+      return Error("tensor ", scale->name, " in ", scale->file, " scales ", weight.name,
+                   ", which is ", weight.tensor->dtype,
+                   ", not F8_E4M3; block scales belong to FP8 weights only");
+    }
+    return absl::OkStatus();
+  }
+  if (!spec.fp8_eligible) {
+    return Error("tensor ", weight.name, " in ", weight.file,
+                 " is F8_E4M3, but this tensor stays in bf16 in FP8 checkpoints (only the "
+                 "attention, GDN in_proj_qkv/in_proj_z/out_proj, MLP and expert projections are "
+                 "quantised)");
+  }
+  if (!config_.quantization.enabled) {
+    return Error("tensor ", weight.name, " in ", weight.file,
+                 " is F8_E4M3, but config.json has no quantization_config (quant_method \"fp8\")");
+  }
+  if (scale == nullptr) {
+    return Error("tensor ", weight.name, " in ", weight.file, " is F8_E4M3 but has no scales (",
+                 prefix_, scale_suffix, " is missing)");
+  }
+  const DType scale_dtype = DTypeFromSafetensors(scale->tensor->dtype);
+  if (scale_dtype == DType::kInvalid || scale_dtype == DType::kF8E4M3) {
+    return Error("tensor ", scale->name, " in ", scale->file, " has dtype ", scale->tensor->dtype,
+                 "; block scales must be BF16, F16 or F32");
+  }
+  const std::vector<int64_t> want = Fp8ScaleShape(weight_shape);
+  if (scale->tensor->shape != want) {
+    return Error("tensor ", scale->name, " has shape [", absl::StrJoin(scale->tensor->shape, ", "),
+                 "], expected [", absl::StrJoin(want, ", "), "]: one scale per ", kFp8BlockSize,
+                 "x", kFp8BlockSize, " block of ", weight.name, " [",
+                 absl::StrJoin(weight_shape, ", "), "]");
+  }
+  t.scale_inv.dtype = scale_dtype;
+  t.scale_inv.shape = want;
+  t.scale_inv.data = Aligned(scale->tensor->data, scale->tensor->nbytes, DTypeSize(scale_dtype));
+  expected.insert(scale_suffix);
+  return absl::OkStatus();
 }
 
 // Stacked experts come fused under the spec's own name (transformers' in-memory
@@ -312,7 +388,7 @@ absl::StatusOr<Tensor> CheckpointLoader::BindExperts(const WeightSpec& spec,
       return Error("tensor ", fused->second.name, " in ", fused->second.file, " holds ",
                    st.shape[0], " experts (its first dim), config.json has num_experts=", experts);
     }
-    return Bind(fused->second, spec);
+    return Bind(fused->second, spec, expected);
   }
   if (first_part == nullptr) {
     return Error("missing tensor ", prefix_, spec.name, " (or its per-expert form ", prefix_,
@@ -324,6 +400,15 @@ absl::StatusOr<Tensor> CheckpointLoader::BindExperts(const WeightSpec& spec,
   t.shape = spec.shape;
   const size_t part_bytes = static_cast<size_t>(part_rows * cols) * DTypeSize(t.dtype);
   std::unique_ptr<std::byte[]> stacked;
+  // FP8 parts: their scales stack the same way, which lines up with the
+  // stacked tensor's block grid only when each part is whole blocks tall.
+  if (t.fp8() && parts > 1 && part_rows % kFp8BlockSize != 0) {
+    return Error("layer ", spec.layer, "'s FP8 experts (", first_part->name,
+                 ") cannot be stacked: moe_intermediate_size=", part_rows,
+                 " from config.json is not a multiple of the ", kFp8BlockSize, "-row scale block");
+  }
+  size_t part_scale_bytes = 0;
+  std::unique_ptr<std::byte[]> stacked_scales;
   for (int64_t e = 0; e < experts; ++e) {
     for (int64_t p = 0; p < parts; ++p) {
       const std::string name = part_name(e, p);
@@ -336,7 +421,7 @@ absl::StatusOr<Tensor> CheckpointLoader::BindExperts(const WeightSpec& spec,
       const DType dtype = DTypeFromSafetensors(f.tensor->dtype);
       if (dtype == DType::kInvalid) {
         return Error("tensor ", f.name, " in ", f.file, " has dtype ", f.tensor->dtype,
-                     "; only BF16, F16 and F32 are supported");
+                     "; only BF16, F16, F32 and F8_E4M3 are supported");
       }
       if (dtype != t.dtype) {
         return Error("tensor ", f.name, " in ", f.file, " has dtype ", f.tensor->dtype, " but ",
@@ -348,6 +433,25 @@ absl::StatusOr<Tensor> CheckpointLoader::BindExperts(const WeightSpec& spec,
                      absl::StrJoin(f.tensor->shape, ", "), "], expected [", part_rows, ", ", cols,
                      "] (from config.json: ", spec.origin, ")");
       }
+      Tensor part;
+      part.dtype = dtype;
+      DF_RETURN_IF_ERROR(BindScales(f, name, spec, {part_rows, cols}, expected, part));
+      if (t.fp8()) {
+        if (stacked_scales == nullptr) {
+          t.scale_inv.dtype = part.scale_inv.dtype;
+          t.scale_inv.shape = Fp8ScaleShape(spec.shape);
+          part_scale_bytes = part.scale_inv.nbytes();
+          stacked_scales = std::make_unique<std::byte[]>(part_scale_bytes *
+                                                         static_cast<size_t>(experts * parts));
+        } else if (part.scale_inv.dtype != t.scale_inv.dtype) {
+          return Error("tensor ", prefix_, ScaleSuffix(name), " has dtype ",
+                       std::string(DTypeName(part.scale_inv.dtype)), " but the first expert's is ",
+                       std::string(DTypeName(t.scale_inv.dtype)),
+                       "; one layer's expert scales must share a dtype");
+        }
+        std::memcpy(stacked_scales.get() + static_cast<size_t>(e * parts + p) * part_scale_bytes,
+                    part.scale_inv.data, part_scale_bytes);
+      }
       if (stacked == nullptr) {
         stacked = std::make_unique<std::byte[]>(part_bytes * static_cast<size_t>(experts * parts));
       }
@@ -358,6 +462,10 @@ absl::StatusOr<Tensor> CheckpointLoader::BindExperts(const WeightSpec& spec,
   }
   t.data = stacked.get();
   storage_->copies.push_back(std::move(stacked));
+  if (stacked_scales != nullptr) {
+    t.scale_inv.data = stacked_scales.get();
+    storage_->copies.push_back(std::move(stacked_scales));
+  }
   return t;
 }
 
@@ -398,7 +506,7 @@ absl::StatusOr<std::unique_ptr<Model>> CheckpointLoader::Load() {
       return Error("missing tensor ", prefix_, spec.name, " (looked in ",
                    absl::StrJoin(shard_names_, ", "), ")");
     }
-    DF_ASSIGN_OR_RETURN(WeightSlot(w, spec), Bind(it->second, spec));
+    DF_ASSIGN_OR_RETURN(WeightSlot(w, spec), Bind(it->second, spec, expected));
   }
   for (const auto& [suffix, found] : decoder_) {
     if (!expected.contains(suffix)) {
@@ -406,7 +514,8 @@ absl::StatusOr<std::unique_ptr<Model>> CheckpointLoader::Load() {
     }
   }
   if (lm_head_.has_value()) {
-    DF_ASSIGN_OR_RETURN(Tensor head, Bind(*lm_head_, LmHeadSpec(config_)));
+    std::set<std::string> head_scales;  // never any: lm_head stays bf16
+    DF_ASSIGN_OR_RETURN(Tensor head, Bind(*lm_head_, LmHeadSpec(config_), head_scales));
     // transformers ties a stored head to the embedding regardless.
     w.lm_head = config_.tie_word_embeddings ? w.embed_tokens : head;
   } else if (config_.tie_word_embeddings) {

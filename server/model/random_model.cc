@@ -2,7 +2,10 @@
 // checkpoint. Shapes come from a table that can grow (tiny today, real-size
 // shapes later); weights are drawn from a seeded mt19937_64 in the canonical
 // tensor order of weight_layout.h, each by its RandomInit there (scaled so
-// activations stay O(1) through every layer).
+// activations stay O(1) through every layer). Every shape also comes as
+// NAME-fp8: host models are the bf16 model quantised by QuantizeModelFp8
+// (fp8_quantize.h); device-random ones carry F8_E4M3 dtypes and F32 scale
+// shapes and the GPU engine fills them.
 #include <cmath>
 #include <cstdint>
 #include <numbers>
@@ -12,8 +15,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "server/model/fp8_quantize.h"
 #include "server/model/model.h"
 #include "server/model/weight_layout.h"
 
@@ -35,6 +40,9 @@ struct RandomShape {
   // MoE only (arch kQwen35Moe / kQwen3Moe).
   int64_t experts = 0, experts_per_tok = 0, moe_intermediate = 0, shared_intermediate = 0;
   int64_t mlp_only_layer = -1;  // qwen3_moe: one dense layer, so both MLP paths run
+  // The -fp8 variant's expert width when moe_intermediate is not a multiple
+  // of 128: stacked [gate; up] experts need whole 128-row scale blocks each.
+  int64_t fp8_moe_intermediate = 0;
   // Real sizes: weights are made on the GPU (Model::weights_on_device_random).
   bool device_weights = false;
 };
@@ -145,7 +153,8 @@ constexpr RandomShape kShapes[] = {
      .experts = 8,
      .experts_per_tok = 2,
      .moe_intermediate = 64,
-     .shared_intermediate = 64},
+     .shared_intermediate = 64,
+     .fp8_moe_intermediate = 128},
     {.name = "tiny-random-qwen3-moe",
      .arch = Arch::kQwen3Moe,
      .vocab = 4096,
@@ -161,7 +170,8 @@ constexpr RandomShape kShapes[] = {
      .experts = 8,
      .experts_per_tok = 2,
      .moe_intermediate = 64,
-     .mlp_only_layer = 1},
+     .mlp_only_layer = 1,
+     .fp8_moe_intermediate = 128},
     // MoE at the real head sizes and top-k widths the CUDA kernels tile for
     // (expert width 128), small enough for the CPU reference.
     {.name = "small-random-moe",
@@ -291,6 +301,7 @@ std::string ValidSpecs() {
   for (const RandomShape& s : kShapes) {
     absl::StrAppend(&out, out.empty() ? "" : ", ", std::string(s.name), "[:SEED]");
   }
+  absl::StrAppend(&out, " (each also as NAME-fp8[:SEED]: FP8 weights, 128x128 block scales)");
   return out;
 }
 
@@ -357,7 +368,8 @@ class Sampler {
 };
 
 // A model of `config` (validated) with random weights: on the host from
-// `seed`, or (on_device) shapes only, the GPU engine filling them.
+// `seed`, or (on_device) shapes only, the GPU engine filling them (F8_E4M3
+// with F32 scales for the fp8_eligible tensors when config is quantised).
 std::unique_ptr<Model> MakeRandomWeights(const ModelConfig& config, uint64_t seed, std::string id,
                                          bool on_device);
 
@@ -379,22 +391,34 @@ absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) 
                        "' is not a non-negative integer; built-in specs are ", ValidSpecs()));
     }
   }
+  const bool fp8 = absl::EndsWith(name, kFp8Suffix);
+  const std::string base_name = fp8 ? name.substr(0, name.size() - kFp8Suffix.size()) : name;
   const RandomShape* shape = nullptr;
   for (const RandomShape& s : kShapes) {
-    if (s.name == name) shape = &s;
+    if (s.name == base_name) shape = &s;
   }
   if (shape == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown built-in model '", spec, "'; built-in specs are ", ValidSpecs()));
   }
 
-  const ModelConfig config = ConfigFor(*shape);
+  ModelConfig config = ConfigFor(*shape);
+  if (fp8 && shape->fp8_moe_intermediate > 0) {
+    config.moe_intermediate_size = shape->fp8_moe_intermediate;
+  }
   if (absl::Status st = config.Validate(); !st.ok()) {
     return absl::InternalError(
         absl::StrCat("built-in shape ", std::string(shape->name), ": ", st.message()));
   }
-  return MakeRandomWeights(config, seed, absl::StrCat(std::string(shape->name), ":", seed),
-                           shape->device_weights);
+  const std::string id = absl::StrCat(name, ":", seed);
+  if (fp8 && shape->device_weights) config.quantization = Fp8Quantization{.enabled = true};
+  std::unique_ptr<Model> model = MakeRandomWeights(config, seed, id, shape->device_weights);
+  if (fp8 && !shape->device_weights) {
+    if (absl::Status st = QuantizeModelFp8(*model); !st.ok()) {
+      return absl::InternalError(absl::StrCat("built-in model ", id, ": ", st.message()));
+    }
+  }
+  return model;
 }
 
 absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const ModelConfig& config, uint64_t seed) {
@@ -425,6 +449,11 @@ std::unique_ptr<Model> MakeRandomWeights(const ModelConfig& config, uint64_t see
       Tensor& t = WeightSlot(model->weights, s);
       t.dtype = DType::kBF16;
       t.shape = s.shape;
+      if (config.quantization.enabled && s.fp8_eligible) {
+        t.dtype = DType::kF8E4M3;
+        t.scale_inv.dtype = DType::kF32;
+        t.scale_inv.shape = Fp8ScaleShape(s.shape);
+      }
     }
     model->weights_on_device_random = true;
     model->device_random_seed = seed;

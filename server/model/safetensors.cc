@@ -125,6 +125,7 @@ DType DTypeFromSafetensors(std::string_view dtype) {
   if (dtype == "BF16") return DType::kBF16;
   if (dtype == "F16") return DType::kF16;
   if (dtype == "F32") return DType::kF32;
+  if (dtype == "F8_E4M3") return DType::kF8E4M3;
   return DType::kInvalid;
 }
 

@@ -19,7 +19,7 @@ namespace draftfeed {
 
 // Bytes per element of a safetensors dtype ("BF16", "I32", ...), 0 if unknown.
 size_t SafetensorsDTypeSize(std::string_view dtype);
-// The float dtypes the model uses; kInvalid for any other name.
+// The float dtypes the model uses (BF16, F16, F32, F8_E4M3); kInvalid for any other name.
 DType DTypeFromSafetensors(std::string_view dtype);
 
 struct SafetensorsTensor {

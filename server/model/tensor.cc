@@ -2,9 +2,12 @@
 
 #include <bit>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_join.h"
+#include "common/fp8_e4m3.h"
 
 namespace draftfeed {
 
@@ -16,6 +19,8 @@ std::string_view DTypeName(DType dtype) {
       return "F16";
     case DType::kF32:
       return "F32";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
     case DType::kInvalid:
       break;
   }
@@ -29,6 +34,8 @@ size_t DTypeSize(DType dtype) {
       return 2;
     case DType::kF32:
       return 4;
+    case DType::kF8E4M3:
+      return 1;
     case DType::kInvalid:
       break;
   }
@@ -39,6 +46,19 @@ int64_t Tensor::numel() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;
+}
+
+int64_t BlockScales::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<int64_t> Fp8ScaleShape(const std::vector<int64_t>& weight_shape) {
+  std::vector<int64_t> s = weight_shape;
+  const size_t n = s.size();
+  for (size_t i = n >= 2 ? n - 2 : 0; i < n; ++i) s[i] = (s[i] + kFp8BlockSize - 1) / kFp8BlockSize;
+  return s;
 }
 
 std::string Tensor::ShapeString() const { return "[" + absl::StrJoin(shape, ", ") + "]"; }
@@ -95,7 +115,52 @@ uint16_t FloatToFp16(float f) {
   return sign | static_cast<uint16_t>((exp << 10) | mant);
 }
 
+namespace {
+
+// Element i of a bf16 / f16 / f32 array, widened exactly.
+float WidenAt(DType dtype, const std::byte* data, int64_t i) {
+  if (dtype == DType::kF32) {
+    float f;
+    std::memcpy(&f, data + 4 * i, 4);
+    return f;
+  }
+  uint16_t v;
+  std::memcpy(&v, data + 2 * i, 2);
+  return dtype == DType::kBF16 ? Bf16ToFloat(v) : Fp16ToFloat(v);
+}
+
+std::vector<float> DequantiseFp8(const Tensor& t) {
+  const BlockScales& s = t.scale_inv;
+  const bool scale_dtype_ok =
+      s.dtype == DType::kBF16 || s.dtype == DType::kF16 || s.dtype == DType::kF32;
+  if (t.shape.size() < 2 || !s.valid() || !scale_dtype_ok || s.shape != Fp8ScaleShape(t.shape)) {
+    std::fprintf(stderr, "ToFloat: FP8 tensor %s without scales of shape [%s]\n",
+                 t.ShapeString().c_str(), absl::StrJoin(Fp8ScaleShape(t.shape), ", ").c_str());
+    std::abort();
+  }
+  const int64_t rows = t.shape[t.shape.size() - 2], cols = t.shape.back();
+  const int64_t batch = rows * cols == 0 ? 0 : t.numel() / (rows * cols);
+  const int64_t srows = s.shape[s.shape.size() - 2], scols = s.shape.back();
+  std::vector<float> out(static_cast<size_t>(t.numel()));
+  std::vector<float> row_scales(static_cast<size_t>(scols));
+  const auto* q = reinterpret_cast<const uint8_t*>(t.data);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t sbase = (b * srows + r / kFp8BlockSize) * scols;
+      for (int64_t j = 0; j < scols; ++j) row_scales[j] = WidenAt(s.dtype, s.data, sbase + j);
+      const int64_t base = (b * rows + r) * cols;
+      for (int64_t c = 0; c < cols; ++c) {
+        out[base + c] = E4m3ToFloatFast(q[base + c]) * row_scales[c / kFp8BlockSize];
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<float> ToFloat(const Tensor& t) {
+  if (t.fp8()) return DequantiseFp8(t);
   const int64_t n = t.numel();
   std::vector<float> out(static_cast<size_t>(n));
   switch (t.dtype) {
@@ -116,6 +181,7 @@ std::vector<float> ToFloat(const Tensor& t) {
         out[i] = Fp16ToFloat(v);
       }
       break;
+    case DType::kF8E4M3:  // handled above
     case DType::kInvalid:
       out.clear();
       break;

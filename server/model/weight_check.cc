@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/fp8_e4m3.h"
 #include "server/model/weight_layout.h"
 
 namespace draftfeed {
@@ -32,8 +33,18 @@ int64_t FirstNonFinite(const std::byte* data, int64_t n, Bits exponent_mask) {
   return -1;
 }
 
+// e4m3 has no infinities; 0x7f and 0xff are its NaNs.
+int64_t FirstE4m3NaN(const std::byte* data, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if ((static_cast<uint8_t>(data[i]) & 0x7f) == 0x7f) return i;
+  }
+  return -1;
+}
+
 int64_t FirstNonFinite(const Tensor& t) {
   switch (t.dtype) {
+    case DType::kF8E4M3:
+      return FirstE4m3NaN(t.data, t.numel());
     case DType::kBF16:
       return FirstNonFinite<uint16_t>(t.data, t.numel(), 0x7f80);
     case DType::kF16:
@@ -47,6 +58,7 @@ int64_t FirstNonFinite(const Tensor& t) {
 }
 
 float ElementAsFloat(const Tensor& t, int64_t i) {
+  if (t.dtype == DType::kF8E4M3) return E4m3ToFloat(static_cast<uint8_t>(t.data[i]));
   if (t.dtype == DType::kF32) {
     float f;
     std::memcpy(&f, t.data + i * 4, 4);
@@ -57,8 +69,34 @@ float ElementAsFloat(const Tensor& t, int64_t i) {
   return t.dtype == DType::kBF16 ? Bf16ToFloat(h) : Fp16ToFloat(h);
 }
 
+// An FP8 weight's block scales multiply every element of their block: each
+// must be finite and positive (a zero scale erases its block, a negative one
+// flips it; neither comes out of a quantiser).
+absl::Status CheckScales(const Model& model, const WeightSpec& spec, const Tensor& t) {
+  const BlockScales& s = t.scale_inv;
+  if (!s.valid()) return absl::OkStatus();
+  Tensor view;
+  view.dtype = s.dtype;
+  view.shape = s.shape;
+  view.data = s.data;
+  const int64_t n = view.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = ElementAsFloat(view, i);
+    if (std::isfinite(v) && v > 0) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        model.id, ": tensor ", spec.name, "_scale_inv (", std::string(DTypeName(s.dtype)), " ",
+        view.ShapeString(), ") holds ", absl::StrCat(v), " at element ", i,
+        "; FP8 block scales must be finite and positive, the checkpoint is corrupt "
+        "(--check_weights)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckTensor(const Model& model, const WeightSpec& spec, const Tensor& t) {
   if (!t.valid()) return absl::OkStatus();
+  if (t.fp8()) {
+    if (absl::Status st = CheckScales(model, spec, t); !st.ok()) return st;
+  }
   const int64_t bad = FirstNonFinite(t);
   if (bad < 0) return absl::OkStatus();
   const float v = ElementAsFloat(t, bad);

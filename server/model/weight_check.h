@@ -1,5 +1,7 @@
 // --check_weights: a pass over every weight of a loaded model that refuses
-// NaN and infinities, which would otherwise load fine and serve NaN states.
+// NaN and infinities, which would otherwise load fine and serve NaN states,
+// and for FP8 weights NaN codes (0x7f, 0xff) and block scales that are not
+// finite and positive.
 #pragma once
 
 #include "absl/status/status.h"

@@ -70,13 +70,17 @@ void AttentionSpecs(const ModelConfig& c, BlockBuilder& b) {
   const std::string kv = absl::StrCat(Field("num_key_value_heads", c.num_kv_heads), ", ", hd);
   b.Projection("self_attn.q_proj.weight", q_rows, d,
                absl::StrCat(hq, ", ", hd, gated ? " x2 for the output gate" : "", ", ", hid),
-               &LayerWeights::q_proj);
+               &LayerWeights::q_proj)
+      .fp8_eligible = true;
   b.Projection("self_attn.k_proj.weight", kv_rows, d, absl::StrCat(kv, ", ", hid),
-               &LayerWeights::k_proj);
+               &LayerWeights::k_proj)
+      .fp8_eligible = true;
   b.Projection("self_attn.v_proj.weight", kv_rows, d, absl::StrCat(kv, ", ", hid),
-               &LayerWeights::v_proj);
+               &LayerWeights::v_proj)
+      .fp8_eligible = true;
   b.Projection("self_attn.o_proj.weight", d, c.num_heads * c.head_dim,
-               absl::StrCat(hid, ", ", hq, ", ", hd), &LayerWeights::o_proj);
+               absl::StrCat(hid, ", ", hq, ", ", hd), &LayerWeights::o_proj)
+      .fp8_eligible = true;
   if (c.features.qk_norm) {
     b.Add("self_attn.q_norm.weight", {c.head_dim}, hd, &LayerWeights::q_norm, NormInit(c));
     b.Add("self_attn.k_norm.weight", {c.head_dim}, hd, &LayerWeights::k_norm, NormInit(c));
@@ -95,9 +99,11 @@ void GatedDeltaNetSpecs(const ModelConfig& c, BlockBuilder& b) {
                                        Field("linear_key_head_dim", dk), ", ", value);
   const std::string nvf = Field("linear_num_value_heads", nv);
   b.Projection("linear_attn.in_proj_qkv.weight", conv_dim, d, absl::StrCat(qkv, ", ", hid),
-               &LayerWeights::in_proj_qkv);
+               &LayerWeights::in_proj_qkv)
+      .fp8_eligible = true;
   b.Projection("linear_attn.in_proj_z.weight", nv * dv, d, absl::StrCat(value, ", ", hid),
-               &LayerWeights::in_proj_z);
+               &LayerWeights::in_proj_z)
+      .fp8_eligible = true;
   b.Projection("linear_attn.in_proj_b.weight", nv, d, absl::StrCat(nvf, ", ", hid),
                &LayerWeights::in_proj_b);
   b.Projection("linear_attn.in_proj_a.weight", nv, d, absl::StrCat(nvf, ", ", hid),
@@ -113,7 +119,8 @@ void GatedDeltaNetSpecs(const ModelConfig& c, BlockBuilder& b) {
   b.Add("linear_attn.norm.weight", {dv}, Field("linear_value_head_dim", dv), &LayerWeights::norm,
         {.offset = 1.0, .scale = 0.1});
   b.Projection("linear_attn.out_proj.weight", d, nv * dv,
-               absl::StrCat(Field("hidden_size", d), ", ", value), &LayerWeights::out_proj);
+               absl::StrCat(Field("hidden_size", d), ", ", value), &LayerWeights::out_proj)
+      .fp8_eligible = true;
 }
 
 void DenseMlpSpecs(const ModelConfig& c, BlockBuilder& b) {
@@ -121,10 +128,13 @@ void DenseMlpSpecs(const ModelConfig& c, BlockBuilder& b) {
   const std::string hid = Field("hidden_size", d);
   const std::string inter = Field("intermediate_size", f);
   b.Projection("mlp.gate_proj.weight", f, d, absl::StrCat(inter, ", ", hid),
-               &LayerWeights::gate_proj);
-  b.Projection("mlp.up_proj.weight", f, d, absl::StrCat(inter, ", ", hid), &LayerWeights::up_proj);
+               &LayerWeights::gate_proj)
+      .fp8_eligible = true;
+  b.Projection("mlp.up_proj.weight", f, d, absl::StrCat(inter, ", ", hid), &LayerWeights::up_proj)
+      .fp8_eligible = true;
   b.Projection("mlp.down_proj.weight", d, f, absl::StrCat(hid, ", ", inter),
-               &LayerWeights::down_proj);
+               &LayerWeights::down_proj)
+      .fp8_eligible = true;
 }
 
 // Experts' norm spread of the random router: trained routers without load
@@ -145,22 +155,28 @@ void MoeMlpSpecs(const ModelConfig& c, BlockBuilder& b) {
   RandomInit router = ProjectionInit(d);
   router.row_log_sigma = kRouterRowLogSigma;
   b.Add("mlp.gate.weight", {e, d}, absl::StrCat(experts, ", ", hid), &LayerWeights::router, router);
-  b.Add("mlp.experts.gate_up_proj", {e, 2 * i, d},
-        absl::StrCat(experts, ", ", inter, " x2 (gate, up), ", hid), &LayerWeights::experts_gate_up,
-        ProjectionInit(d))
-      .expert_parts = {"gate_proj", "up_proj"};
-  b.Add("mlp.experts.down_proj", {e, d, i}, absl::StrCat(experts, ", ", hid, ", ", inter),
-        &LayerWeights::experts_down, ProjectionInit(i))
-      .expert_parts = {"down_proj"};
+  WeightSpec& gate_up = b.Add("mlp.experts.gate_up_proj", {e, 2 * i, d},
+                              absl::StrCat(experts, ", ", inter, " x2 (gate, up), ", hid),
+                              &LayerWeights::experts_gate_up, ProjectionInit(d));
+  gate_up.expert_parts = {"gate_proj", "up_proj"};
+  gate_up.fp8_eligible = true;
+  WeightSpec& down =
+      b.Add("mlp.experts.down_proj", {e, d, i}, absl::StrCat(experts, ", ", hid, ", ", inter),
+            &LayerWeights::experts_down, ProjectionInit(i));
+  down.expert_parts = {"down_proj"};
+  down.fp8_eligible = true;
   if (c.features.mlp != MlpKind::kMoeSharedExpert) return;
   const int64_t s = c.shared_expert_intermediate_size;
   const std::string shared = Field("shared_expert_intermediate_size", s);
   b.Projection("mlp.shared_expert.gate_proj.weight", s, d, absl::StrCat(shared, ", ", hid),
-               &LayerWeights::shared_gate_proj);
+               &LayerWeights::shared_gate_proj)
+      .fp8_eligible = true;
   b.Projection("mlp.shared_expert.up_proj.weight", s, d, absl::StrCat(shared, ", ", hid),
-               &LayerWeights::shared_up_proj);
+               &LayerWeights::shared_up_proj)
+      .fp8_eligible = true;
   b.Projection("mlp.shared_expert.down_proj.weight", d, s, absl::StrCat(hid, ", ", shared),
-               &LayerWeights::shared_down_proj);
+               &LayerWeights::shared_down_proj)
+      .fp8_eligible = true;
   b.Projection("mlp.shared_expert_gate.weight", 1, d, hid, &LayerWeights::shared_expert_gate);
 }
 

@@ -559,7 +559,7 @@ TEST_F(LoaderTest, BadDtype) {
   const std::string dir = WriteByHand("dtype", src->config, entries);
   EXPECT_EQ(LoadError(dir), "checkpoint " + dir +
                                 ": tensor model.layers.0.linear_attn.dt_bias in model.safetensors "
-                                "has dtype I32; only BF16, F16 and F32 are supported");
+                                "has dtype I32; only BF16, F16, F32 and F8_E4M3 are supported");
 }
 
 TEST_F(LoaderTest, UnexpectedTensors) {
