@@ -49,21 +49,39 @@ void MoeExperts(const float* x, int64_t tokens, int64_t hidden, int64_t inter, c
                 const float* down, const int32_t* expert_ids, const float* weights, int64_t top_k,
                 float* y, int num_threads) {
   const int64_t pairs = tokens * top_k;
+  const int64_t num_experts =
+      pairs <= 0 ? 0 : *std::max_element(expert_ids, expert_ids + pairs) + 1;
+  MoeExpertRange(x, tokens, hidden, inter, gate_up, down, 0, num_experts, expert_ids, weights,
+                 top_k, y, num_threads);
+}
+
+void MoeExpertRange(const float* x, int64_t tokens, int64_t hidden, int64_t inter,
+                    const float* gate_up, const float* down, int64_t first_expert,
+                    int64_t num_experts, const int32_t* expert_ids, const float* weights,
+                    int64_t top_k, float* y, int num_threads) {
+  const int64_t pairs = tokens * top_k;
   if (pairs <= 0) {
     std::fill(y, y + std::max<int64_t>(tokens, 0) * hidden, 0.0f);
     return;
   }
-  const int64_t num_experts = *std::max_element(expert_ids, expert_ids + pairs) + 1;
+  auto in_range = [&](int64_t i) {
+    return expert_ids[i] >= first_expert && expert_ids[i] < first_expert + num_experts;
+  };
 
-  // Pairs (token, slot) grouped by expert, in pair order inside a group
-  // (a counting sort): by_expert[start[e] .. start[e+1]) are expert e's.
+  // This range's pairs (token, slot) grouped by local expert, in pair order
+  // inside a group (a counting sort): by_expert[start[e] .. start[e+1]) are
+  // expert first_expert + e's.
   std::vector<int64_t> start(static_cast<size_t>(num_experts + 1), 0);
-  for (int64_t i = 0; i < pairs; ++i) ++start[expert_ids[i] + 1];
+  for (int64_t i = 0; i < pairs; ++i) {
+    if (in_range(i)) ++start[expert_ids[i] - first_expert + 1];
+  }
   for (int64_t e = 0; e < num_experts; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> by_expert(static_cast<size_t>(pairs));
+  std::vector<int64_t> by_expert(static_cast<size_t>(start[num_experts]));
   {
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t i = 0; i < pairs; ++i) by_expert[fill[expert_ids[i]]++] = i;
+    for (int64_t i = 0; i < pairs; ++i) {
+      if (in_range(i)) by_expert[fill[expert_ids[i] - first_expert]++] = i;
+    }
   }
 
   // Work items: runs of up to kRowsPerItem pairs of one expert.
@@ -118,6 +136,7 @@ void MoeExperts(const float* x, int64_t tokens, int64_t hidden, int64_t inter, c
     float* yt = y + t * hidden;
     std::fill(yt, yt + hidden, 0.0f);
     for (int64_t i : slots) {
+      if (!in_range(i)) continue;
       const float w = weights[i];
       const float* o = expert_out.data() + i * hidden;
       for (int64_t d = 0; d < hidden; ++d) yt[d] += o[d] * w;

@@ -29,4 +29,15 @@ void MoeExperts(const float* x, int64_t tokens, int64_t hidden, int64_t inter, c
                 const float* down, const int32_t* expert_ids, const float* weights, int64_t top_k,
                 float* y, int num_threads = 0);
 
+// MoeExperts over the experts [first_expert, first_expert + num_experts)
+// only: one rank's of an expert-parallel group. gate_up and down hold just
+// those experts (expert first_expert at index 0); slots routed to other
+// experts are skipped, so y[t] is the sum of this range's terms in ascending
+// expert id (0 for a token routed elsewhere). Ranges in ascending order
+// summed in rank order give every term of MoeExperts, grouped by range.
+void MoeExpertRange(const float* x, int64_t tokens, int64_t hidden, int64_t inter,
+                    const float* gate_up, const float* down, int64_t first_expert,
+                    int64_t num_experts, const int32_t* expert_ids, const float* weights,
+                    int64_t top_k, float* y, int num_threads = 0);
+
 }  // namespace draftfeed::cpu

@@ -28,6 +28,7 @@
 #include "kernels/cpu/rmsnorm.h"
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/swiglu.h"
+#include "server/model/cpu_forward.h"
 #include "server/model/weight_layout.h"
 
 namespace draftfeed {
@@ -38,29 +39,7 @@ constexpr int64_t kGdnChunk = 64;
 // L2 norm of the GDN q/k, x / sqrt(Σx² + ε): ε is fixed, not rms_norm_eps.
 constexpr float kGdnL2Eps = 1e-6f;
 
-using Buffer = std::vector<float>;
-
-struct AttentionWeights {
-  Buffer wq;  // [Hq*hd, D]: the query rows of q_proj
-  Buffer wg;  // [Hq*hd, D]: the output-gate rows (Qwen3.5); empty for Qwen3
-  Buffer wk, wv, wo, q_norm, k_norm;
-};
-
-struct GdnWeights {
-  Buffer w_qkv, w_z, w_b, w_a, conv, a_log, dt_bias, norm, w_out;
-};
-
-struct MoeWeights {
-  Buffer router, experts_gate_up, experts_down;
-  Buffer shared_gate, shared_up, shared_down, shared_expert_gate;  // empty without one
-};
-
-struct LayerF32 {
-  Buffer input_norm, post_norm, gate, up, down;
-  AttentionWeights attn;
-  GdnWeights gdn;
-  MoeWeights moe;
-};
+using Buffer = CpuForward::Buffer;
 
 // Checks that a tensor is the one weight_layout.h expects.
 absl::Status CheckWeight(const ModelWeights& weights, const WeightSpec& spec) {
@@ -102,8 +81,16 @@ void SplitQueryGate(const Buffer& q_proj, int64_t heads, int64_t hd, int64_t d, 
   }
 }
 
+void AddInto(Buffer& h, const Buffer& m) {
+  for (size_t i = 0; i < h.size(); ++i) h[i] += m[i];
+}
+
+float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+}  // namespace
+
 // Where the widened copy of a layer tensor goes.
-Buffer* LayerSlot(LayerF32& l, Tensor LayerWeights::*member) {
+CpuForward::Buffer* CpuForward::LayerSlot(LayerF32& l, Tensor LayerWeights::*member) {
   const std::pair<Tensor LayerWeights::*, Buffer*> slots[] = {
       {&LayerWeights::input_layernorm, &l.input_norm},
       {&LayerWeights::post_attention_layernorm, &l.post_norm},
@@ -139,77 +126,39 @@ Buffer* LayerSlot(LayerF32& l, Tensor LayerWeights::*member) {
   std::abort();  // weight_layout.h names a layer tensor this engine does not know
 }
 
-void AddInto(Buffer& h, const Buffer& m) {
-  for (size_t i = 0; i < h.size(); ++i) h[i] += m[i];
+void CpuForward::Linear(const Buffer& x, const Buffer& w, int64_t rows, int64_t out_dim,
+                        int64_t in_dim, Buffer& y) const {
+  y.resize(static_cast<size_t>(rows * out_dim));
+  cpu::Gemm(x.data(), w.data(), y.data(), rows, out_dim, in_dim, threads_);
 }
 
-float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-
-}  // namespace
-
-struct CpuEngine::Impl {
-  const Model* model = nullptr;
-  int threads = 1;
-  cpu::RmsNormKind norm_kind = cpu::RmsNormKind::kZeroCentred;
-  float eps = 1e-6f;
-  Buffer embed_f32;  // a copy only when the stored table is misaligned for its dtype
-  Buffer final_norm;
-  std::vector<LayerF32> layers;
-
-  absl::Status Load();
-  // Validates the input; returns T·K·H, the number of output elements.
-  absl::StatusOr<int64_t> CheckInput(const ForwardInput& in) const;
-  void Run(const ForwardInput& in, float* out) const;
-
- private:
-  struct Batch {
-    int64_t tokens = 0;
-    std::vector<int32_t> cu;
-    std::vector<int32_t> positions;
-    int64_t num_seqs() const { return static_cast<int64_t>(cu.size()) - 1; }
-  };
-  void Embed(const ForwardInput& in, float* h) const;
-  void Attention(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
-  void GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
-  void Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
-  void Moe(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
-  // The mixer or MLP `kind` of layer `w`: m = block(u).
-  void Block(BlockKind kind, const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
-  void Linear(const Buffer& x, const Buffer& w, int64_t rows, int64_t out_dim, int64_t in_dim,
-              Buffer& y) const {
-    y.resize(static_cast<size_t>(rows * out_dim));
-    cpu::Gemm(x.data(), w.data(), y.data(), rows, out_dim, in_dim, threads);
+absl::Status CpuForward::Load(const std::vector<WeightSpec>& specs) {
+  const ModelConfig& c = rank_.config;
+  const ModelWeights& weights = *rank_.weights;
+  if (weights.layers.size() != static_cast<size_t>(c.num_layers)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model has ", weights.layers.size(), " layers of weights, config says ", c.num_layers));
   }
-};
+  norm_kind_ = c.features.norm == NormConvention::kOffsetOne ? cpu::RmsNormKind::kZeroCentred
+                                                             : cpu::RmsNormKind::kMultiplicative;
+  eps_ = static_cast<float>(c.rms_norm_eps);
+  layers_.resize(static_cast<size_t>(c.num_layers));
 
-absl::Status CpuEngine::Impl::Load() {
-  const ModelConfig& c = model->config;
-  DF_RETURN_IF_ERROR(c.Validate());
-  if (model->weights.layers.size() != static_cast<size_t>(c.num_layers)) {
-    return absl::InvalidArgumentError(absl::StrCat("model has ", model->weights.layers.size(),
-                                                   " layers of weights, config says ",
-                                                   c.num_layers));
-  }
-  norm_kind = c.features.norm == NormConvention::kOffsetOne ? cpu::RmsNormKind::kZeroCentred
-                                                            : cpu::RmsNormKind::kMultiplicative;
-  eps = static_cast<float>(c.rms_norm_eps);
-  layers.resize(static_cast<size_t>(c.num_layers));
-
-  for (const WeightSpec& spec : DecoderWeightSpecs(c)) {
+  for (const WeightSpec& spec : specs) {
     if (spec.layer < 0 && spec.global == &ModelWeights::embed_tokens) {
       // Gathered straight from storage (a real table is vocab x D, too big to
       // widen), unless it is not aligned for its element type.
-      DF_RETURN_IF_ERROR(CheckWeight(model->weights, spec));
-      const Tensor& t = model->weights.embed_tokens;
-      if (reinterpret_cast<uintptr_t>(t.data) % DTypeSize(t.dtype) != 0) embed_f32 = ToFloat(t);
+      DF_RETURN_IF_ERROR(CheckWeight(weights, spec));
+      const Tensor& t = weights.embed_tokens;
+      if (reinterpret_cast<uintptr_t>(t.data) % DTypeSize(t.dtype) != 0) embed_f32_ = ToFloat(t);
       continue;
     }
-    DF_ASSIGN_OR_RETURN(Buffer w, Widen(model->weights, spec));
+    DF_ASSIGN_OR_RETURN(Buffer w, Widen(weights, spec));
     if (spec.layer < 0) {  // the only other global decoder tensor
-      final_norm = std::move(w);
+      final_norm_ = std::move(w);
       continue;
     }
-    LayerF32& l = layers[static_cast<size_t>(spec.layer)];
+    LayerF32& l = layers_[static_cast<size_t>(spec.layer)];
     if (spec.member == &LayerWeights::q_proj && c.features.gated_attention) {
       SplitQueryGate(w, c.num_heads, c.head_dim, c.hidden_size, l.attn.wq, l.attn.wg);
     } else {
@@ -219,19 +168,12 @@ absl::Status CpuEngine::Impl::Load() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<int64_t> CpuEngine::Impl::CheckInput(const ForwardInput& in) const {
-  // The token budget is the service's to enforce; the reference takes any size.
-  DF_RETURN_IF_ERROR(ValidateForwardInput(model->config, in, std::numeric_limits<int64_t>::max()));
-  return static_cast<int64_t>(in.token_ids.size()) * static_cast<int64_t>(in.layers.size()) *
-         model->config.hidden_size;
-}
-
-void CpuEngine::Impl::Embed(const ForwardInput& in, float* h) const {
-  const Tensor& t = model->weights.embed_tokens;
+void CpuForward::Embed(const ForwardInput& in, float* h) const {
+  const Tensor& t = rank_.weights->embed_tokens;
   const int64_t n = static_cast<int64_t>(in.token_ids.size());
-  const int64_t vocab = model->config.vocab_size, d = model->config.hidden_size;
-  if (!embed_f32.empty()) {
-    cpu::EmbeddingF32(embed_f32.data(), vocab, d, in.token_ids.data(), n, h);
+  const int64_t vocab = rank_.config.vocab_size, d = rank_.config.hidden_size;
+  if (!embed_f32_.empty()) {
+    cpu::EmbeddingF32(embed_f32_.data(), vocab, d, in.token_ids.data(), n, h);
   } else if (t.dtype == DType::kBF16) {
     cpu::EmbeddingBf16(reinterpret_cast<const uint16_t*>(t.data), vocab, d, in.token_ids.data(), n,
                        h);
@@ -244,9 +186,8 @@ void CpuEngine::Impl::Embed(const ForwardInput& in, float* h) const {
 }
 
 // Full attention: Qwen3.5's with the sigmoid output gate, Qwen3's without.
-void CpuEngine::Impl::Attention(const LayerF32& w, const Batch& b, const Buffer& u,
-                                Buffer& m) const {
-  const ModelConfig& c = model->config;
+void CpuForward::Attention(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const {
+  const ModelConfig& c = rank_.config;
   const int64_t t = b.tokens, d = c.hidden_size, hd = c.head_dim;
   const int64_t hq = c.num_heads, hkv = c.num_kv_heads;
   Buffer q, k, v, o(static_cast<size_t>(t * hq * hd));
@@ -254,15 +195,15 @@ void CpuEngine::Impl::Attention(const LayerF32& w, const Batch& b, const Buffer&
   Linear(u, w.attn.wk, t, hkv * hd, d, k);
   Linear(u, w.attn.wv, t, hkv * hd, d, v);
   if (c.features.qk_norm) {  // per-head norms come before RoPE
-    cpu::RmsNorm(q.data(), w.attn.q_norm.data(), t * hq, hd, eps, norm_kind, q.data());
-    cpu::RmsNorm(k.data(), w.attn.k_norm.data(), t * hkv, hd, eps, norm_kind, k.data());
+    cpu::RmsNorm(q.data(), w.attn.q_norm.data(), t * hq, hd, eps_, norm_kind_, q.data());
+    cpu::RmsNorm(k.data(), w.attn.k_norm.data(), t * hkv, hd, eps_, norm_kind_, k.data());
   }
   const float theta = static_cast<float>(c.rope_theta);
   cpu::ApplyRope(q.data(), t, hq, hd, c.rotary_dim(), b.positions.data(), theta);
   cpu::ApplyRope(k.data(), t, hkv, hd, c.rotary_dim(), b.positions.data(), theta);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   cpu::VarlenCausalAttention(q.data(), k.data(), v.data(), b.cu.data(), b.num_seqs(), hq, hkv, hd,
-                             scale, o.data(), threads);
+                             scale, o.data(), threads_);
   if (!w.attn.wg.empty()) {
     Buffer gate;
     Linear(u, w.attn.wg, t, hq * hd, d, gate);
@@ -273,9 +214,9 @@ void CpuEngine::Impl::Attention(const LayerF32& w, const Batch& b, const Buffer&
 
 // A Gated DeltaNet layer: projections, causal conv + SiLU, L2-normed q/k, gates, the chunked
 // gated delta rule, the gated norm and out_proj.
-void CpuEngine::Impl::GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& u,
-                                    Buffer& m) const {
-  const ModelConfig& c = model->config;
+void CpuForward::GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& u,
+                               Buffer& m) const {
+  const ModelConfig& c = rank_.config;
   const int64_t t = b.tokens, d = c.hidden_size;
   const int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
@@ -319,15 +260,15 @@ void CpuEngine::Impl::GatedDeltaNet(const LayerF32& w, const Batch& b, const Buf
   args.num_v_heads = nv;
   args.key_dim = dk;
   args.value_dim = dv;
-  cpu::GatedDeltaRuleChunked(args, kGdnChunk, threads);
+  cpu::GatedDeltaRuleChunked(args, kGdnChunk, threads_);
 
-  cpu::GatedRmsNorm(o.data(), z.data(), w.gdn.norm.data(), t * nv, dv, eps, o.data());
+  cpu::GatedRmsNorm(o.data(), z.data(), w.gdn.norm.data(), t * nv, dv, eps_, o.data());
   Linear(o, w.gdn.w_out, t, d, nv * dv, m);
 }
 
 // The dense MLP: down_proj(SiLU(gate_proj(u)) ⊙ up_proj(u)).
-void CpuEngine::Impl::Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const {
-  const ModelConfig& c = model->config;
+void CpuForward::Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const {
+  const ModelConfig& c = rank_.config;
   const int64_t t = b.tokens, d = c.hidden_size, f = c.intermediate_size;
   Buffer gate, up;
   Linear(u, w.gate, t, f, d, gate);
@@ -340,8 +281,8 @@ void CpuEngine::Impl::Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Bu
 // (renormalised as the config says), the routed SwiGLU experts summed by
 // weight, plus (Qwen3.5-MoE) the shared expert scaled by
 // sigmoid(u·shared_expert_gateᵀ).
-void CpuEngine::Impl::Moe(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const {
-  const ModelConfig& c = model->config;
+void CpuForward::Moe(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const {
+  const ModelConfig& c = rank_.config;
   const int64_t t = b.tokens, d = c.hidden_size;
   const int64_t e = c.num_experts, k = c.num_experts_per_tok;
   Buffer logits;
@@ -350,8 +291,9 @@ void CpuEngine::Impl::Moe(const LayerF32& w, const Batch& b, const Buffer& u, Bu
   Buffer weights(static_cast<size_t>(t * k));
   cpu::MoeRoute(logits.data(), t, e, k, c.norm_topk_prob, ids.data(), weights.data());
   m.resize(static_cast<size_t>(t * d));
-  cpu::MoeExperts(u.data(), t, d, c.moe_intermediate_size, w.moe.experts_gate_up.data(),
-                  w.moe.experts_down.data(), ids.data(), weights.data(), k, m.data(), threads);
+  cpu::MoeExpertRange(u.data(), t, d, c.moe_intermediate_size, w.moe.experts_gate_up.data(),
+                      w.moe.experts_down.data(), rank_.expert_begin, rank_.num_local_experts,
+                      ids.data(), weights.data(), k, m.data(), threads_);
   if (c.features.mlp != MlpKind::kMoeSharedExpert) return;
   const int64_t s = c.shared_expert_intermediate_size;
   Buffer gate, up, shared, shared_logit;
@@ -366,8 +308,8 @@ void CpuEngine::Impl::Moe(const LayerF32& w, const Batch& b, const Buffer& u, Bu
   }
 }
 
-void CpuEngine::Impl::Block(BlockKind kind, const LayerF32& w, const Batch& b, const Buffer& u,
-                            Buffer& m) const {
+void CpuForward::Block(BlockKind kind, const LayerF32& w, const Batch& b, const Buffer& u,
+                       Buffer& m) const {
   switch (kind) {
     case BlockKind::kAttention:
       return Attention(w, b, u, m);
@@ -383,8 +325,8 @@ void CpuEngine::Impl::Block(BlockKind kind, const LayerF32& w, const Batch& b, c
   std::abort();  // BlocksOfLayer gives a mixer and an MLP only
 }
 
-void CpuEngine::Impl::Run(const ForwardInput& in, float* out) const {
-  const ModelConfig& c = model->config;
+void CpuForward::Run(const ForwardInput& in, float* out, const AllReduce& all_reduce) const {
+  const ModelConfig& c = rank_.config;
   const int64_t d = c.hidden_size;
   const int64_t num_layers = c.num_layers;
   const int64_t k_total = static_cast<int64_t>(in.layers.size());
@@ -406,6 +348,7 @@ void CpuEngine::Impl::Run(const ForwardInput& in, float* out) const {
     last_layer = std::max<int64_t>(last_layer, id == kFinalLayerId ? num_layers - 1 : id);
   }
   auto capture = [&](const Buffer& state, int64_t kk) {
+    if (out == nullptr) return;
     for (int64_t t = 0; t < b.tokens; ++t) {
       std::copy_n(state.data() + t * d, d, out + (t * k_total + kk) * d);
     }
@@ -414,21 +357,48 @@ void CpuEngine::Impl::Run(const ForwardInput& in, float* out) const {
   Buffer h(static_cast<size_t>(b.tokens * d)), u(h.size()), m;
   Embed(in, h.data());
   for (int64_t i = 0; i <= last_layer; ++i) {
-    const LayerF32& w = layers[static_cast<size_t>(i)];
+    const LayerF32& w = layers_[static_cast<size_t>(i)];
     const LayerBlocks blocks = BlocksOfLayer(c, i);
-    cpu::RmsNorm(h.data(), w.input_norm.data(), b.tokens, d, eps, norm_kind, u.data());
+    cpu::RmsNorm(h.data(), w.input_norm.data(), b.tokens, d, eps_, norm_kind_, u.data());
     Block(blocks.mixer, w, b, u, m);
+    if (all_reduce) all_reduce(m);
     AddInto(h, m);
-    cpu::RmsNorm(h.data(), w.post_norm.data(), b.tokens, d, eps, norm_kind, u.data());
+    cpu::RmsNorm(h.data(), w.post_norm.data(), b.tokens, d, eps_, norm_kind_, u.data());
     Block(blocks.mlp, w, b, u, m);
+    if (all_reduce) all_reduce(m);
     AddInto(h, m);
     if (slot[static_cast<size_t>(i + 1)] >= 0) capture(h, slot[static_cast<size_t>(i + 1)]);
   }
-  if (slot[0] >= 0) {
-    cpu::RmsNorm(h.data(), final_norm.data(), b.tokens, d, eps, norm_kind, u.data());
+  if (slot[0] >= 0 && out != nullptr) {
+    cpu::RmsNorm(h.data(), final_norm_.data(), b.tokens, d, eps_, norm_kind_, u.data());
     capture(u, slot[0]);
   }
 }
+
+absl::StatusOr<CpuForward> CpuForward::Create(const Rank& rank,
+                                              const std::vector<WeightSpec>& specs,
+                                              int num_threads) {
+  CpuForward f;
+  f.rank_ = rank;
+  f.threads_ = num_threads > 0 ? num_threads
+                               : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  DF_RETURN_IF_ERROR(f.Load(specs));
+  return f;
+}
+
+struct CpuEngine::Impl {
+  const Model* model = nullptr;
+  CpuForward forward;
+
+  // Validates the input; returns T·K·H, the number of output elements.
+  absl::StatusOr<int64_t> CheckInput(const ForwardInput& in) const {
+    // The token budget is the service's to enforce; the reference takes any size.
+    DF_RETURN_IF_ERROR(
+        ValidateForwardInput(model->config, in, std::numeric_limits<int64_t>::max()));
+    return static_cast<int64_t>(in.token_ids.size()) * static_cast<int64_t>(in.layers.size()) *
+           model->config.hidden_size;
+  }
+};
 
 CpuEngine::CpuEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CpuEngine::~CpuEngine() = default;
@@ -445,14 +415,23 @@ absl::StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Create(const Model* model,
     return absl::InvalidArgumentError(
         absl::StrCat("num_threads is ", num_threads, "; use 0 for one per core, or a count"));
   }
-  auto impl = std::make_unique<Impl>();
-  impl->model = model;
-  impl->threads = num_threads > 0
-                      ? num_threads
-                      : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  if (absl::Status st = impl->Load(); !st.ok()) {
+  if (absl::Status st = model->config.Validate(); !st.ok()) {
     return absl::Status(st.code(), absl::StrCat("model ", model->id, ": ", st.message()));
   }
+  // One rank holding everything.
+  CpuForward::Rank rank;
+  rank.config = model->config;
+  rank.weights = &model->weights;
+  rank.num_local_experts = model->config.num_experts;
+  absl::StatusOr<CpuForward> forward =
+      CpuForward::Create(rank, DecoderWeightSpecs(model->config), num_threads);
+  if (!forward.ok()) {
+    return absl::Status(forward.status().code(),
+                        absl::StrCat("model ", model->id, ": ", forward.status().message()));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->model = model;
+  impl->forward = *std::move(forward);
   return std::unique_ptr<CpuEngine>(new CpuEngine(std::move(impl)));
 }
 
@@ -465,7 +444,7 @@ absl::Status CpuEngine::ForwardFloat(const ForwardInput& in, std::span<float> ou
         "output has ", out.size(), " elements; tokens x layers x hidden = ", in.token_ids.size(),
         " x ", in.layers.size(), " x ", impl_->model->config.hidden_size, " = ", n));
   }
-  impl_->Run(in, out.data());
+  impl_->forward.Run(in, out.data(), nullptr);
   return absl::OkStatus();
 }
 
@@ -473,7 +452,7 @@ absl::Status CpuEngine::Forward(const ForwardInput& in, std::span<std::byte> out
   DF_ASSIGN_OR_RETURN(const int64_t n, impl_->CheckInput(in));
   DF_RETURN_IF_ERROR(CheckCaptureOutput(*this, in, out.size()));
   std::vector<float> states(static_cast<size_t>(n));
-  impl_->Run(in, states.data());
+  impl_->forward.Run(in, states.data(), nullptr);
   // bf16 is the only encoding served: little-endian uint16 per value, written
   // bytewise so `out` needs no alignment.
   for (int64_t i = 0; i < n; ++i) {

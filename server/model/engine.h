@@ -69,6 +69,17 @@ class Engine {
   // Most layers one batch may capture (its capture slots); 0 = no limit.
   virtual int64_t max_capture_layers() const { return 0; }
 
+  // How the engine holds one model instance: over how many ranks (1: the
+  // whole model on one device), the MoE strategy of a sharded MoE model ("ep"
+  // or "split", else empty), and the decoder weight bytes one rank holds (0:
+  // the whole model's, which the service reports from the model).
+  struct ParallelLayout {
+    int tp = 1;
+    std::string moe_parallel;
+    int64_t rank_weight_bytes = 0;
+  };
+  virtual ParallelLayout layout() const { return {}; }
+
   // The capture while it is still in device memory, for transports that move
   // it GPU to GPU (NCCL). `stream` (a cudaStream_t of the engine's, not the
   // forward's) is ordered after the forward: the sink enqueues its work there

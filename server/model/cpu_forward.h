@@ -1,0 +1,95 @@
+// The CPU reference forward over one rank's weights (internal to the CPU
+// engines): CpuEngine is one rank holding everything, ShardedCpuEngine tp
+// ranks on threads, each holding its ShardingPlan slices.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/cpu/rmsnorm.h"
+#include "server/model/engine.h"
+#include "server/model/model.h"
+#include "server/model/weight_layout.h"
+
+namespace draftfeed {
+
+class CpuForward {
+ public:
+  using Buffer = std::vector<float>;
+  // Sums a block's [T, D] partial output over the ranks, in place; the same
+  // value on every rank afterwards. Null for a single rank.
+  using AllReduce = std::function<void(Buffer&)>;
+
+  // What the rank holds and computes with. `config` has the rank's head
+  // counts and widths (the whole model's for one rank); its num_experts stays
+  // whole for the router, and the rank evaluates experts [expert_begin,
+  // expert_begin + num_local_experts). `weights` (whose embedding is read
+  // in place) must outlive the forward.
+  struct Rank {
+    ModelConfig config;
+    const ModelWeights* weights = nullptr;
+    int64_t expert_begin = 0;
+    int64_t num_local_experts = 0;
+  };
+
+  // Widens the rank's weights, each checked against `specs` (the rank's
+  // shapes, DecoderWeightSpecs order), to fp32; the embedding is gathered
+  // from storage unless misaligned. Errors name the tensor.
+  static absl::StatusOr<CpuForward> Create(const Rank& rank, const std::vector<WeightSpec>& specs,
+                                           int num_threads);
+
+  // Writes the [T, K, H] fp32 capture into `out` (null on ranks that do not
+  // capture). `in` must have passed ValidateForwardInput.
+  void Run(const ForwardInput& in, float* out, const AllReduce& all_reduce) const;
+
+ private:
+  struct AttentionWeights {
+    Buffer wq;  // [Hq*hd, D]: the query rows of q_proj
+    Buffer wg;  // [Hq*hd, D]: the output-gate rows (Qwen3.5); empty for Qwen3
+    Buffer wk, wv, wo, q_norm, k_norm;
+  };
+  struct GdnWeights {
+    Buffer w_qkv, w_z, w_b, w_a, conv, a_log, dt_bias, norm, w_out;
+  };
+  struct MoeWeights {
+    Buffer router, experts_gate_up, experts_down;
+    Buffer shared_gate, shared_up, shared_down, shared_expert_gate;  // empty without one
+  };
+  struct LayerF32 {
+    Buffer input_norm, post_norm, gate, up, down;
+    AttentionWeights attn;
+    GdnWeights gdn;
+    MoeWeights moe;
+  };
+  struct Batch {
+    int64_t tokens = 0;
+    std::vector<int32_t> cu;
+    std::vector<int32_t> positions;
+    int64_t num_seqs() const { return static_cast<int64_t>(cu.size()) - 1; }
+  };
+
+  absl::Status Load(const std::vector<WeightSpec>& specs);
+  static Buffer* LayerSlot(LayerF32& l, Tensor LayerWeights::*member);
+  void Embed(const ForwardInput& in, float* h) const;
+  void Attention(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
+  void GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
+  void Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
+  void Moe(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
+  // The mixer or MLP `kind` of layer `w`: m = block(u) (this rank's part).
+  void Block(BlockKind kind, const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
+  void Linear(const Buffer& x, const Buffer& w, int64_t rows, int64_t out_dim, int64_t in_dim,
+              Buffer& y) const;
+
+  Rank rank_;
+  int threads_ = 1;
+  cpu::RmsNormKind norm_kind_ = cpu::RmsNormKind::kZeroCentred;
+  float eps_ = 1e-6f;
+  Buffer embed_f32_;  // a copy only when the stored table is misaligned for its dtype
+  Buffer final_norm_;
+  std::vector<LayerF32> layers_;
+};
+
+}  // namespace draftfeed

@@ -1,0 +1,178 @@
+#include "server/model/sharded_cpu_engine.h"
+
+#include <algorithm>
+#include <barrier>
+#include <cstdint>
+#include <limits>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "server/model/cpu_forward.h"
+
+namespace draftfeed {
+namespace {
+
+// The all-reduce of threads as ranks: every rank posts its buffer; rank q
+// then sums elements [q*n/tp, (q+1)*n/tp) of all buffers, always as
+// ((b0 + b1) + b2) + ..., and writes the sum into every buffer. Each element
+// is read and written by one rank only, so the sum needs no lock; the two
+// barriers order the posting before the sums and the sums before any rank
+// reads its buffer (or posts the next one). Fixed order, so a batch's result
+// is the same on every run whatever the thread timing.
+class InProcessAllReduce {
+ public:
+  explicit InProcessAllReduce(int ranks)
+      : ranks_(ranks), barrier_(ranks), buffers_(static_cast<size_t>(ranks)) {}
+
+  void Run(int rank, CpuForward::Buffer& m) {
+    buffers_[static_cast<size_t>(rank)] = &m;
+    barrier_.arrive_and_wait();
+    const int64_t n = static_cast<int64_t>(m.size());
+    const int64_t begin = n * rank / ranks_, end = n * (rank + 1) / ranks_;
+    for (int64_t i = begin; i < end; ++i) {
+      float sum = (*buffers_[0])[static_cast<size_t>(i)];
+      for (int q = 1; q < ranks_; ++q)
+        sum += (*buffers_[static_cast<size_t>(q)])[static_cast<size_t>(i)];
+      for (int q = 0; q < ranks_; ++q)
+        (*buffers_[static_cast<size_t>(q)])[static_cast<size_t>(i)] = sum;
+    }
+    barrier_.arrive_and_wait();
+  }
+
+ private:
+  const int ranks_;
+  std::barrier<> barrier_;
+  std::vector<CpuForward::Buffer*> buffers_;
+};
+
+}  // namespace
+
+struct ShardedCpuEngine::Impl {
+  const Model* model = nullptr;
+  ShardingPlan plan;
+  std::vector<RankWeights> weights;  // per rank; the forwards read their embeddings in place
+  std::vector<CpuForward> ranks;
+  int64_t rank_weight_bytes = 0;
+
+  absl::StatusOr<int64_t> CheckInput(const ForwardInput& in) const {
+    DF_RETURN_IF_ERROR(
+        ValidateForwardInput(model->config, in, std::numeric_limits<int64_t>::max()));
+    return static_cast<int64_t>(in.token_ids.size()) * static_cast<int64_t>(in.layers.size()) *
+           model->config.hidden_size;
+  }
+
+  // Every rank's forward on its own thread (rank 0 on the caller's); the
+  // capture is rank 0's.
+  void Run(const ForwardInput& in, float* out) const {
+    const int tp = plan.tp;
+    InProcessAllReduce reduce(tp);
+    auto forward = [&](int r) {
+      ranks[static_cast<size_t>(r)].Run(in, r == plan.capture_rank ? out : nullptr,
+                                        [&reduce, r](CpuForward::Buffer& m) { reduce.Run(r, m); });
+    };
+    std::vector<std::thread> threads;
+    threads.reserve(static_cast<size_t>(tp - 1));
+    for (int r = 1; r < tp; ++r) threads.emplace_back(forward, r);
+    forward(0);
+    for (std::thread& t : threads) t.join();
+  }
+};
+
+ShardedCpuEngine::ShardedCpuEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ShardedCpuEngine::~ShardedCpuEngine() = default;
+
+absl::StatusOr<std::unique_ptr<ShardedCpuEngine>> ShardedCpuEngine::Create(const Model* model,
+                                                                           ShardingPlan plan,
+                                                                           int num_threads) {
+  if (model == nullptr)
+    return absl::InvalidArgumentError("ShardedCpuEngine::Create: model is null");
+  if (model->weights_on_device_random) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("model ", model->id,
+                     " is a real-size random model whose weights are made on the GPU; it needs "
+                     "the CUDA engine (--device cuda:N)"));
+  }
+  if (num_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_threads is ", num_threads, "; use 0 for one per core, or a count"));
+  }
+  const int total = num_threads > 0
+                        ? num_threads
+                        : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int per_rank = std::max(1, total / plan.tp);
+  auto impl = std::make_unique<Impl>();
+  impl->model = model;
+  impl->rank_weight_bytes = RankWeightBytes(plan, *model);
+  for (int r = 0; r < plan.tp; ++r) {
+    absl::StatusOr<RankWeights> w = SliceForRank(plan, *model, r);
+    if (!w.ok()) {
+      return absl::Status(w.status().code(),
+                          absl::StrCat("model ", model->id, ": ", w.status().message()));
+    }
+    impl->weights.push_back(*std::move(w));
+  }
+  for (int r = 0; r < plan.tp; ++r) {
+    const RankWeights& w = impl->weights[static_cast<size_t>(r)];
+    CpuForward::Rank rank;
+    rank.config = plan.rank_config;
+    rank.weights = &w.weights;
+    rank.expert_begin = plan.ExpertBegin(r);
+    rank.num_local_experts = plan.experts_per_rank;
+    absl::StatusOr<CpuForward> f = CpuForward::Create(rank, w.specs, per_rank);
+    if (!f.ok()) {
+      return absl::Status(f.status().code(), absl::StrCat("model ", model->id, ", tp rank ", r,
+                                                          ": ", f.status().message()));
+    }
+    impl->ranks.push_back(*std::move(f));
+  }
+  impl->plan = std::move(plan);
+  return std::unique_ptr<ShardedCpuEngine>(new ShardedCpuEngine(std::move(impl)));
+}
+
+const Model& ShardedCpuEngine::model() const { return *impl_->model; }
+
+const ShardingPlan& ShardedCpuEngine::plan() const { return impl_->plan; }
+
+std::string ShardedCpuEngine::device_name() const { return absl::StrCat("cpu tp", impl_->plan.tp); }
+
+Engine::ParallelLayout ShardedCpuEngine::layout() const {
+  ParallelLayout l;
+  l.tp = impl_->plan.tp;
+  if (impl_->plan.config.features.mlp != MlpKind::kDenseSwiGlu && l.tp > 1) {
+    l.moe_parallel = std::string(MoeParallelName(impl_->plan.moe));
+  }
+  l.rank_weight_bytes = impl_->rank_weight_bytes;
+  return l;
+}
+
+absl::Status ShardedCpuEngine::ForwardFloat(const ForwardInput& in, std::span<float> out) {
+  DF_ASSIGN_OR_RETURN(const int64_t n, impl_->CheckInput(in));
+  if (static_cast<int64_t>(out.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "output has ", out.size(), " elements; tokens x layers x hidden = ", in.token_ids.size(),
+        " x ", in.layers.size(), " x ", impl_->model->config.hidden_size, " = ", n));
+  }
+  impl_->Run(in, out.data());
+  return absl::OkStatus();
+}
+
+absl::Status ShardedCpuEngine::Forward(const ForwardInput& in, std::span<std::byte> out) {
+  DF_ASSIGN_OR_RETURN(const int64_t n, impl_->CheckInput(in));
+  DF_RETURN_IF_ERROR(CheckCaptureOutput(*this, in, out.size()));
+  std::vector<float> states(static_cast<size_t>(n));
+  impl_->Run(in, states.data());
+  // bf16 (the only encoding served here): little-endian uint16 per value,
+  // written bytewise so `out` needs no alignment.
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t bits = FloatToBf16(states[static_cast<size_t>(i)]);
+    out[2 * i] = static_cast<std::byte>(bits & 0xff);
+    out[2 * i + 1] = static_cast<std::byte>(bits >> 8);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace draftfeed

@@ -1,0 +1,41 @@
+// Tensor parallelism on the CPU: tp ranks on threads, each running the CPU
+// reference forward over its ShardingPlan slices, the all-reduce an
+// in-process sum. It runs the same plan as a multi-GPU engine, so tests
+// prove the plan where there is no second GPU.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+
+#include "server/model/engine.h"
+#include "server/model/sharding_plan.h"
+
+namespace draftfeed {
+
+class ShardedCpuEngine final : public Engine {
+ public:
+  // Slices and widens every rank's weights; `model` must outlive the engine.
+  // num_threads (0 = all cores) is split evenly over the ranks, each at
+  // least one.
+  static absl::StatusOr<std::unique_ptr<ShardedCpuEngine>> Create(const Model* model,
+                                                                  ShardingPlan plan,
+                                                                  int num_threads);
+  ~ShardedCpuEngine() override;
+
+  const Model& model() const override;
+  std::string device_name() const override;  // "cpu tp2"
+  ParallelLayout layout() const override;
+  absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override;
+  // Same forward, fp32 capture (rank 0's residual stream).
+  absl::Status ForwardFloat(const ForwardInput& in, std::span<float> out);
+
+  const ShardingPlan& plan() const;
+
+ private:
+  struct Impl;
+  explicit ShardedCpuEngine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace draftfeed

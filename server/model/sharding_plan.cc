@@ -1,0 +1,381 @@
+#include "server/model/sharding_plan.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+
+namespace draftfeed {
+namespace {
+
+struct Count {
+  std::string name;
+  int64_t value;
+};
+
+// The counts tp must divide for `config`: every head count and width that is
+// cut. Both groupings survive any tp that divides both of their counts: query
+// head h reads KV head h / (Hq/Hkv) and GDN value head j key head j / (Nv/Nk),
+// and with Hq/tp, Hkv/tp (Nv/tp, Nk/tp) heads per rank a rank's query (value)
+// heads read exactly its own KV (key) heads.
+std::vector<Count> SplitCounts(const ModelConfig& c, MoeParallel moe) {
+  bool full = false, linear = false, moe_layer = false;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const LayerBlocks b = BlocksOfLayer(c, i);
+    full |= b.mixer == BlockKind::kAttention;
+    linear |= b.mixer == BlockKind::kGatedDeltaNet;
+    moe_layer |= b.mlp == BlockKind::kMoeMlp;
+  }
+  std::vector<Count> counts;
+  if (full) {
+    counts.push_back({"num_attention_heads", c.num_heads});
+    counts.push_back({"num_key_value_heads", c.num_kv_heads});
+  }
+  if (linear) {
+    counts.push_back({"linear_num_key_heads", c.linear_num_key_heads});
+    counts.push_back({"linear_num_value_heads", c.linear_num_value_heads});
+  }
+  if (c.has_dense_mlp()) counts.push_back({"intermediate_size", c.intermediate_size});
+  if (moe_layer) {
+    if (moe == MoeParallel::kExpert) {
+      counts.push_back({"num_experts", c.num_experts});
+    } else {
+      counts.push_back({"moe_intermediate_size", c.moe_intermediate_size});
+    }
+    if (c.features.mlp == MlpKind::kMoeSharedExpert) {
+      counts.push_back({"shared_expert_intermediate_size", c.shared_expert_intermediate_size});
+    }
+  }
+  return counts;
+}
+
+absl::Status CheckDivides(const ModelConfig& c, int tp, MoeParallel moe) {
+  const std::vector<Count> counts = SplitCounts(c, moe);
+  std::vector<std::string> bad;
+  int64_t g = 0;
+  for (const Count& n : counts) {
+    g = std::gcd(g, n.value);
+    if (n.value % tp != 0) bad.push_back(absl::StrCat(n.name, "=", n.value));
+  }
+  if (bad.empty()) return absl::OkStatus();
+  std::vector<int64_t> divisors;
+  for (int64_t d = 1; d <= g; ++d) {
+    if (g % d == 0) divisors.push_back(d);
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--tp ", tp, " does not divide ", absl::StrJoin(bad, ", "),
+      moe == MoeParallel::kSplit ? " (--moe_parallel split)" : "",
+      " (--tp values that divide every split count: ", absl::StrJoin(divisors, ", "), ")"));
+}
+
+// The suffix after "layers.N." (the name shared by every layer's copy).
+std::string_view Suffix(std::string_view name) {
+  if (name.rfind("layers.", 0) != 0) return name;
+  const size_t dot = name.find('.', 7);
+  return dot == std::string_view::npos ? name : name.substr(dot + 1);
+}
+
+TensorSlicing Cut(WeightSpec spec, int axis, std::vector<int64_t> segments, std::string rule) {
+  TensorSlicing s;
+  s.spec = std::move(spec);
+  s.replicated = false;
+  s.axis = axis;
+  s.segments = std::move(segments);
+  s.rule = std::move(rule);
+  return s;
+}
+
+// The rule of one tensor, from its slot in LayerWeights: what the forward of
+// its block computes per head or per column.
+TensorSlicing SliceOf(const ModelConfig& c, MoeParallel moe, WeightSpec spec) {
+  using W = LayerWeights;
+  const Tensor W::*m = spec.member;
+  const int64_t rows = spec.shape.empty() ? 0 : spec.shape[0];
+  const int last = static_cast<int>(spec.shape.size()) - 1;
+  if (spec.layer < 0) {  // embed_tokens, the final norm
+    TensorSlicing s;
+    s.spec = std::move(spec);
+    s.rule = "replicated";
+    return s;
+  }
+  // Column-parallel: output rows by head or column. q_proj with the output
+  // gate interleaves per head ([q_h; gate_h] blocks of 2*head_dim rows), so a
+  // head range is still one row range.
+  if (m == &W::q_proj || m == &W::k_proj || m == &W::v_proj || m == &W::gate_proj ||
+      m == &W::up_proj || m == &W::in_proj_z || m == &W::in_proj_a || m == &W::in_proj_b ||
+      m == &W::A_log || m == &W::dt_bias || m == &W::shared_gate_proj || m == &W::shared_up_proj) {
+    return Cut(std::move(spec), 0, {rows},
+               m == &W::q_proj && c.features.gated_attention ? "rows (per-head [q; gate] blocks)"
+                                                             : "rows");
+  }
+  // Row-parallel: the input columns that the rank's heads or columns produce.
+  if (m == &W::o_proj || m == &W::down_proj || m == &W::out_proj || m == &W::shared_down_proj) {
+    const int64_t cols = spec.shape[static_cast<size_t>(last)];
+    return Cut(std::move(spec), last, {cols}, "columns");
+  }
+  // GDN's fused q | k | v channels (in_proj_qkv rows, conv1d channels): each
+  // segment cut by heads, so the rank's conv channels are its heads' own.
+  if (m == &W::in_proj_qkv || m == &W::conv1d) {
+    const int64_t qk = c.linear_num_key_heads * c.linear_key_head_dim;
+    const int64_t v = c.linear_num_value_heads * c.linear_value_head_dim;
+    return Cut(std::move(spec), 0, {qk, qk, v}, "segmented rows (q | k | v by heads)");
+  }
+  if (m == &W::experts_gate_up || m == &W::experts_down) {
+    if (moe == MoeParallel::kExpert) {
+      return Cut(std::move(spec), 0, {rows}, "experts");
+    }
+    // [E, 2I, D]: per expert [gate; up], each cut by rows; [E, D, I]: columns.
+    const int64_t i = c.moe_intermediate_size;
+    if (m == &W::experts_gate_up) {
+      return Cut(std::move(spec), 1, {i, i}, "per-expert segmented rows (gate | up)");
+    }
+    return Cut(std::move(spec), 2, {i}, "per-expert columns");
+  }
+  // Norm weights (residual, q/k per head, GDN gated norm per value head), the
+  // router and the shared expert's gate: small, read whole by every rank.
+  TensorSlicing s;
+  s.spec = std::move(spec);
+  s.rule = "replicated";
+  return s;
+}
+
+std::string AfterOf(BlockKind kind, const ModelConfig& c) {
+  switch (kind) {
+    case BlockKind::kAttention:
+      return "self_attn.o_proj";
+    case BlockKind::kGatedDeltaNet:
+      return "linear_attn.out_proj";
+    case BlockKind::kDenseMlp:
+      return "mlp.down_proj";
+    case BlockKind::kMoeMlp:
+      return c.features.mlp == MlpKind::kMoeSharedExpert ? "mlp (experts + shared expert)"
+                                                         : "mlp (experts)";
+    case BlockKind::kNorms:
+      break;
+  }
+  return "";
+}
+
+std::string Gib(int64_t bytes) {
+  return absl::StrFormat("%.2f GiB", static_cast<double>(bytes) / (1 << 30));
+}
+
+}  // namespace
+
+std::string_view MoeParallelName(MoeParallel m) {
+  return m == MoeParallel::kExpert ? "ep" : "split";
+}
+
+absl::StatusOr<MoeParallel> ParseMoeParallel(std::string_view value) {
+  if (value == "ep") return MoeParallel::kExpert;
+  if (value == "split") return MoeParallel::kSplit;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--moe_parallel=", std::string(value),
+                   " is not ep (experts spread over the ranks) or split (every expert cut)"));
+}
+
+std::vector<int64_t> TensorSlicing::RankShape(int tp) const {
+  std::vector<int64_t> shape = spec.shape;
+  if (!replicated) shape[static_cast<size_t>(axis)] /= tp;
+  return shape;
+}
+
+int64_t TensorSlicing::RankNumel(int tp) const {
+  int64_t n = 1;
+  for (int64_t d : RankShape(tp)) n *= d;
+  return n;
+}
+
+bool TensorSlicing::Contiguous() const {
+  if (replicated) return true;
+  int64_t outer = 1;
+  for (int a = 0; a < axis; ++a) outer *= spec.shape[static_cast<size_t>(a)];
+  return outer == 1 && segments.size() == 1;
+}
+
+int64_t ShardingPlan::ExpertBegin(int rank) const {
+  return moe == MoeParallel::kExpert ? rank * experts_per_rank : 0;
+}
+
+int64_t ShardingPlan::RankWeightBytes(int64_t element_bytes) const {
+  int64_t n = 0;
+  for (const TensorSlicing& t : tensors) n += t.RankNumel(tp);
+  return n * element_bytes;
+}
+
+int64_t ShardingPlan::WholeWeightBytes(int64_t element_bytes) const {
+  int64_t n = 0;
+  for (const TensorSlicing& t : tensors) n += t.spec.numel();
+  return n * element_bytes;
+}
+
+int64_t ShardingPlan::ReplicatedWeightBytes(int64_t element_bytes) const {
+  int64_t n = 0;
+  for (const TensorSlicing& t : tensors) {
+    if (t.replicated) n += t.spec.numel();
+  }
+  return n * element_bytes;
+}
+
+absl::StatusOr<ShardingPlan> PlanTensorParallel(const ModelConfig& config, int tp,
+                                                MoeParallel moe) {
+  if (tp < 1) return absl::InvalidArgumentError(absl::StrCat("--tp ", tp, " must be >= 1"));
+  DF_RETURN_IF_ERROR(config.Validate());
+  DF_RETURN_IF_ERROR(CheckDivides(config, tp, moe));
+  ShardingPlan plan;
+  plan.tp = tp;
+  plan.moe = moe;
+  plan.config = config;
+  ModelConfig& r = plan.rank_config;
+  r = config;
+  const bool moe_model = config.features.mlp != MlpKind::kDenseSwiGlu;
+  // Counts a layer kind never reads need not divide (and are left whole).
+  for (const Count& n : SplitCounts(config, moe)) {
+    if (n.name == "num_attention_heads") r.num_heads /= tp;
+    if (n.name == "num_key_value_heads") r.num_kv_heads /= tp;
+    if (n.name == "linear_num_key_heads") r.linear_num_key_heads /= tp;
+    if (n.name == "linear_num_value_heads") r.linear_num_value_heads /= tp;
+    if (n.name == "intermediate_size") r.intermediate_size /= tp;
+    if (n.name == "moe_intermediate_size") r.moe_intermediate_size /= tp;
+    if (n.name == "shared_expert_intermediate_size") r.shared_expert_intermediate_size /= tp;
+  }
+  plan.experts_per_rank =
+      moe_model && moe == MoeParallel::kExpert ? config.num_experts / tp : config.num_experts;
+  for (WeightSpec& spec : DecoderWeightSpecs(config)) {
+    plan.tensors.push_back(SliceOf(config, moe, std::move(spec)));
+  }
+  if (tp > 1) {
+    for (int64_t i = 0; i < config.num_layers; ++i) {
+      const LayerBlocks b = BlocksOfLayer(config, i);
+      for (BlockKind k : {b.mixer, b.mlp}) {
+        plan.all_reduces.push_back({static_cast<int>(i), k, AfterOf(k, config)});
+      }
+    }
+  }
+  return plan;
+}
+
+int64_t RankWeightBytes(const ShardingPlan& plan, const Model& model) {
+  int64_t bytes = 0;
+  for (const TensorSlicing& t : plan.tensors) {
+    const Tensor& w = WeightSlot(model.weights, t.spec);
+    bytes += t.RankNumel(plan.tp) * static_cast<int64_t>(DTypeSize(w.dtype));
+  }
+  return bytes;
+}
+
+absl::StatusOr<RankWeights> SliceForRank(const ShardingPlan& plan, const Model& model, int rank) {
+  if (rank < 0 || rank >= plan.tp) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is outside [0, tp=", plan.tp, ")"));
+  }
+  if (model.weights_on_device_random) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model ", model.id, " has its weights on the GPU only; there is nothing to slice"));
+  }
+  if (model.weights.layers.size() != static_cast<size_t>(plan.config.num_layers)) {
+    return absl::InvalidArgumentError(absl::StrCat("model has ", model.weights.layers.size(),
+                                                   " layers of weights, config says ",
+                                                   plan.config.num_layers));
+  }
+  RankWeights out;
+  out.weights.layers.resize(model.weights.layers.size());
+  for (size_t l = 0; l < model.weights.layers.size(); ++l) {
+    out.weights.layers[l].kind = model.weights.layers[l].kind;
+  }
+  for (const TensorSlicing& t : plan.tensors) {
+    const Tensor& whole = WeightSlot(model.weights, t.spec);
+    if (!whole.valid()) {
+      return absl::InvalidArgumentError(absl::StrCat("weight ", t.spec.name, " is missing"));
+    }
+    if (whole.shape != t.spec.shape) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weight ", t.spec.name, " has shape ", whole.ShapeString(), ", expected [",
+                       absl::StrJoin(t.spec.shape, ", "), "] (", t.spec.origin, ")"));
+    }
+    WeightSpec spec = t.spec;
+    spec.shape = t.RankShape(plan.tp);
+    if (!t.replicated && plan.tp > 1) {
+      absl::StrAppend(&spec.origin, "; ", t.rule, " of tp ", plan.tp, ", rank ", rank);
+    }
+    Tensor part;
+    part.dtype = whole.dtype;
+    part.shape = spec.shape;
+    const size_t elem = DTypeSize(whole.dtype);
+    if (t.Contiguous()) {
+      const int64_t offset = t.replicated ? 0 : rank * part.numel();
+      part.data = whole.data + static_cast<size_t>(offset) * elem;
+    } else {
+      // A gather: for every index of the axes before `axis`, each segment's
+      // rank part, `inner` elements per step of the axis.
+      int64_t outer = 1, inner = 1;
+      for (int a = 0; a < t.axis; ++a) outer *= t.spec.shape[static_cast<size_t>(a)];
+      for (size_t a = static_cast<size_t>(t.axis) + 1; a < t.spec.shape.size(); ++a) {
+        inner *= t.spec.shape[a];
+      }
+      const int64_t extent = t.spec.shape[static_cast<size_t>(t.axis)];
+      auto buf = std::make_unique<std::byte[]>(part.nbytes());
+      std::byte* dst = buf.get();
+      for (int64_t o = 0; o < outer; ++o) {
+        int64_t seg_begin = 0;
+        for (int64_t seg : t.segments) {
+          const int64_t n = seg / plan.tp;
+          const int64_t src = (o * extent + seg_begin + rank * n) * inner;
+          const size_t bytes = static_cast<size_t>(n * inner) * elem;
+          std::memcpy(dst, whole.data + static_cast<size_t>(src) * elem, bytes);
+          dst += bytes;
+          seg_begin += seg;
+        }
+      }
+      part.data = buf.get();
+      out.gathered.push_back(std::move(buf));
+    }
+    WeightSlot(out.weights, spec) = std::move(part);
+    out.specs.push_back(std::move(spec));
+  }
+  return out;
+}
+
+std::string DescribePlan(const ShardingPlan& plan, const Model* model) {
+  const ModelConfig& c = plan.config;
+  const bool moe_model = c.features.mlp != MlpKind::kDenseSwiGlu;
+  std::string out = absl::StrCat("tensor parallel: tp ", plan.tp);
+  if (moe_model) {
+    absl::StrAppend(&out, ", moe ", std::string(MoeParallelName(plan.moe)),
+                    plan.moe == MoeParallel::kExpert
+                        ? absl::StrCat(" (", plan.experts_per_rank, " experts per rank)")
+                        : "");
+  }
+  absl::StrAppend(&out, "\n  decoder weights in bf16: ", Gib(plan.RankWeightBytes(2)),
+                  " per rank, ", Gib(plan.WholeWeightBytes(2)), " whole, ",
+                  Gib(plan.ReplicatedWeightBytes(2)), " replicated on every rank\n");
+  if (model != nullptr) {
+    absl::StrAppend(&out, "  as stored: ", Gib(RankWeightBytes(plan, *model)), " per rank\n");
+  }
+  // Each distinct tensor suffix once, in the canonical order.
+  std::vector<std::string> seen;
+  for (const TensorSlicing& t : plan.tensors) {
+    const std::string suffix(Suffix(t.spec.name));
+    if (std::find(seen.begin(), seen.end(), suffix) != seen.end()) continue;
+    seen.push_back(suffix);
+    absl::StrAppend(&out, "  ", suffix, " [", absl::StrJoin(t.spec.shape, ", "), "] -> [",
+                    absl::StrJoin(t.RankShape(plan.tp), ", "), "]: ", t.rule, "\n");
+  }
+  std::vector<std::string> after;
+  for (const AllReducePoint& p : plan.all_reduces) {
+    if (std::find(after.begin(), after.end(), p.after) == after.end()) after.push_back(p.after);
+  }
+  absl::StrAppend(
+      &out, "  all-reduces: ", plan.all_reduces.size(),
+      plan.all_reduces.empty() ? "" : absl::StrCat(", after ", absl::StrJoin(after, ", ")),
+      "\n  captures leave from rank ", plan.capture_rank, "\n");
+  return out;
+}
+
+}  // namespace draftfeed

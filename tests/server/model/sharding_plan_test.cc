@@ -1,0 +1,294 @@
+#include "server/model/sharding_plan.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/model/model.h"
+
+namespace draftfeed {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::unique_ptr<Model> Make(const std::string& spec) {
+  absl::StatusOr<std::unique_ptr<Model>> m = MakeRandomModel(spec);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? std::move(*m) : nullptr;
+}
+
+ShardingPlan Plan(const ModelConfig& c, int tp, MoeParallel moe = MoeParallel::kExpert) {
+  absl::StatusOr<ShardingPlan> p = PlanTensorParallel(c, tp, moe);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? *std::move(p) : ShardingPlan{};
+}
+
+std::string Refusal(const ModelConfig& c, int tp, MoeParallel moe = MoeParallel::kExpert) {
+  absl::StatusOr<ShardingPlan> p = PlanTensorParallel(c, tp, moe);
+  EXPECT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument);
+  return std::string(p.status().message());
+}
+
+const TensorSlicing& Find(const ShardingPlan& plan, const std::string& name) {
+  for (const TensorSlicing& t : plan.tensors) {
+    if (t.spec.name == name) return t;
+  }
+  ADD_FAILURE() << name << " is not in the plan";
+  return plan.tensors.front();
+}
+
+TEST(ShardingPlanTest, RefusesTpBelowOne) {
+  auto m = Make("tiny-random");
+  EXPECT_EQ(Refusal(m->config, 0), "--tp 0 must be >= 1");
+  EXPECT_EQ(Refusal(m->config, -2), "--tp -2 must be >= 1");
+}
+
+TEST(ShardingPlanTest, RefusalNamesEveryCountTpDoesNotDivide) {
+  // tiny-random: 4 query heads, 2 KV heads, 2 GDN key heads, 4 value heads, F = 256.
+  auto hybrid = Make("tiny-random");
+  EXPECT_EQ(Refusal(hybrid->config, 4),
+            "--tp 4 does not divide num_key_value_heads=2, linear_num_key_heads=2 (--tp values "
+            "that divide every split count: 1, 2)");
+  EXPECT_EQ(Refusal(hybrid->config, 3),
+            "--tp 3 does not divide num_attention_heads=4, num_key_value_heads=2, "
+            "linear_num_key_heads=2, linear_num_value_heads=4, intermediate_size=256 (--tp values "
+            "that divide every split count: 1, 2)");
+  // Qwen3 has no GDN layers: their counts are not asked about.
+  auto dense = Make("tiny-random-qwen3");
+  EXPECT_EQ(Refusal(dense->config, 4),
+            "--tp 4 does not divide num_key_value_heads=2 (--tp values that divide every split "
+            "count: 1, 2)");
+}
+
+TEST(ShardingPlanTest, MoeRefusalsFollowTheStrategy) {
+  // tiny-random-moe: 8 experts of width 64, a shared expert of width 64, no dense MLP.
+  ModelConfig c = Make("tiny-random-moe")->config;
+  c.num_kv_heads = 4;
+  c.linear_num_key_heads = 4;
+  c.linear_num_value_heads = 8;
+  c.num_experts = 6;
+  EXPECT_EQ(Refusal(c, 4),
+            "--tp 4 does not divide num_experts=6 (--tp values that divide every split count: 1, "
+            "2)");
+  EXPECT_TRUE(PlanTensorParallel(c, 4, MoeParallel::kSplit).ok());
+  c.moe_intermediate_size = 90;
+  c.shared_expert_intermediate_size = 48;
+  EXPECT_EQ(Refusal(c, 4, MoeParallel::kSplit),
+            "--tp 4 does not divide moe_intermediate_size=90 (--moe_parallel split) (--tp values "
+            "that divide every split count: 1, 2)");
+  EXPECT_EQ(Refusal(c, 8, MoeParallel::kSplit),
+            "--tp 8 does not divide num_attention_heads=4, num_key_value_heads=4, "
+            "linear_num_key_heads=4, moe_intermediate_size=90 (--moe_parallel split) (--tp values "
+            "that divide every split count: 1, 2)");
+}
+
+TEST(ShardingPlanTest, ParsesTheMoeFlag) {
+  EXPECT_EQ(*ParseMoeParallel("ep"), MoeParallel::kExpert);
+  EXPECT_EQ(*ParseMoeParallel("split"), MoeParallel::kSplit);
+  absl::StatusOr<MoeParallel> bad = ParseMoeParallel("tp");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().message(),
+            "--moe_parallel=tp is not ep (experts spread over the ranks) or split (every expert "
+            "cut)");
+}
+
+TEST(ShardingPlanTest, TpOneIsTheIdentity) {
+  auto m = Make("tiny-random-moe");
+  const ShardingPlan p = Plan(m->config, 1);
+  EXPECT_TRUE(p.all_reduces.empty());
+  EXPECT_EQ(p.rank_config.ToJson(), m->config.ToJson());
+  for (const TensorSlicing& t : p.tensors) EXPECT_EQ(t.RankShape(1), t.spec.shape) << t.spec.name;
+  EXPECT_EQ(p.RankWeightBytes(2), p.WholeWeightBytes(2));
+}
+
+TEST(ShardingPlanTest, RulesOfEachTensorKind) {
+  auto m = Make("tiny-random");  // layers 0-2 GDN, layer 3 full attention
+  const ShardingPlan p = Plan(m->config, 2);
+  EXPECT_EQ(p.rank_config.num_heads, 2);
+  EXPECT_EQ(p.rank_config.num_kv_heads, 1);
+  EXPECT_EQ(p.rank_config.linear_num_key_heads, 1);
+  EXPECT_EQ(p.rank_config.linear_num_value_heads, 2);
+  EXPECT_EQ(p.rank_config.intermediate_size, 128);
+  // Gated q_proj: [4 heads x (64 q + 64 gate), 128] -> two heads' blocks.
+  EXPECT_EQ(Find(p, "layers.3.self_attn.q_proj.weight").RankShape(2),
+            (std::vector<int64_t>{256, 128}));
+  EXPECT_TRUE(Find(p, "layers.3.self_attn.q_proj.weight").Contiguous());
+  EXPECT_EQ(Find(p, "layers.3.self_attn.o_proj.weight").RankShape(2),
+            (std::vector<int64_t>{128, 128}));
+  EXPECT_FALSE(Find(p, "layers.3.self_attn.o_proj.weight").Contiguous());
+  EXPECT_TRUE(Find(p, "layers.3.self_attn.q_norm.weight").replicated);
+  // GDN q | k | v = 64 | 64 | 128 channels, each segment halved.
+  const TensorSlicing& qkv = Find(p, "layers.0.linear_attn.in_proj_qkv.weight");
+  EXPECT_EQ(qkv.segments, (std::vector<int64_t>{64, 64, 128}));
+  EXPECT_EQ(qkv.RankShape(2), (std::vector<int64_t>{128, 128}));
+  EXPECT_FALSE(qkv.Contiguous());
+  EXPECT_EQ(Find(p, "layers.0.linear_attn.conv1d.weight").segments,
+            (std::vector<int64_t>{64, 64, 128}));
+  EXPECT_EQ(Find(p, "layers.0.linear_attn.A_log").RankShape(2), (std::vector<int64_t>{2}));
+  EXPECT_TRUE(Find(p, "layers.0.linear_attn.norm.weight").replicated);
+  EXPECT_EQ(Find(p, "layers.0.linear_attn.out_proj.weight").axis, 1);
+  EXPECT_EQ(Find(p, "layers.0.mlp.down_proj.weight").RankShape(2),
+            (std::vector<int64_t>{128, 128}));
+  EXPECT_TRUE(Find(p, "embed_tokens.weight").replicated);
+  EXPECT_TRUE(Find(p, "layers.0.input_layernorm.weight").replicated);
+  // Two all-reduces per layer: after the mixer and after the MLP.
+  ASSERT_EQ(p.all_reduces.size(), 8u);
+  EXPECT_EQ(p.all_reduces[0].after, "linear_attn.out_proj");
+  EXPECT_EQ(p.all_reduces[1].after, "mlp.down_proj");
+  EXPECT_EQ(p.all_reduces[6].after, "self_attn.o_proj");
+  EXPECT_EQ(p.capture_rank, 0);
+}
+
+TEST(ShardingPlanTest, MoeStrategiesCutExpertsOrTheirWidth) {
+  auto m = Make("tiny-random-moe");
+  const ShardingPlan ep = Plan(m->config, 2, MoeParallel::kExpert);
+  EXPECT_EQ(ep.experts_per_rank, 4);
+  EXPECT_EQ(ep.ExpertBegin(1), 4);
+  EXPECT_EQ(ep.rank_config.num_experts, 8);  // the router scores all of them
+  EXPECT_EQ(ep.rank_config.moe_intermediate_size, 64);
+  EXPECT_EQ(ep.rank_config.shared_expert_intermediate_size, 32);
+  EXPECT_EQ(Find(ep, "layers.0.mlp.experts.gate_up_proj").RankShape(2),
+            (std::vector<int64_t>{4, 128, 128}));
+  EXPECT_TRUE(Find(ep, "layers.0.mlp.experts.gate_up_proj").Contiguous());
+  EXPECT_TRUE(Find(ep, "layers.0.mlp.gate.weight").replicated);
+  EXPECT_TRUE(Find(ep, "layers.0.mlp.shared_expert_gate.weight").replicated);
+  EXPECT_EQ(Find(ep, "layers.0.mlp.shared_expert.down_proj.weight").RankShape(2),
+            (std::vector<int64_t>{128, 32}));
+  EXPECT_EQ(ep.all_reduces[1].after, "mlp (experts + shared expert)");
+
+  const ShardingPlan split = Plan(m->config, 2, MoeParallel::kSplit);
+  EXPECT_EQ(split.experts_per_rank, 8);
+  EXPECT_EQ(split.ExpertBegin(1), 0);
+  EXPECT_EQ(split.rank_config.moe_intermediate_size, 32);
+  const TensorSlicing& gu = Find(split, "layers.0.mlp.experts.gate_up_proj");
+  EXPECT_EQ(gu.axis, 1);
+  EXPECT_EQ(gu.segments, (std::vector<int64_t>{64, 64}));
+  EXPECT_EQ(gu.RankShape(2), (std::vector<int64_t>{8, 64, 128}));
+  EXPECT_EQ(Find(split, "layers.0.mlp.experts.down_proj").RankShape(2),
+            (std::vector<int64_t>{8, 128, 32}));
+}
+
+// The whole tensor's flat index of element `local` of rank `rank`'s part,
+// worked out from the rule independently of SliceForRank's gather.
+int64_t WholeIndex(const TensorSlicing& t, int tp, int rank, int64_t local) {
+  const std::vector<int64_t> part = t.RankShape(tp);
+  std::vector<int64_t> idx(part.size());
+  for (size_t a = part.size(); a-- > 0;) {
+    idx[a] = local % part[a];
+    local /= part[a];
+  }
+  if (!t.replicated) {
+    int64_t x = idx[static_cast<size_t>(t.axis)], seg_begin = 0, cum = 0;
+    for (int64_t seg : t.segments) {
+      const int64_t n = seg / tp;
+      if (x < cum + n) {
+        idx[static_cast<size_t>(t.axis)] = seg_begin + rank * n + (x - cum);
+        break;
+      }
+      cum += n;
+      seg_begin += seg;
+    }
+  }
+  int64_t flat = 0;
+  for (size_t a = 0; a < idx.size(); ++a) flat = flat * t.spec.shape[a] + idx[a];
+  return flat;
+}
+
+// Every rank's part is what the rule says, and the split parts tile their
+// tensor exactly once.
+void CheckSlices(const Model& m, int tp, MoeParallel moe) {
+  const ShardingPlan p = Plan(m.config, tp, moe);
+  std::vector<RankWeights> ranks;
+  for (int r = 0; r < tp; ++r) {
+    absl::StatusOr<RankWeights> w = SliceForRank(p, m, r);
+    ASSERT_TRUE(w.ok()) << w.status();
+    ranks.push_back(*std::move(w));
+  }
+  for (const TensorSlicing& t : p.tensors) {
+    const Tensor& whole = WeightSlot(m.weights, t.spec);
+    const size_t elem = DTypeSize(whole.dtype);
+    std::vector<int> covered(static_cast<size_t>(t.spec.numel()), 0);
+    for (int r = 0; r < tp; ++r) {
+      const Tensor& part = WeightSlot(ranks[static_cast<size_t>(r)].weights, t.spec);
+      ASSERT_EQ(part.shape, t.RankShape(tp)) << t.spec.name;
+      ASSERT_EQ(part.dtype, whole.dtype);
+      // Contiguous parts are views into the model's storage.
+      if (t.Contiguous()) {
+        EXPECT_GE(part.data, whole.data) << t.spec.name;
+        EXPECT_LT(part.data, whole.data + whole.nbytes()) << t.spec.name;
+      }
+      for (int64_t i = 0; i < part.numel(); ++i) {
+        const int64_t w = WholeIndex(t, tp, r, i);
+        ASSERT_EQ(std::memcmp(part.data + i * elem, whole.data + w * elem, elem), 0)
+            << t.spec.name << " rank " << r << " element " << i;
+        ++covered[static_cast<size_t>(w)];
+      }
+    }
+    const int expected = t.replicated ? tp : 1;
+    for (int c : covered) ASSERT_EQ(c, expected) << t.spec.name;
+  }
+}
+
+TEST(ShardingPlanTest, SlicesAreTheRuleAndTileEachTensor) {
+  for (const char* spec :
+       {"tiny-random", "tiny-random-qwen3", "tiny-random-moe", "tiny-random-qwen3-moe"}) {
+    SCOPED_TRACE(spec);
+    auto m = Make(spec);
+    CheckSlices(*m, 2, MoeParallel::kExpert);
+    CheckSlices(*m, 2, MoeParallel::kSplit);
+  }
+}
+
+TEST(ShardingPlanTest, SliceRefusesDeviceWeightsAndBadRanks) {
+  auto real = Make("random:qwen3-8b");
+  const ShardingPlan p = Plan(real->config, 2);
+  absl::StatusOr<RankWeights> w = SliceForRank(p, *real, 0);
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kFailedPrecondition);
+  auto m = Make("tiny-random");
+  EXPECT_THAT(SliceForRank(Plan(m->config, 2), *m, 2).status().message(),
+              HasSubstr("rank 2 is outside [0, tp=2)"));
+}
+
+// Per-rank bytes: each split tensor's 1/tp plus every replicated tensor
+// whole, so tp ranks hold the model plus tp - 1 extra copies of the
+// replicated part. On the real shapes, as the README's table prints them.
+TEST(ShardingPlanTest, MemoryArithmeticOnRealShapes) {
+  for (const char* spec : {"random:qwen3.6-27b", "random:qwen3.6-35b-a3b",
+                           "random:qwen3.5-122b-a10b", "random:qwen3-30b-a3b"}) {
+    SCOPED_TRACE(spec);
+    auto m = Make(spec);
+    const int64_t whole = Plan(m->config, 1).WholeWeightBytes(2);
+    for (int tp : {1, 2, 4, 8}) {
+      for (MoeParallel moe : {MoeParallel::kExpert, MoeParallel::kSplit}) {
+        absl::StatusOr<ShardingPlan> p = PlanTensorParallel(m->config, tp, moe);
+        if (!p.ok()) continue;  // e.g. 4 KV heads at tp 8
+        EXPECT_EQ(p->WholeWeightBytes(2), whole);
+        EXPECT_EQ(p->RankWeightBytes(2) * tp, whole + p->ReplicatedWeightBytes(2) * (tp - 1));
+        // The device-random tensors are bf16, so as stored equals bf16.
+        EXPECT_EQ(RankWeightBytes(*p, *m), p->RankWeightBytes(2));
+      }
+    }
+  }
+  // Why TP exists: the 122B shape does not fit one 141 GB H200 in bf16, its
+  // tp 2 rank does (the embedding and norms are replicated, ~2 GB).
+  auto big = Make("random:qwen3.5-122b-a10b");
+  const int64_t h200 = int64_t{139} << 30;  // the usable memory one H200 reports
+  EXPECT_GT(Plan(big->config, 1).RankWeightBytes(2), h200);
+  EXPECT_LT(Plan(big->config, 2).RankWeightBytes(2), h200);
+}
+
+TEST(ShardingPlanTest, DescribeNamesTheLayout) {
+  auto m = Make("tiny-random-moe");
+  const std::string d = DescribePlan(Plan(m->config, 2), m.get());
+  EXPECT_THAT(d, HasSubstr("tensor parallel: tp 2, moe ep (4 experts per rank)"));
+  EXPECT_THAT(d, HasSubstr("mlp.experts.gate_up_proj [8, 128, 128] -> [4, 128, 128]: experts"));
+  EXPECT_THAT(d,
+              HasSubstr("linear_attn.in_proj_qkv.weight [256, 128] -> [128, 128]: segmented rows"));
+  EXPECT_THAT(d, HasSubstr("captures leave from rank 0"));
+}
+
+}  // namespace
+}  // namespace draftfeed
