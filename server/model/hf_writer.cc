@@ -152,8 +152,9 @@ absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
     any_fp8 |= keep_fp8(t);
     // Linear layers (2-D weights and the experts) left unquantised, named as
     // transformers names modules; embed_tokens is an Embedding, never converted.
-    const bool linear = spec.shape.size() >= 2 && spec.global != &ModelWeights::embed_tokens &&
-                        spec.name != "lm_head.weight";
+    // (conv1d, 3-D without expert parts, is a Conv1d).
+    const bool linear = (spec.shape.size() == 2 || !spec.expert_parts.empty()) &&
+                        spec.global != &ModelWeights::embed_tokens && spec.name != "lm_head.weight";
     if (linear && !keep_fp8(t)) {  // "x.weight" -> module "x"; "experts.down_proj" -> "experts"
       bf16_modules.push_back(absl::StrCat(prefix, spec.name.substr(0, spec.name.rfind('.'))));
     }
