@@ -19,6 +19,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/fp8_capture.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/embedding.h"
@@ -453,8 +454,14 @@ absl::Status CpuEngine::Forward(const ForwardInput& in, std::span<std::byte> out
   DF_RETURN_IF_ERROR(CheckCaptureOutput(*this, in, out.size()));
   std::vector<float> states(static_cast<size_t>(n));
   impl_->forward.Run(in, states.data(), nullptr);
-  // bf16 is the only encoding served: little-endian uint16 per value, written
-  // bytewise so `out` needs no alignment.
+  if (in.encoding == CaptureEncoding::kFp8E4m3) {
+    // Straight from the fp32 states, so the only error is e4m3's rounding.
+    return EncodeFp8Capture(states, static_cast<int64_t>(in.token_ids.size()),
+                            static_cast<int64_t>(in.layers.size()),
+                            impl_->model->config.hidden_size, out);
+  }
+  // bf16: little-endian uint16 per value, written bytewise so `out` needs no
+  // alignment.
   for (int64_t i = 0; i < n; ++i) {
     const uint16_t bits = FloatToBf16(states[static_cast<size_t>(i)]);
     out[2 * i] = static_cast<std::byte>(bits & 0xff);

@@ -18,6 +18,10 @@ class CpuEngine final : public Engine {
 
   const Model& model() const override;
   std::string device_name() const override { return "cpu"; }
+  // bf16, and fp8_e4m3 encoded from the fp32 states (one rounding).
+  std::vector<CaptureEncoding> encodings() const override {
+    return {CaptureEncoding::kBf16, CaptureEncoding::kFp8E4m3};
+  }
   absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override;
   // Same forward, fp32 capture (the residual stream is fp32 throughout here).
   absl::Status ForwardFloat(const ForwardInput& in, std::span<float> out);

@@ -4,8 +4,10 @@
 // retires them in order.
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
 #include "common/payload_checksum.h"
 #include "common/status_macros.h"
+#include "kernels/capture_fp8.cuh"
 #include "kernels/checksum.cuh"
 #include "server/model/cuda_engine_impl.h"
 
@@ -62,6 +64,30 @@ void CudaEngine::Impl::CopyLoop() {
   }
 }
 
+absl::StatusOr<const void*> CudaEngine::Impl::Payload(int b, const ForwardInput& in,
+                                                      cudaStream_t s) {
+  if (in.encoding != CaptureEncoding::kFp8E4m3) return captures[b];
+  if (fp8_captures[0] == nullptr || fp8_captures[1] == nullptr) {
+    const size_t bytes =
+        static_cast<size_t>(options.max_tokens *
+                            CaptureBytesPerToken(CaptureEncoding::kFp8E4m3, options.max_layers, D));
+    for (uint8_t*& p : fp8_captures) {
+      if (p != nullptr) continue;
+      if (const cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
+        p = nullptr;
+        return absl::ResourceExhaustedError(
+            absl::StrCat("cannot allocate the two ", bytes >> 20,
+                         " MiB fp8_e4m3 capture buffers: ", cudaGetErrorString(e)));
+      }
+    }
+  }
+  // Encoded from the bf16 capture: the final norm's fp32 values never exist
+  // in memory (its kernel writes bf16), so every slot is encoded alike.
+  DF_CUDA(cuda::EncodeFp8Capture(captures[b], static_cast<int64_t>(in.token_ids.size()),
+                                 static_cast<int64_t>(in.layers.size()), D, fp8_captures[b], s));
+  return fp8_captures[b];
+}
+
 void CudaEngine::Impl::StopCopier() {
   if (!copier.joinable()) return;
   {
@@ -74,9 +100,11 @@ void CudaEngine::Impl::StopCopier() {
 
 absl::Status CudaEngine::Forward(const ForwardInput& in, std::span<std::byte> out) {
   DF_RETURN_IF_ERROR(CheckCaptureOutput(*this, in, out.size()));
-  impl_->TakeBuffer();
+  const int b = impl_->TakeBuffer();
   DF_RETURN_IF_ERROR(impl_->Run(in));
-  DF_CUDA(cudaMemcpy(out.data(), impl_->capture, impl_->CaptureBytes(in), cudaMemcpyDeviceToHost));
+  DF_ASSIGN_OR_RETURN(const void* payload, impl_->Payload(b, in, impl_->stream));
+  DF_CUDA(cudaStreamSynchronize(impl_->stream));
+  DF_CUDA(cudaMemcpy(out.data(), payload, impl_->CaptureBytes(in), cudaMemcpyDeviceToHost));
   return absl::OkStatus();
 }
 
@@ -89,10 +117,13 @@ absl::Status CudaEngine::ForwardAsync(const ForwardInput& in, std::span<std::byt
   // no event to order itself after the forward.
   DF_RETURN_IF_ERROR(m.Run(in));
   const size_t bytes = m.CaptureBytes(in);
-  DF_CUDA(cudaMemcpyAsync(out.data(), m.captures[b], bytes, cudaMemcpyDeviceToHost, m.copy_stream));
+  // An fp8 encoding runs on the copy stream too, beside the next forward.
+  DF_ASSIGN_OR_RETURN(const void* payload, m.Payload(b, in, m.copy_stream));
+  DF_CUDA(cudaMemcpyAsync(out.data(), payload, bytes, cudaMemcpyDeviceToHost, m.copy_stream));
   // The checksum is taken on the GPU beside the copy (tens of microseconds),
-  // not by a pass over the host copy on the target's CPU.
-  DF_CUDA(cuda::EnqueuePayloadLanes(m.captures[b], bytes, m.d_lanes + b * v1::kChecksumLanes,
+  // not by a pass over the host copy on the target's CPU; it covers the
+  // payload sent (the fp8 bytes for fp8_e4m3).
+  DF_CUDA(cuda::EnqueuePayloadLanes(payload, bytes, m.d_lanes + b * v1::kChecksumLanes,
                                     m.h_lanes + b * v1::kChecksumLanes, m.copy_stream));
   DF_CUDA(cudaEventRecord(m.copied[b], m.copy_stream));
   m.Queue(Impl::PendingCopy{b, bytes, std::move(on_copied)});
@@ -110,7 +141,13 @@ absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSin
   DF_CUDA(cudaEventRecord(m.forwarded[b], m.stream));
   DF_CUDA(cudaStreamWaitEvent(m.send_stream, m.forwarded[b], 0));
   DeviceView view;
-  view.data = m.captures[b];
+  absl::StatusOr<const void*> payload = m.Payload(b, in, m.send_stream);
+  if (!payload.ok()) {
+    cudaStreamSynchronize(m.stream);  // nothing is left running on an error return
+    cudaStreamSynchronize(m.send_stream);
+    return payload.status();
+  }
+  view.data = *payload;
   view.bytes = m.CaptureBytes(in);
   view.encoding = in.encoding;
   view.bytes_per_token =

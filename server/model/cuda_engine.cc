@@ -21,6 +21,9 @@ CudaEngine::~CudaEngine() {
     if (impl_->send_stream) cudaStreamDestroy(impl_->send_stream);
     if (impl_->copy_stream) cudaStreamDestroy(impl_->copy_stream);
     if (impl_->d_lanes) cudaFree(impl_->d_lanes);
+    for (uint8_t* p : impl_->fp8_captures) {
+      if (p) cudaFree(p);
+    }
     if (impl_->h_lanes) cudaFreeHost(impl_->h_lanes);
     if (impl_->h_ids) cudaFreeHost(impl_->h_ids);
     if (impl_->h_cu) cudaFreeHost(impl_->h_cu);
@@ -48,6 +51,10 @@ std::string CudaEngine::device_name() const { return absl::StrCat("cuda:", impl_
 absl::Status CudaEngine::ForwardOnDevice(const ForwardInput& in) {
   impl_->TakeBuffer();
   return impl_->Run(in);
+}
+
+std::vector<CaptureEncoding> CudaEngine::encodings() const {
+  return {CaptureEncoding::kBf16, CaptureEncoding::kFp8E4m3};
 }
 
 int64_t CudaEngine::max_capture_layers() const { return impl_->options.max_layers; }

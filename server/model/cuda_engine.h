@@ -53,6 +53,8 @@ class CudaEngine final : public Engine {
   absl::Status ForwardToDevice(const ForwardInput& in, const DeviceSink& sink,
                                CopiedCallback on_sent) override;
   bool has_device_capture() const override { return true; }
+  // bf16, and fp8_e4m3 encoded on the GPU from the bf16 capture.
+  std::vector<CaptureEncoding> encodings() const override;
   int64_t max_capture_layers() const override;
 
   int64_t weight_bytes() const;

@@ -117,6 +117,10 @@ struct CudaEngine::Impl {
   // buffer of the current (or last) forward.
   bf16* captures[2] = {nullptr, nullptr};
   bf16* capture = nullptr;
+  // fp8_e4m3 payloads, encoded from `captures` after the forward (Payload).
+  // Allocated on the first fp8 batch, max_tokens x CaptureBytesPerToken each,
+  // so that a target only ever asked for bf16 reserves nothing for them.
+  uint8_t* fp8_captures[2] = {nullptr, nullptr};
   int current = 1;
   cudaStream_t copy_stream = nullptr;
   cudaEvent_t copied[2] = {nullptr, nullptr};
@@ -180,6 +184,10 @@ struct CudaEngine::Impl {
   size_t CaptureBytes(const ForwardInput& in) const {
     return draftfeed::CaptureBytes(model->config, in);
   }
+  // The payload of buffer b's capture in `in.encoding`: the bf16 capture
+  // itself, or its fp8_e4m3 encoding, enqueued on `s` (which must be ordered
+  // after the forward).
+  absl::StatusOr<const void*> Payload(int b, const ForwardInput& in, cudaStream_t s);
   void CopyLoop();
   void StopCopier();
   absl::Status UploadWeights();

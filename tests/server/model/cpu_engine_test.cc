@@ -551,7 +551,8 @@ TEST(CpuEngineErrorsTest, WrongCaptureBytesOrEncoding) {
   ASSERT_NE(model, nullptr);
   std::unique_ptr<CpuEngine> engine = MakeEngine(model.get(), 1);
   ASSERT_NE(engine, nullptr);
-  EXPECT_EQ(engine->encodings(), std::vector<CaptureEncoding>{CaptureEncoding::kBf16});
+  EXPECT_EQ(engine->encodings(),
+            (std::vector<CaptureEncoding>{CaptureEncoding::kBf16, CaptureEncoding::kFp8E4m3}));
   const std::vector<int32_t> tokens = {1, 2, 3}, lens = {3}, layers = {0, -1};
   std::vector<std::byte> out(3 * 2 * 128 * 2 - 1, std::byte{7});
   absl::Status st = engine->Forward({tokens, lens, layers}, out);
@@ -565,7 +566,7 @@ TEST(CpuEngineErrorsTest, WrongCaptureBytesOrEncoding) {
   in.encoding = static_cast<CaptureEncoding>(9);
   st = engine->Forward(in, out);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(st.message(), "encoding unknown (9) is not served by cpu; it serves bf16");
+  EXPECT_EQ(st.message(), "encoding unknown (9) is not served by cpu; it serves bf16, fp8_e4m3");
   EXPECT_EQ(out, std::vector<std::byte>(1536, std::byte{7}));
   in.encoding = CaptureEncoding::kBf16;
   EXPECT_TRUE(engine->Forward(in, out).ok());

@@ -290,8 +290,10 @@ TEST(ServiceTest, StreamLevelRefusals) {
   }
   {
     v1::Open o = OpenFor({1});
-    o.set_encoding(v1::ENCODING_FP8_E4M3);
-    cases.push_back({o, grpc::StatusCode::INVALID_ARGUMENT, "encoding fp8_e4m3"});
+    // Offered by the wire, not built: refused by name, the offered ones listed.
+    o.set_encoding(v1::ENCODING_BF16_ZSTD);
+    cases.push_back({o, grpc::StatusCode::INVALID_ARGUMENT,
+                     "encoding bf16_zstd is not served by this target; offered: bf16, fp8_e4m3"});
   }
   {
     v1::Open o = OpenFor({1});
