@@ -130,11 +130,23 @@ absl::Status ModelConfig::Validate() const {
     return bad("num_attention_heads=", num_heads,
                " is not a multiple of num_key_value_heads=", num_kv_heads);
   }
-  if (!(rms_norm_eps > 0) || !std::isfinite(rms_norm_eps)) {
-    return bad("rms_norm_eps must be positive, got ", rms_norm_eps);
+  // rms_norm_eps only guards the division by the rms: real checkpoints use
+  // 1e-6 (Qwen3, Qwen3.5/3.6) or 1e-5; one of 1 or more would outweigh the
+  // mean square of unit-scale activations and flatten every norm.
+  if (!(rms_norm_eps > 0 && rms_norm_eps < 1)) {
+    return bad("rms_norm_eps must be in (0, 1), got ", rms_norm_eps);
   }
-  if (!(rope_theta > 0) || !std::isfinite(rope_theta)) {
-    return bad("rope_theta must be positive, got ", rope_theta);
+  // RoPE bases in released models run from 1e4 (the RoPE paper, Llama 2) to
+  // 1e7 (Qwen3.5/3.6, Qwen2.5-1M), with 1e6 (Qwen2.5, Qwen3) and 5e6 (Qwen3
+  // 2507) between. A base of 1 or less makes the inverse frequencies
+  // theta^(-2i/d) grow along the head instead of decay (1e-300 overflows them
+  // to inf and serves NaN); one past 1e12 is five orders of magnitude beyond
+  // any released model, a corrupted field rather than a design. The range
+  // keeps three orders of magnitude of margin below what exists.
+  constexpr double kMinRopeTheta = 10, kMaxRopeTheta = 1e12;
+  if (!(rope_theta >= kMinRopeTheta && rope_theta <= kMaxRopeTheta)) {
+    return bad("rope_theta must be in [", kMinRopeTheta, ", ", kMaxRopeTheta, "], got ",
+               rope_theta);
   }
   if (!(partial_rotary_factor > 0 && partial_rotary_factor <= 1)) {
     return bad("partial_rotary_factor must be in (0, 1], got ", partial_rotary_factor);

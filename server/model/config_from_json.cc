@@ -229,12 +229,25 @@ absl::Status ParseRope(const JsonObject& dec, Arch arch, absl::string_view sourc
   }
   sources.push_back(dec);
 
+  // A key given in more than one place must agree: transformers' config classes
+  // and serving stacks resolve such conflicts differently, so picking one would
+  // serve states of a model other than the one some tool reads.
   auto lookup = [&](absl::string_view key) -> absl::StatusOr<std::optional<double>> {
+    std::optional<double> found;
+    const JsonObject* found_in = nullptr;
     for (const JsonObject& obj : sources) {
       DF_ASSIGN_OR_RETURN(std::optional<double> v, obj.Number(key));
-      if (v.has_value()) return v;
+      if (!v.has_value()) continue;
+      if (!found.has_value()) {
+        found = v;
+        found_in = &obj;
+      } else if (*v != *found) {
+        return absl::InvalidArgumentError(absl::StrCat(source, ": ", found_in->Path(key), " = ",
+                                                       *found, " and ", obj.Path(key), " = ", *v,
+                                                       " disagree; give one value"));
+      }
     }
-    return std::nullopt;
+    return found;
   };
   DF_ASSIGN_OR_RETURN(std::optional<double> theta, lookup("rope_theta"));
   DF_ASSIGN_OR_RETURN(std::optional<double> factor, lookup("partial_rotary_factor"));

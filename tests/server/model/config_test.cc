@@ -1,7 +1,10 @@
 #include "server/model/config.h"
 
+#include <cmath>
+#include <limits>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -48,7 +51,7 @@ constexpr char kMultimodal[] = R"json({
     "mtp_num_hidden_layers": 1,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention",
                     "linear_attention", "linear_attention", "linear_attention", "full_attention"],
-    "partial_rotary_factor": 0.5,
+    "partial_rotary_factor": 0.25,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
                         "mrope_interleaved": true}
@@ -137,7 +140,7 @@ TEST(ConfigTest, MultimodalReadsTextConfig) {
   EXPECT_EQ(c->head_dim, 256);
   EXPECT_EQ(c->rms_norm_eps, 1e-6);
   EXPECT_EQ(c->rope_theta, 1e7);
-  // rope_parameters wins over the decoder-level partial_rotary_factor.
+  // Given in rope_parameters and on the decoder, with one value.
   EXPECT_EQ(c->partial_rotary_factor, 0.25);
   EXPECT_EQ(c->rotary_dim(), 64);
   EXPECT_FALSE(c->tie_word_embeddings);
@@ -193,7 +196,7 @@ TEST(ConfigTest, ExplicitLayerTypesAcceptLegacyNames) {
 
 TEST(ConfigTest, RopeFallsBackToRopeScalingThenTopLevel) {
   auto scaling = ModelConfig::FromJson(Edit(kTextMinimal, "\"num_hidden_layers\": 6",
-                                            R"("num_hidden_layers": 6, "rope_theta": 1.0,
+                                            R"("num_hidden_layers": 6,
               "rope_scaling": {"type": "mrope", "rope_theta": 5000000,
                                "partial_rotary_factor": 0.5})"),
                                        "x");
@@ -212,13 +215,61 @@ TEST(ConfigTest, RopeFallsBackToRopeScalingThenTopLevel) {
   EXPECT_EQ(top->rotary_dim(), 32);
 
   auto params_first = ModelConfig::FromJson(Edit(kTextMinimal, "\"num_hidden_layers\": 6",
-                                                 R"("num_hidden_layers": 6, "rope_theta": 3,
-              "rope_scaling": {"rope_theta": 4, "partial_rotary_factor": 1.0},
-              "rope_parameters": {"rope_theta": 7})"),
+                                                 R"("num_hidden_layers": 6, "rope_theta": 7e6,
+              "rope_scaling": {"partial_rotary_factor": 1.0},
+              "rope_parameters": {"rope_theta": 7000000})"),
                                             "x");
   ASSERT_TRUE(params_first.ok()) << params_first.status();
-  EXPECT_EQ(params_first->rope_theta, 7);
+  EXPECT_EQ(params_first->rope_theta, 7e6);             // two places, one value
   EXPECT_EQ(params_first->partial_rotary_factor, 1.0);  // from rope_scaling
+}
+
+// A RoPE key given in two places with two values is refused naming both,
+// rather than resolved by a precedence another reader of the file may not share.
+TEST(ConfigTest, RopeKeysThatDisagreeAreRefused) {
+  EXPECT_EQ(ErrorOf(Edit(kMultimodal, "\"partial_rotary_factor\": 0.25,\n    \"rope_parameters\"",
+                         "\"partial_rotary_factor\": 0.5,\n    \"rope_parameters\"")),
+            "/ckpt/config.json: text_config.rope_parameters.partial_rotary_factor = 0.25 and "
+            "text_config.partial_rotary_factor = 0.5 disagree; give one value");
+  EXPECT_EQ(ErrorOf(Edit(kTextMinimal, "\"num_hidden_layers\": 6",
+                         R"("num_hidden_layers": 6, "rope_theta": 1e6,
+              "rope_scaling": {"rope_theta": 5e6})")),
+            "/ckpt/config.json: rope_scaling.rope_theta = 5e+06 and rope_theta = 1e+06 "
+            "disagree; give one value");
+}
+
+// Numbers that load but would serve NaN or nonsense: a base of 1e-300 overflows
+// RoPE's inverse frequencies; eps <= 0 divides by zero on a zero row.
+TEST(ConfigTest, NonsensicalRopeThetaAndEpsAreRefused) {
+  auto with = [](absl::string_view field) {
+    return Edit(kTextMinimal, "\"num_hidden_layers\": 6",
+                absl::StrCat("\"num_hidden_layers\": 6, ", field));
+  };
+  EXPECT_EQ(ErrorOf(with(R"("rope_theta": 1e-300)")),
+            "/ckpt/config.json: rope_theta must be in [10, 1e+12], got 1e-300");
+  EXPECT_EQ(ErrorOf(with(R"("rope_theta": 1)")),
+            "/ckpt/config.json: rope_theta must be in [10, 1e+12], got 1");
+  EXPECT_EQ(ErrorOf(with(R"("rope_theta": -10000)")),
+            "/ckpt/config.json: rope_theta must be in [10, 1e+12], got -10000");
+  EXPECT_EQ(ErrorOf(with(R"("rope_theta": 1e13)")),
+            "/ckpt/config.json: rope_theta must be in [10, 1e+12], got 1e+13");
+  EXPECT_EQ(ErrorOf(with(R"("rms_norm_eps": 0)")),
+            "/ckpt/config.json: rms_norm_eps must be in (0, 1), got 0");
+  EXPECT_EQ(ErrorOf(with(R"("rms_norm_eps": -1e-6)")),
+            "/ckpt/config.json: rms_norm_eps must be in (0, 1), got -1e-06");
+  EXPECT_EQ(ErrorOf(with(R"("rms_norm_eps": 1)")),
+            "/ckpt/config.json: rms_norm_eps must be in (0, 1), got 1");
+  // The real values load: Qwen3's 1e6, Qwen3-2507's 5e6, Qwen3.5's 1e7, Llama's 1e4.
+  for (const char* theta : {"1e6", "5e6", "1e7", "1e4"}) {
+    auto c = ModelConfig::FromJson(with(absl::StrCat(R"("rope_theta": )", theta)), "x");
+    EXPECT_TRUE(c.ok()) << theta << ": " << c.status();
+  }
+  ModelConfig nan_eps = *ModelConfig::FromJson(kTextMinimal, "x");
+  nan_eps.rms_norm_eps = std::nan("");
+  EXPECT_EQ(nan_eps.Validate().message(), "rms_norm_eps must be in (0, 1), got nan");
+  ModelConfig inf_theta = *ModelConfig::FromJson(kTextMinimal, "x");
+  inf_theta.rope_theta = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(inf_theta.Validate().message(), "rope_theta must be in [10, 1e+12], got inf");
 }
 
 TEST(ConfigTest, Qwen3Dense) {
