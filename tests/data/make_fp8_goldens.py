@@ -114,6 +114,13 @@ QWEN3_MOE = dict(COMMON, intermediate_size=256, num_hidden_layers=3, tie_word_em
                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
                  decoder_sparse_step=1, mlp_only_layers=[1])
 
+# The config fields that set tensor shapes and routing: transformers must keep them as asked.
+SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "layer_types",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "num_experts",
+              "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+              "norm_topk_prob", "mlp_only_layers"]
+
 # The last path component of every Linear that FP8 releases quantise (spec: q/k/v/o_proj, GDN
 # in_proj_qkv/in_proj_z/out_proj, dense and shared-expert MLP, every expert).
 QUANTISED_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
@@ -336,9 +343,9 @@ def build(name, idx, models_tmp):
     else:
         cfg, cls, tc = tf.Qwen3MoeConfig(**json.loads(json.dumps(QWEN3_MOE))), tf.Qwen3MoeForCausalLM, QWEN3_MOE
     c = getattr(cfg, "text_config", cfg)
-    for k, v in tc.items():
-        if k != "rope_parameters" and getattr(c, k, None) != v:
-            problem(f"{name}: {type(c).__name__}.{k} = {getattr(c, k, None)!r}, asked {v!r}")
+    for k in SHAPE_KEYS:
+        if k in tc and getattr(c, k, None) != tc[k]:
+            problem(f"{name}: {type(c).__name__}.{k} = {getattr(c, k, None)!r}, asked {tc[k]!r}")
     torch.manual_seed(SEED + 1 + 10 * idx)
     model = cls(cfg).eval()
     hybrid = name.startswith("qwen35")
