@@ -62,8 +62,8 @@ absl::Status QuantizeModelFp8(Model& model) {
   if (c.quantization.enabled) {
     return absl::FailedPreconditionError(
         absl::StrCat("--quantize fp8: model ", model.id,
-                     " is already an FP8 checkpoint (its config.json has a quantization_config); "
-                     "load it as it is"));
+                     " is already FP8 (an FP8 checkpoint or -fp8 built-in); load it without "
+                     "--quantize"));
   }
   if (model.weights_on_device_random) {
     return absl::FailedPreconditionError(

@@ -28,6 +28,7 @@
 #if DRAFTFEED_HAVE_CUDA
 #include "server/model/cuda_engine.h"
 #endif
+#include "server/model/fp8_quantize.h"
 #include "server/model/model.h"
 #include "server/model/weight_check.h"
 #include "server/service/target_service.h"
@@ -73,6 +74,9 @@ ABSL_FLAG(double, nccl_timeout_s, 120,
           "An NCCL stream's setup, and each batch's send, must finish within this many "
           "seconds; otherwise the communicator is aborted and the stream ends.");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written there once serving.");
+ABSL_FLAG(std::string, quantize, "none",
+          "Quantise the model at load: none, or fp8 (e4m3 weights with one fp32 scale per "
+          "128x128 block, as Qwen's FP8 checkpoints; refused for a checkpoint already FP8).");
 ABSL_FLAG(bool, check_weights, false,
           "At load, scan every weight for NaN and infinities and refuse to start on the first, "
           "naming the tensor (one pass over the weights: seconds for a large checkpoint).");
@@ -101,6 +105,9 @@ absl::Status CheckFlags() {
   if (const int64_t c = absl::GetFlag(FLAGS_chunk_bytes); !(c >= 1 && c <= kMaxChunkBytes)) {
     return refuse("--chunk_bytes=", c, " must be in [1, ", kMaxChunkBytes,
                   "] (a chunk is one gRPC message)");
+  }
+  if (const std::string q = absl::GetFlag(FLAGS_quantize); q != "none" && q != "fp8") {
+    return refuse("--quantize=", q, " is not supported; accepted: none, fp8");
   }
   if (!(absl::GetFlag(FLAGS_max_capture_layers) >= 1)) {
     return refuse("--max_capture_layers=", absl::GetFlag(FLAGS_max_capture_layers),
@@ -187,6 +194,9 @@ int Run() {
     if (absl::Status s = CheckWeightsFinite(**model); !s.ok()) {
       return Fail(std::string(s.message()));
     }
+  }
+  if (absl::Status s = ApplyQuantizeFlag(**model, absl::GetFlag(FLAGS_quantize)); !s.ok()) {
+    return Fail(std::string(s.message()));
   }
   std::vector<std::unique_ptr<Engine>> engines;
   if (gpus.empty()) {
