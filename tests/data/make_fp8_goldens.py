@@ -89,6 +89,9 @@ QWEN35_SPECIAL = dict(vision_start_token_id=248, vision_end_token_id=249, image_
                       video_token_id=251)
 QWEN35_MAX_TOKEN = 248
 
+# Two layers a model (three for qwen3_moe: MoE, dense, MoE) keep the files small: the FP8 references
+# are F32 for 212 tokens x (layers + 2) x 128 per model; attention, GDN and routing over more
+# layers are the bf16 goldens' job.
 # Dims: every quantised Linear has in and out a multiple of 128 (activation groups need
 # K % 128 == 0; whole weight blocks keep a fused [gate; up] split on a block edge). Attention
 # 8 Q / 4 KV heads x 32: q_proj 512 (query + gate) or 256 rows, k/v 128, o_proj in 256. GDN
@@ -99,10 +102,10 @@ GDN = dict(linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_d
            linear_num_key_heads=2, linear_num_value_heads=4)
 COMMON = dict(vocab_size=VOCAB, hidden_size=128, hidden_act="silu", rms_norm_eps=1e-6,
               max_position_embeddings=4096, initializer_range=0.05, **ATTN)
-QWEN35_TEXT = dict(COMMON, **GDN, intermediate_size=256, num_hidden_layers=3,
-                   layer_types=["linear_attention", "linear_attention", "full_attention"],
+QWEN35_TEXT = dict(COMMON, **GDN, intermediate_size=256, num_hidden_layers=2,
+                   layer_types=["linear_attention", "full_attention"],
                    tie_word_embeddings=False, rope_parameters=dict(ROPE))
-QWEN3 = dict(COMMON, intermediate_size=256, num_hidden_layers=3, tie_word_embeddings=True,
+QWEN3 = dict(COMMON, intermediate_size=256, num_hidden_layers=2, tie_word_embeddings=True,
              use_sliding_window=False, rope_parameters={"rope_type": "default", "rope_theta": mg.ROPE_THETA})
 # Expert width 128 (one block) and a shared expert of 256, so a mix-up of the two fails loading.
 QWEN35_MOE_TEXT = dict(COMMON, **GDN, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
@@ -427,9 +430,11 @@ def make_fp8(name, orig_dir, cls, scale_dtype, out_dir, tmp):
              "tensors": len(fp8_tensors), "fp8_weights": len(quant), "fp8_expert_weights": n_exp,
              "scale_dtype": ST_DTYPES[scale_dtype], "expert_layout_saved_by_transformers": layout,
              "modules_to_not_convert": skip,
+             # F32 scales: each block's largest |W| maps onto the top code
              "max_code_per_block_is_448": all(bool(
                  (q.abs().reshape(q.shape[0] // BLOCK, BLOCK, q.shape[1] // BLOCK, BLOCK).amax(dim=(1, 3))
-                  == E4M3_MAX).all()) for q, _ in quant.values()) if scale_dtype == torch.float32 else None}
+                  == E4M3_MAX).all()) for q, _ in quant.values() if not q.shape[0] % BLOCK and not q.shape[1] % BLOCK)
+             if scale_dtype == torch.float32 else None}
     print(f"  {fdir}: {len(fp8_tensors)} tensors, {len(quant)} FP8 ({n_exp} expert), scales "
           f"{ST_DTYPES[scale_dtype]}, {size} bytes; modules_to_not_convert {skip}")
     return fdir, ddir, quant, facts
@@ -493,7 +498,7 @@ def patch_emulation(model, quant, counter, top_k):
         parent_name, _, child = mname.rpartition(".")
         mod = model.get_submodule(mname)
         if not isinstance(mod, torch.nn.Linear) or mod.bias is not None:
-            problem(f"{mname}: {type(mod).__name__} (bias {mod.bias is not None}), not a bias-free nn.Linear")
+            problem(f"{mname}: {type(mod).__name__}, not a bias-free nn.Linear")
             continue
         setattr(model.get_submodule(parent_name), child,
                 EmuFp8Linear(mod.weight, q.to(dev), s.to(dev), counter, mname))
