@@ -773,18 +773,22 @@ def run_model(name, idx, out, tmp, dev, env):
     if not all(torch.equal(x[kk].bfloat16().float(), x[kk]) for x in r["emu"] for kk in ("layer_out", "final")):
         problem(f"{name}: emu's hidden states are not bf16 values (they are stored as BF16)")
     info["distances_all_tokens"] = dist = distances(r, n)
-    for slot, row in dist.items():
-        if not (0 < row["emu_minus_ref_rel"] < 0.2) or not (0 < row["ref_minus_orig_rel"] < 0.2):
+    if e_num:
+        tau, stable = near_ties(r["ref"], r["emu"], moe_layers, k)
+        info["distances_stable_tokens"] = distances(r, n, keep=stable)
+    # MoE: a token emu routes to other experts than ref is a routing flip, not FP8 GEMM error.
+    for slot, row in (info["distances_stable_tokens"] if e_num else dist).items():
+        if row["rms_ref"] == 0:
+            problem(f"{name} {slot}: no token to compare (every token a routing near-tie)")
+        elif not (0 < row["emu_minus_ref_rel"] < 0.2) or not (0 < row["ref_minus_orig_rel"] < 0.2):
             problem(f"{name} {slot}: emu-ref {row['emu_minus_ref_rel']:.3e}, ref-orig "
                     f"{row['ref_minus_orig_rel']:.3e} of rms(ref): FP8 should move each a few percent")
         if row["emu_minus_ref"] <= row["bf16_rounding_of_ref"]:
             note(f"{name} {slot}: emu's error {row['emu_minus_ref']:.3e} is within one bf16 rounding")
     if e_num:
-        tau, stable = near_ties(r["ref"], r["emu"], moe_layers, k)
         total = sum(len(s) for s in stable)
         info["near_ties"] = {"tau": tau, "near_tie_tokens": int(total - sum(int(s.sum()) for s in stable)),
                              "tokens": total}
-        info["distances_stable_tokens"] = distances(r, n, keep=stable)
         info["tokens_routed_differently"] = {
             f"layer{j}": {run: sum(int((expert_sets(a, j, k) != expert_sets(b, j, k)).any(-1).sum())
                                    for a, b in zip(r[run], r["ref"])) for run in ("emu", "bf16", "deq_bf16", "orig")}

@@ -368,24 +368,28 @@ TEST_P(Fp8GoldensTest, CheckpointLoadsAsFp8) {
 }
 
 // The goldens measure FP8: the quantisation moved the model (ref vs the
-// unquantised model) and the emulated engine's error is above one bf16
-// rounding and small, so the CUDA bar below is neither vacuous nor loose.
+// unquantised model, by more than one bf16 rounding) and the emulated
+// engine's error is above one bf16 rounding and under a fifth of the layer,
+// so the CUDA bar below is neither vacuous nor loose.
+// MoE: on the tokens the CUDA test compares (a routing flip is not GEMM error).
 TEST_P(Fp8GoldensTest, GoldensMeasureFp8) {
+  const NearTies ties = goldens_.moe.experts > 0 ? FindNearTies(goldens_.moe) : NearTies();
   for (size_t si = 0; si < goldens_.seqs.size(); ++si) {
     const Fp8Seq& s = goldens_.seqs[si];
     const int64_t t = static_cast<int64_t>(s.ids.size());
+    const std::vector<bool> keep = ties.stable.empty() ? std::vector<bool>() : ties.stable[si];
+    if (!keep.empty() && std::find(keep.begin(), keep.end(), true) == keep.end()) continue;
     for (int64_t k = 0; k <= n_; ++k) {
       const std::vector<float> ref = Slot(s.ref, t, k);
-      const Err emu = Compare(Slot(s.emu, t, k), ref, h_);
-      const Err orig = Compare(Slot(s.orig, t, k), ref, h_);
-      const double rounding = Bf16RoundingRms(ref, h_, {});
+      const Err emu = Compare(Slot(s.emu, t, k), ref, h_, keep);
+      const Err orig = Compare(Slot(s.orig, t, k), ref, h_, keep);
+      const double rounding = Bf16RoundingRms(ref, h_, keep);
       const std::string where = absl::StrCat(GetParam(), " seq", si, " ", SlotName(k), "\n emu  ",
                                              Describe(emu), "\n orig ", Describe(orig));
       EXPECT_TRUE(emu.finite && orig.finite) << where;
       EXPECT_GT(emu.rms, rounding) << where;
       EXPECT_LT(emu.rms, 0.2 * emu.rms_ref) << where;
       EXPECT_GT(orig.rms, rounding) << where;
-      EXPECT_LT(orig.rms, 0.2 * orig.rms_ref) << where;
     }
   }
 }
