@@ -58,7 +58,6 @@ Writes, under DIR:
 import argparse
 import datetime
 import json
-import math
 import platform
 import shutil
 import struct
