@@ -163,6 +163,9 @@ std::string AfterOf(BlockKind kind, const ModelConfig& c) {
 }
 
 std::string Gib(int64_t bytes) {
+  if (bytes < (int64_t{1} << 30)) {
+    return absl::StrFormat("%.2f MiB", static_cast<double>(bytes) / (1 << 20));
+  }
   return absl::StrFormat("%.2f GiB", static_cast<double>(bytes) / (1 << 30));
 }
 
@@ -298,6 +301,13 @@ absl::StatusOr<RankWeights> SliceForRank(const ShardingPlan& plan, const Model& 
       return absl::InvalidArgumentError(
           absl::StrCat("weight ", t.spec.name, " has shape ", whole.ShapeString(), ", expected [",
                        absl::StrJoin(t.spec.shape, ", "), "] (", t.spec.origin, ")"));
+    }
+    // Block-scaled types (FP8 with its 128x128 scales) would need their
+    // scales cut with them.
+    if (whole.dtype != DType::kBF16 && whole.dtype != DType::kF16 && whole.dtype != DType::kF32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("weight ", t.spec.name, " is ", std::string(DTypeName(whole.dtype)),
+                       "; tensor parallelism slices BF16, F16 and F32 weights only"));
     }
     WeightSpec spec = t.spec;
     spec.shape = t.RankShape(plan.tp);

@@ -30,6 +30,8 @@
 #endif
 #include "server/model/fp8_quantize.h"
 #include "server/model/model.h"
+#include "server/model/sharded_cpu_engine.h"
+#include "server/model/sharding_plan.h"
 #include "server/model/weight_check.h"
 #include "server/service/target_service.h"
 #include "server/service/version.h"
@@ -47,7 +49,18 @@ ABSL_FLAG(std::string, device, "auto",
 ABSL_FLAG(std::string, devices, "",
           "Comma-separated GPU indices, e.g. 0,1,2: one engine replica per GPU behind this "
           "endpoint (overrides --device).");
-ABSL_FLAG(int32_t, threads, 0, "CPU engine threads (0 = all cores).");
+ABSL_FLAG(int32_t, threads, 0, "CPU engine threads (0 = all cores; split over the --tp ranks).");
+ABSL_FLAG(int32_t, tp, 1,
+          "Tensor-parallel ranks holding one model instance: heads, FFN columns and experts are "
+          "split over them and their partial outputs summed after every mixer and MLP. With "
+          "--device cpu the ranks are threads. CUDA tensor parallelism needs two GPUs and is "
+          "not in this build yet.");
+ABSL_FLAG(std::string, moe_parallel, "ep",
+          "MoE models at --tp > 1: ep (each rank holds num_experts/tp whole experts) or split "
+          "(each rank holds 1/tp of every expert's moe_intermediate_size).");
+ABSL_FLAG(bool, print_plan, false,
+          "Print the tensor-parallel plan of --model at --tp and --moe_parallel (per-rank weight "
+          "bytes, each tensor's cut, the all-reduces) and exit without serving.");
 ABSL_FLAG(int64_t, max_batch_tokens, 16384, "Token budget of one batch; larger batches fail.");
 ABSL_FLAG(int32_t, max_capture_layers, 8,
           "GPU engines: most layer ids one stream or batch may capture (DFlash uses 5, EAGLE-3 "
@@ -128,6 +141,10 @@ absl::Status CheckFlags() {
   if (!(absl::GetFlag(FLAGS_threads) >= 0)) {
     return refuse("--threads=", absl::GetFlag(FLAGS_threads), " must be >= 0 (0 = all cores)");
   }
+  if (!(absl::GetFlag(FLAGS_tp) >= 1)) {
+    return refuse("--tp=", absl::GetFlag(FLAGS_tp), " must be >= 1 (1 = no tensor parallelism)");
+  }
+  DF_RETURN_IF_ERROR(ParseMoeParallel(absl::GetFlag(FLAGS_moe_parallel)).status());
   if (!(absl::GetFlag(FLAGS_drain_timeout_s) >= 0)) {
     return refuse("--drain_timeout_s=", absl::GetFlag(FLAGS_drain_timeout_s), " must be >= 0");
   }
@@ -178,6 +195,22 @@ int Run() {
   }
 #endif
   if (absl::Status s = CheckFlags(); !s.ok()) return Fail(std::string(s.message()));
+  const int tp = absl::GetFlag(FLAGS_tp);
+  const MoeParallel moe_parallel = *ParseMoeParallel(absl::GetFlag(FLAGS_moe_parallel));
+  if (absl::GetFlag(FLAGS_print_plan)) {
+    auto model = OpenModel(absl::GetFlag(FLAGS_model));
+    if (!model.ok()) return Fail(std::string(model.status().message()));
+    auto plan = PlanTensorParallel((*model)->config, tp, moe_parallel);
+    if (!plan.ok()) return Fail(std::string(plan.status().message()));
+    std::printf("%s: %s", (*model)->id.c_str(), DescribePlan(*plan, model->get()).c_str());
+    return 0;
+  }
+  if (!gpus.empty() && tp > 1) {
+    return Fail(absl::StrCat("--tp ", tp,
+                             " with a CUDA device: CUDA tensor parallelism needs two GPUs and is "
+                             "not in this build yet; --device cpu --tp ",
+                             tp, " runs the same plan on CPU threads, --devices serves replicas"));
+  }
 
   // Signals are taken by sigwait below; every thread started from here on
   // inherits the block.
@@ -198,8 +231,16 @@ int Run() {
   if (absl::Status s = ApplyQuantizeFlag(**model, absl::GetFlag(FLAGS_quantize)); !s.ok()) {
     return Fail(std::string(s.message()));
   }
+  // The plan checks --tp against the model's head counts and widths.
+  auto plan = PlanTensorParallel((*model)->config, tp, moe_parallel);
+  if (!plan.ok()) return Fail(std::string(plan.status().message()));
   std::vector<std::unique_ptr<Engine>> engines;
-  if (gpus.empty()) {
+  if (gpus.empty() && tp > 1) {
+    auto engine =
+        ShardedCpuEngine::Create(model->get(), *std::move(plan), absl::GetFlag(FLAGS_threads));
+    if (!engine.ok()) return Fail(std::string(engine.status().message()));
+    engines.push_back(*std::move(engine));
+  } else if (gpus.empty()) {
     auto engine = CpuEngine::Create(model->get(), absl::GetFlag(FLAGS_threads));
     if (!engine.ok()) return Fail(std::string(engine.status().message()));
     engines.push_back(*std::move(engine));
@@ -220,6 +261,12 @@ int Run() {
 #endif
   std::vector<Engine*> engine_ptrs;
   for (auto& e : engines) engine_ptrs.push_back(e.get());
+  if (const Engine::ParallelLayout l = engines.front()->layout(); l.tp > 1) {
+    std::fprintf(
+        stderr, "draftfeed-target: tensor parallel over %d ranks%s, %.1f MiB of weights per rank\n",
+        l.tp, l.moe_parallel.empty() ? "" : absl::StrCat(", moe ", l.moe_parallel).c_str(),
+        static_cast<double>(l.rank_weight_bytes) / (1 << 20));
+  }
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 

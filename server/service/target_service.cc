@@ -7,6 +7,7 @@
 #include <grpcpp/server_builder.h>
 
 #include "absl/strings/str_cat.h"
+#include "server/model/sharding_plan.h"
 #include "server/service/stream_reactor.h"
 #include "server/service/transport_registry.h"
 #include "server/service/version.h"
@@ -43,6 +44,15 @@ v1::TargetInfo TargetService::Info() const {
   }
   info.set_max_credits(options_.max_credits);
   info.set_max_capture_layers(static_cast<int32_t>(max_capture_layers()));
+  const Engine::ParallelLayout layout = engines_.front()->layout();
+  info.mutable_layout()->set_tp(layout.tp);
+  info.mutable_layout()->set_moe_parallel(layout.moe_parallel);
+  int64_t rank_bytes = layout.rank_weight_bytes;
+  if (rank_bytes == 0) {  // the whole model on each device: the tp 1 plan's one rank
+    absl::StatusOr<ShardingPlan> whole = PlanTensorParallel(m.config, 1);
+    if (whole.ok()) rank_bytes = RankWeightBytes(*whole, m);
+  }
+  info.mutable_layout()->set_rank_weight_bytes(rank_bytes);
   return info;
 }
 
