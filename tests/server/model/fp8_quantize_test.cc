@@ -171,6 +171,34 @@ TEST(Fp8QuantizeTest, ModelQuantisesEligibleTensorsOnly) {
   }
 }
 
+TEST(Fp8QuantizeTest, FingerprintCoversScalesAndScheme) {
+  auto m = MakeRandomModel("tiny-random-qwen3-fp8:2");
+  ASSERT_TRUE(m.ok());
+  Model& model = **m;
+  const std::string base = model.fingerprint;
+  EXPECT_EQ(ComputeFingerprint(model), base);
+  Tensor& v = model.weights.layers[2].v_proj;
+  std::vector<float> scales(static_cast<size_t>(v.scale_inv.numel()));
+  std::memcpy(scales.data(), v.scale_inv.data, scales.size() * 4);
+  const std::byte* saved = v.scale_inv.data;
+  v.scale_inv.data = reinterpret_cast<const std::byte*>(scales.data());
+  EXPECT_EQ(ComputeFingerprint(model), base);  // the same values elsewhere
+  scales[0] = std::nextafter(scales[0], 1.0f);
+  EXPECT_NE(ComputeFingerprint(model), base);
+  v.scale_inv.data = saved;
+  model.config.quantization.modules_to_not_convert = {"lm_head"};  // names, not maths
+  EXPECT_EQ(ComputeFingerprint(model), base);
+}
+
+TEST(Fp8QuantizeDeathTest, ToFloatOfFp8WithoutScalesIsAProgrammerError) {
+  const std::vector<uint8_t> codes(4, 0x38);
+  Tensor t;
+  t.dtype = DType::kF8E4M3;
+  t.shape = {2, 2};
+  t.data = reinterpret_cast<const std::byte*>(codes.data());
+  EXPECT_DEATH(ToFloat(t), "FP8 tensor \\[2, 2\\] without scales of shape \\[1, 1\\]");
+}
+
 TEST(Fp8QuantizeTest, FlagValuesAndRefusals) {
   auto m = MakeRandomModel("tiny-random:1");
   ASSERT_TRUE(m.ok());
