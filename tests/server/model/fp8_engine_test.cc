@@ -6,6 +6,7 @@
 // amount.
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -94,6 +95,30 @@ TEST_P(Fp8EngineTest, EqualsTheDequantisedModelAndStaysNearTheBf16One) {
     std::printf("%s layer %d: rms distance from the bf16 model %.4f\n", spec.c_str(), layers[k],
                 rel);
   }
+}
+
+// With DRAFTFEED_FP8_EXPORT_DIR set, writes each architecture's FP8 built-in
+// as an HF checkpoint (<dir>/<spec>) and its dequantised F32 twin
+// (<dir>/<spec>-dequantized), for checking on a machine with transformers
+// that it loads them with the same weights; skipped otherwise.
+TEST_P(Fp8EngineTest, ExportForTransformers) {
+  const char* out = std::getenv("DRAFTFEED_FP8_EXPORT_DIR");
+  if (out == nullptr || *out == '\0') GTEST_SKIP() << "DRAFTFEED_FP8_EXPORT_DIR is not set";
+  auto fp8 = MakeRandomModel(absl::StrCat(GetParam().spec, ":6"));
+  ASSERT_TRUE(fp8.ok()) << fp8.status();
+  const fs::path dir = fs::path(out) / GetParam().spec;
+  HfWriteOptions opts;
+  opts.multimodal_naming = (*fp8)->config.features.linear_attention;  // as Qwen3.5/3.6 ship
+  ASSERT_TRUE(WriteHfCheckpoint(**fp8, dir.string(), opts).ok());
+  opts.dtype = DType::kF32;
+  opts.dequantize_fp8 = true;
+  ASSERT_TRUE(WriteHfCheckpoint(**fp8, dir.string() + "-dequantized", opts).ok());
+  auto back = LoadModel(dir.string() + "-dequantized");
+  ASSERT_TRUE(back.ok()) << back.status();
+  auto deq = DequantizedFp8Copy(**fp8);
+  ASSERT_TRUE(deq.ok());
+  const std::vector<int32_t> tokens = {1, 2, 3, 4}, lens = {4}, layers = {-1};
+  EXPECT_EQ(Forward(**back, tokens, lens, layers), Forward(**deq, tokens, lens, layers));
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryArchitecture, Fp8EngineTest,
