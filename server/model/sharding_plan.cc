@@ -17,7 +17,14 @@ namespace {
 struct Count {
   std::string name;
   int64_t value;
+  // KV heads and GDN key heads: a tp that is a multiple of the count is
+  // served too, each head held by the ranks whose heads read it.
+  bool shareable = false;
 };
+
+bool Takes(const Count& n, int64_t tp) {
+  return n.value % tp == 0 || (n.shareable && tp % n.value == 0);
+}
 
 // The counts tp must divide for `config`: every head count and width that is
 // cut. Both groupings survive any tp that divides both of their counts: query
@@ -35,10 +42,10 @@ std::vector<Count> SplitCounts(const ModelConfig& c, MoeParallel moe) {
   std::vector<Count> counts;
   if (full) {
     counts.push_back({"num_attention_heads", c.num_heads});
-    counts.push_back({"num_key_value_heads", c.num_kv_heads});
+    counts.push_back({"num_key_value_heads", c.num_kv_heads, true});
   }
   if (linear) {
-    counts.push_back({"linear_num_key_heads", c.linear_num_key_heads});
+    counts.push_back({"linear_num_key_heads", c.linear_num_key_heads, true});
     counts.push_back({"linear_num_value_heads", c.linear_num_value_heads});
   }
   if (c.has_dense_mlp()) counts.push_back({"intermediate_size", c.intermediate_size});
@@ -58,20 +65,22 @@ std::vector<Count> SplitCounts(const ModelConfig& c, MoeParallel moe) {
 absl::Status CheckDivides(const ModelConfig& c, int tp, MoeParallel moe) {
   const std::vector<Count> counts = SplitCounts(c, moe);
   std::vector<std::string> bad;
-  int64_t g = 0;
+  int64_t largest = 1;
   for (const Count& n : counts) {
-    g = std::gcd(g, n.value);
-    if (n.value % tp != 0) bad.push_back(absl::StrCat(n.name, "=", n.value));
+    largest = std::max(largest, n.value);
+    if (!Takes(n, tp)) bad.push_back(absl::StrCat(n.name, "=", n.value));
   }
   if (bad.empty()) return absl::OkStatus();
-  std::vector<int64_t> divisors;
-  for (int64_t d = 1; d <= g; ++d) {
-    if (g % d == 0) divisors.push_back(d);
+  std::vector<int64_t> valid;
+  for (int64_t t = 1; t <= largest; ++t) {
+    if (std::all_of(counts.begin(), counts.end(), [&](const Count& n) { return Takes(n, t); })) {
+      valid.push_back(t);
+    }
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--tp ", tp, " does not divide ", absl::StrJoin(bad, ", "),
-      moe == MoeParallel::kSplit ? " (--moe_parallel split)" : "",
-      " (--tp values that divide every split count: ", absl::StrJoin(divisors, ", "), ")"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("--tp ", tp, " does not divide ", absl::StrJoin(bad, ", "),
+                   moe == MoeParallel::kSplit ? " (--moe_parallel split)" : "",
+                   " (--tp values this model takes: ", absl::StrJoin(valid, ", "), ")"));
 }
 
 // The suffix after "layers.N." (the name shared by every layer's copy).
@@ -81,68 +90,87 @@ std::string_view Suffix(std::string_view name) {
   return dot == std::string_view::npos ? name : name.substr(dot + 1);
 }
 
-TensorSlicing Cut(WeightSpec spec, int axis, std::vector<int64_t> segments, std::string rule) {
+TensorSlicing Cut(WeightSpec spec, int axis, std::vector<int64_t> segments, std::string rule,
+                  std::vector<int64_t> parts) {
   TensorSlicing s;
   s.spec = std::move(spec);
   s.replicated = false;
   s.axis = axis;
   s.segments = std::move(segments);
+  s.parts = std::move(parts);
   s.rule = std::move(rule);
   return s;
 }
 
+// Parts of a head count over tp ranks: tp, or one per head when the ranks
+// outnumber the heads (a multiple of them, as CheckDivides ensures).
+int64_t PartsOf(int64_t heads, int tp) { return heads % tp == 0 ? tp : heads; }
+
 // The rule of one tensor, from its slot in LayerWeights: what the forward of
 // its block computes per head or per column.
-TensorSlicing SliceOf(const ModelConfig& c, MoeParallel moe, WeightSpec spec) {
+TensorSlicing SliceOf(const ModelConfig& c, int tp, MoeParallel moe, WeightSpec spec) {
   using W = LayerWeights;
   const Tensor W::*m = spec.member;
   const int64_t rows = spec.shape.empty() ? 0 : spec.shape[0];
   const int last = static_cast<int>(spec.shape.size()) - 1;
+  TensorSlicing whole;
+  whole.rule = "replicated";
   if (spec.layer < 0) {  // embed_tokens, the final norm
-    TensorSlicing s;
-    s.spec = std::move(spec);
-    s.rule = "replicated";
-    return s;
+    whole.spec = std::move(spec);
+    return whole;
   }
   // Column-parallel: output rows by head or column. q_proj with the output
   // gate interleaves per head ([q_h; gate_h] blocks of 2*head_dim rows), so a
   // head range is still one row range.
-  if (m == &W::q_proj || m == &W::k_proj || m == &W::v_proj || m == &W::gate_proj ||
-      m == &W::up_proj || m == &W::in_proj_z || m == &W::in_proj_a || m == &W::in_proj_b ||
-      m == &W::A_log || m == &W::dt_bias || m == &W::shared_gate_proj || m == &W::shared_up_proj) {
+  if (m == &W::q_proj || m == &W::gate_proj || m == &W::up_proj || m == &W::in_proj_z ||
+      m == &W::in_proj_a || m == &W::in_proj_b || m == &W::A_log || m == &W::dt_bias ||
+      m == &W::shared_gate_proj || m == &W::shared_up_proj) {
+    return Cut(
+        std::move(spec), 0, {rows},
+        m == &W::q_proj && c.features.gated_attention ? "rows (per-head [q; gate] blocks)" : "rows",
+        {tp});
+  }
+  // Query head h reads KV head h / (Hq/Hkv): with more ranks than KV heads,
+  // a rank's query heads all read one KV head, which those ranks share.
+  if (m == &W::k_proj || m == &W::v_proj) {
+    const int64_t parts = PartsOf(c.num_kv_heads, tp);
     return Cut(std::move(spec), 0, {rows},
-               m == &W::q_proj && c.features.gated_attention ? "rows (per-head [q; gate] blocks)"
-                                                             : "rows");
+               parts == tp ? "rows" : absl::StrCat("rows (each KV head on ", tp / parts, " ranks)"),
+               {parts});
   }
   // Row-parallel: the input columns that the rank's heads or columns produce.
   if (m == &W::o_proj || m == &W::down_proj || m == &W::out_proj || m == &W::shared_down_proj) {
     const int64_t cols = spec.shape[static_cast<size_t>(last)];
-    return Cut(std::move(spec), last, {cols}, "columns");
+    return Cut(std::move(spec), last, {cols}, "columns", {tp});
   }
   // GDN's fused q | k | v channels (in_proj_qkv rows, conv1d channels): each
-  // segment cut by heads, so the rank's conv channels are its heads' own.
+  // segment cut by heads, so the rank's conv channels are its heads' own
+  // (value head j reads key head j / (Nv/Nk), shared as KV heads are).
   if (m == &W::in_proj_qkv || m == &W::conv1d) {
     const int64_t qk = c.linear_num_key_heads * c.linear_key_head_dim;
     const int64_t v = c.linear_num_value_heads * c.linear_value_head_dim;
-    return Cut(std::move(spec), 0, {qk, qk, v}, "segmented rows (q | k | v by heads)");
+    const int64_t parts = PartsOf(c.linear_num_key_heads, tp);
+    return Cut(std::move(spec), 0, {qk, qk, v},
+               parts == tp ? "segmented rows (q | k | v by heads)"
+                           : absl::StrCat("segmented rows (q | k | v by heads, each key head on ",
+                                          tp / parts, " ranks)"),
+               {parts, parts, tp});
   }
   if (m == &W::experts_gate_up || m == &W::experts_down) {
     if (moe == MoeParallel::kExpert) {
-      return Cut(std::move(spec), 0, {rows}, "experts");
+      return Cut(std::move(spec), 0, {rows}, "experts", {tp});
     }
     // [E, 2I, D]: per expert [gate; up], each cut by rows; [E, D, I]: columns.
     const int64_t i = c.moe_intermediate_size;
     if (m == &W::experts_gate_up) {
-      return Cut(std::move(spec), 1, {i, i}, "per-expert segmented rows (gate | up)");
+      return Cut(std::move(spec), 1, {i, i}, "per-expert segmented rows (gate | up)", {tp, tp});
     }
-    return Cut(std::move(spec), 2, {i}, "per-expert columns");
+    return Cut(std::move(spec), 2, {i}, "per-expert columns", {tp});
   }
   // Norm weights (residual, q/k per head, GDN gated norm per value head), the
   // router and the shared expert's gate: small, read whole by every rank.
-  TensorSlicing s;
-  s.spec = std::move(spec);
-  s.rule = "replicated";
-  return s;
+  whole.spec = std::move(spec);
+  return whole;
 }
 
 std::string AfterOf(BlockKind kind, const ModelConfig& c) {
@@ -185,7 +213,10 @@ absl::StatusOr<MoeParallel> ParseMoeParallel(std::string_view value) {
 
 std::vector<int64_t> TensorSlicing::RankShape(int tp) const {
   std::vector<int64_t> shape = spec.shape;
-  if (!replicated) shape[static_cast<size_t>(axis)] /= tp;
+  if (replicated) return shape;
+  int64_t extent = 0;
+  for (size_t i = 0; i < segments.size(); ++i) extent += segments[i] / parts[i];
+  shape[static_cast<size_t>(axis)] = extent;
   return shape;
 }
 
@@ -241,8 +272,8 @@ absl::StatusOr<ShardingPlan> PlanTensorParallel(const ModelConfig& config, int t
   // Counts a layer kind never reads need not divide (and are left whole).
   for (const Count& n : SplitCounts(config, moe)) {
     if (n.name == "num_attention_heads") r.num_heads /= tp;
-    if (n.name == "num_key_value_heads") r.num_kv_heads /= tp;
-    if (n.name == "linear_num_key_heads") r.linear_num_key_heads /= tp;
+    if (n.name == "num_key_value_heads") r.num_kv_heads /= PartsOf(n.value, tp);
+    if (n.name == "linear_num_key_heads") r.linear_num_key_heads /= PartsOf(n.value, tp);
     if (n.name == "linear_num_value_heads") r.linear_num_value_heads /= tp;
     if (n.name == "intermediate_size") r.intermediate_size /= tp;
     if (n.name == "moe_intermediate_size") r.moe_intermediate_size /= tp;
@@ -251,7 +282,7 @@ absl::StatusOr<ShardingPlan> PlanTensorParallel(const ModelConfig& config, int t
   plan.experts_per_rank =
       moe_model && moe == MoeParallel::kExpert ? config.num_experts / tp : config.num_experts;
   for (WeightSpec& spec : DecoderWeightSpecs(config)) {
-    plan.tensors.push_back(SliceOf(config, moe, std::move(spec)));
+    plan.tensors.push_back(SliceOf(config, tp, moe, std::move(spec)));
   }
   if (tp > 1) {
     for (int64_t i = 0; i < config.num_layers; ++i) {
@@ -319,7 +350,7 @@ absl::StatusOr<RankWeights> SliceForRank(const ShardingPlan& plan, const Model& 
     part.shape = spec.shape;
     const size_t elem = DTypeSize(whole.dtype);
     if (t.Contiguous()) {
-      const int64_t offset = t.replicated ? 0 : rank * part.numel();
+      const int64_t offset = t.replicated ? 0 : t.PartOf(rank, 0, plan.tp) * part.numel();
       part.data = whole.data + static_cast<size_t>(offset) * elem;
     } else {
       // A gather: for every index of the axes before `axis`, each segment's
@@ -334,9 +365,10 @@ absl::StatusOr<RankWeights> SliceForRank(const ShardingPlan& plan, const Model& 
       std::byte* dst = buf.get();
       for (int64_t o = 0; o < outer; ++o) {
         int64_t seg_begin = 0;
-        for (int64_t seg : t.segments) {
-          const int64_t n = seg / plan.tp;
-          const int64_t src = (o * extent + seg_begin + rank * n) * inner;
+        for (size_t i = 0; i < t.segments.size(); ++i) {
+          const int64_t seg = t.segments[i];
+          const int64_t n = seg / t.parts[i];
+          const int64_t src = (o * extent + seg_begin + t.PartOf(rank, i, plan.tp) * n) * inner;
           const size_t bytes = static_cast<size_t>(n * inner) * elem;
           std::memcpy(dst, whole.data + static_cast<size_t>(src) * elem, bytes);
           dst += bytes;

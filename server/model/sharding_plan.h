@@ -40,14 +40,21 @@ absl::StatusOr<MoeParallel> ParseMoeParallel(std::string_view value);
 // One tensor's cut. Replicated tensors are whole on every rank. Otherwise the
 // tensor is cut along `axis`, whose extent is the concatenation of `segments`
 // (a fused tensor's head-indexed parts, e.g. GDN in_proj_qkv's [q | k | v]);
-// every segment is cut into tp equal parts and rank r keeps part r of each,
-// in order, for every index of the axes before `axis`.
+// segment i is cut into parts[i] equal parts and rank r keeps part
+// r * parts[i] / tp of each, in order, for every index of the axes before
+// `axis`. parts[i] is tp, except for KV heads (and GDN key heads) when tp is
+// a multiple of their count: then each head is one part, held by the tp /
+// heads ranks whose query (value) heads read it.
 struct TensorSlicing {
   WeightSpec spec;  // the whole tensor
   bool replicated = true;
   int axis = 0;
   std::vector<int64_t> segments;  // sum == spec.shape[axis]; empty when replicated
+  std::vector<int64_t> parts;     // per segment, each dividing tp
   std::string rule;               // for people: "rows", "columns", "segmented rows (q|k|v)", ...
+
+  // Which part of segment i rank r holds.
+  int64_t PartOf(int rank, size_t segment, int tp) const { return rank * parts[segment] / tp; }
 
   // The shape every rank's part has (parts are equal).
   std::vector<int64_t> RankShape(int tp) const;
@@ -83,16 +90,18 @@ struct ShardingPlan {
   int64_t ExpertBegin(int rank) const;
   // Bytes of decoder weights (lm_head excluded: the engines never read it)
   // with every element `element_bytes` wide: one rank's, the whole model's,
-  // and the part every rank holds whole. RankWeightBytes * tp ==
-  // WholeWeightBytes + ReplicatedWeightBytes * (tp - 1).
+  // and the part every rank holds whole. When no KV or GDN key head is
+  // shared by ranks, RankWeightBytes * tp == WholeWeightBytes +
+  // ReplicatedWeightBytes * (tp - 1).
   int64_t RankWeightBytes(int64_t element_bytes) const;
   int64_t WholeWeightBytes(int64_t element_bytes) const;
   int64_t ReplicatedWeightBytes(int64_t element_bytes) const;
 };
 
 // The plan of `config` (validated) over tp ranks. INVALID_ARGUMENT when tp < 1
-// or when tp does not divide a count that is split, naming every such count
-// with its value and the tps that would divide them all.
+// or when tp does not divide a count that is split (for KV heads and GDN key
+// heads: neither divides nor is a multiple of it), naming every such count
+// with its value and the tps this model takes.
 absl::StatusOr<ShardingPlan> PlanTensorParallel(const ModelConfig& config, int tp,
                                                 MoeParallel moe = MoeParallel::kExpert);
 

@@ -138,13 +138,17 @@ TEST_P(ShardedEqualsUnsharded, WithinFp32Regrouping) {
 
 std::vector<Case> Cases() {
   std::vector<Case> cases;
+  // The built-ins at tp 4 share each of their 2 KV (and GDN key) heads
+  // between two ranks; the widened ones split 4 of them.
   for (const char* spec : {"tiny-random", "tiny-random-qwen3"}) {
     cases.push_back({spec, false, 2, MoeParallel::kExpert});
+    cases.push_back({spec, false, 4, MoeParallel::kExpert});
     cases.push_back({spec, true, 4, MoeParallel::kExpert});
   }
   for (const char* spec : {"tiny-random-moe", "tiny-random-qwen3-moe"}) {
     for (MoeParallel moe : {MoeParallel::kExpert, MoeParallel::kSplit}) {
       cases.push_back({spec, false, 2, moe});
+      cases.push_back({spec, false, 4, moe});
       cases.push_back({spec, true, 4, moe});
     }
   }
@@ -153,8 +157,8 @@ std::vector<Case> Cases() {
 
 INSTANTIATE_TEST_SUITE_P(Models, ShardedEqualsUnsharded, ::testing::ValuesIn(Cases()),
                          [](const ::testing::TestParamInfo<Case>& info) {
-                           std::string name = info.param.spec + "_tp" +
-                                              std::to_string(info.param.tp) + "_" +
+                           std::string name = info.param.spec + (info.param.wide ? "_wide" : "") +
+                                              "_tp" + std::to_string(info.param.tp) + "_" +
                                               std::string(MoeParallelName(info.param.moe));
                            std::replace(name.begin(), name.end(), '-', '_');
                            return name;

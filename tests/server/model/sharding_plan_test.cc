@@ -47,20 +47,25 @@ TEST(ShardingPlanTest, RefusesTpBelowOne) {
 }
 
 TEST(ShardingPlanTest, RefusalNamesEveryCountTpDoesNotDivide) {
-  // tiny-random: 4 query heads, 2 KV heads, 2 GDN key heads, 4 value heads, F = 256.
+  // tiny-random: 4 query heads, 2 KV heads, 2 GDN key heads, 4 value heads,
+  // F = 256. KV and key heads may be shared by ranks (tp a multiple of them).
   auto hybrid = Make("tiny-random");
-  EXPECT_EQ(Refusal(hybrid->config, 4),
-            "--tp 4 does not divide num_key_value_heads=2, linear_num_key_heads=2 (--tp values "
-            "that divide every split count: 1, 2)");
+  EXPECT_TRUE(PlanTensorParallel(hybrid->config, 4).ok());
   EXPECT_EQ(Refusal(hybrid->config, 3),
             "--tp 3 does not divide num_attention_heads=4, num_key_value_heads=2, "
             "linear_num_key_heads=2, linear_num_value_heads=4, intermediate_size=256 (--tp values "
-            "that divide every split count: 1, 2)");
+            "this model takes: 1, 2, 4)");
+  EXPECT_EQ(Refusal(hybrid->config, 8),
+            "--tp 8 does not divide num_attention_heads=4, linear_num_value_heads=4 (--tp values "
+            "this model takes: 1, 2, 4)");
   // Qwen3 has no GDN layers: their counts are not asked about.
-  auto dense = Make("tiny-random-qwen3");
-  EXPECT_EQ(Refusal(dense->config, 4),
-            "--tp 4 does not divide num_key_value_heads=2 (--tp values that divide every split "
-            "count: 1, 2)");
+  ModelConfig dense = Make("tiny-random-qwen3")->config;
+  dense.num_heads = 6;
+  dense.num_kv_heads = 3;
+  dense.intermediate_size = 192;
+  EXPECT_EQ(Refusal(dense, 4),
+            "--tp 4 does not divide num_attention_heads=6, num_key_value_heads=3 (--tp values this "
+            "model takes: 1, 3, 6)");
 }
 
 TEST(ShardingPlanTest, MoeRefusalsFollowTheStrategy) {
@@ -71,18 +76,16 @@ TEST(ShardingPlanTest, MoeRefusalsFollowTheStrategy) {
   c.linear_num_value_heads = 8;
   c.num_experts = 6;
   EXPECT_EQ(Refusal(c, 4),
-            "--tp 4 does not divide num_experts=6 (--tp values that divide every split count: 1, "
-            "2)");
+            "--tp 4 does not divide num_experts=6 (--tp values this model takes: 1, 2)");
   EXPECT_TRUE(PlanTensorParallel(c, 4, MoeParallel::kSplit).ok());
   c.moe_intermediate_size = 90;
   c.shared_expert_intermediate_size = 48;
   EXPECT_EQ(Refusal(c, 4, MoeParallel::kSplit),
             "--tp 4 does not divide moe_intermediate_size=90 (--moe_parallel split) (--tp values "
-            "that divide every split count: 1, 2)");
+            "this model takes: 1, 2)");
   EXPECT_EQ(Refusal(c, 8, MoeParallel::kSplit),
-            "--tp 8 does not divide num_attention_heads=4, num_key_value_heads=4, "
-            "linear_num_key_heads=4, moe_intermediate_size=90 (--moe_parallel split) (--tp values "
-            "that divide every split count: 1, 2)");
+            "--tp 8 does not divide num_attention_heads=4, moe_intermediate_size=90 "
+            "(--moe_parallel split) (--tp values this model takes: 1, 2)");
 }
 
 TEST(ShardingPlanTest, ParsesTheMoeFlag) {
@@ -142,6 +145,26 @@ TEST(ShardingPlanTest, RulesOfEachTensorKind) {
   EXPECT_EQ(p.capture_rank, 0);
 }
 
+TEST(ShardingPlanTest, RanksBeyondTheKvHeadsShareThem) {
+  auto m = Make("tiny-random");  // 4 query heads on 2 KV heads; 4 GDN value heads on 2 key heads
+  const ShardingPlan p = Plan(m->config, 4);
+  EXPECT_EQ(p.rank_config.num_heads, 1);
+  EXPECT_EQ(p.rank_config.num_kv_heads, 1);
+  EXPECT_EQ(p.rank_config.linear_num_key_heads, 1);
+  EXPECT_EQ(p.rank_config.linear_num_value_heads, 1);
+  const TensorSlicing& k = Find(p, "layers.3.self_attn.k_proj.weight");
+  EXPECT_EQ(k.RankShape(4), (std::vector<int64_t>{64, 128}));
+  EXPECT_EQ(k.rule, "rows (each KV head on 2 ranks)");
+  // Query heads 0, 1 read KV head 0 and 2, 3 KV head 1: ranks 0, 1 hold head 0.
+  EXPECT_EQ(k.PartOf(0, 0, 4), 0);
+  EXPECT_EQ(k.PartOf(1, 0, 4), 0);
+  EXPECT_EQ(k.PartOf(2, 0, 4), 1);
+  EXPECT_EQ(k.PartOf(3, 0, 4), 1);
+  const TensorSlicing& qkv = Find(p, "layers.0.linear_attn.in_proj_qkv.weight");
+  EXPECT_EQ(qkv.parts, (std::vector<int64_t>{2, 2, 4}));
+  EXPECT_EQ(qkv.RankShape(4), (std::vector<int64_t>{32 + 32 + 32, 128}));
+}
+
 TEST(ShardingPlanTest, MoeStrategiesCutExpertsOrTheirWidth) {
   auto m = Make("tiny-random-moe");
   const ShardingPlan ep = Plan(m->config, 2, MoeParallel::kExpert);
@@ -182,14 +205,15 @@ int64_t WholeIndex(const TensorSlicing& t, int tp, int rank, int64_t local) {
   }
   if (!t.replicated) {
     int64_t x = idx[static_cast<size_t>(t.axis)], seg_begin = 0, cum = 0;
-    for (int64_t seg : t.segments) {
-      const int64_t n = seg / tp;
+    for (size_t i = 0; i < t.segments.size(); ++i) {
+      const int64_t n = t.segments[i] / t.parts[i];
+      const int64_t part = rank / (tp / t.parts[i]);  // ranks share a part in runs
       if (x < cum + n) {
-        idx[static_cast<size_t>(t.axis)] = seg_begin + rank * n + (x - cum);
+        idx[static_cast<size_t>(t.axis)] = seg_begin + part * n + (x - cum);
         break;
       }
       cum += n;
-      seg_begin += seg;
+      seg_begin += t.segments[i];
     }
   }
   int64_t flat = 0;
@@ -197,8 +221,24 @@ int64_t WholeIndex(const TensorSlicing& t, int tp, int rank, int64_t local) {
   return flat;
 }
 
-// Every rank's part is what the rule says, and the split parts tile their
-// tensor exactly once.
+// How many ranks hold whole-tensor element `flat`: tp for a replicated
+// tensor, tp / parts of its segment otherwise.
+int Holders(const TensorSlicing& t, int tp, int64_t flat) {
+  if (t.replicated) return tp;
+  int64_t inner = 1;
+  for (size_t a = static_cast<size_t>(t.axis) + 1; a < t.spec.shape.size(); ++a) {
+    inner *= t.spec.shape[a];
+  }
+  int64_t x = (flat / inner) % t.spec.shape[static_cast<size_t>(t.axis)];
+  for (size_t i = 0; i < t.segments.size(); ++i) {
+    if (x < t.segments[i]) return static_cast<int>(tp / t.parts[i]);
+    x -= t.segments[i];
+  }
+  return 0;
+}
+
+// Every rank's part is what the rule says, and the parts tile their tensor:
+// each element held once, or by every rank sharing its head.
 void CheckSlices(const Model& m, int tp, MoeParallel moe) {
   const ShardingPlan p = Plan(m.config, tp, moe);
   std::vector<RankWeights> ranks;
@@ -227,8 +267,9 @@ void CheckSlices(const Model& m, int tp, MoeParallel moe) {
         ++covered[static_cast<size_t>(w)];
       }
     }
-    const int expected = t.replicated ? tp : 1;
-    for (int c : covered) ASSERT_EQ(c, expected) << t.spec.name;
+    for (int64_t w = 0; w < t.spec.numel(); ++w) {
+      ASSERT_EQ(covered[static_cast<size_t>(w)], Holders(t, tp, w)) << t.spec.name << " " << w;
+    }
   }
 }
 
@@ -237,8 +278,10 @@ TEST(ShardingPlanTest, SlicesAreTheRuleAndTileEachTensor) {
        {"tiny-random", "tiny-random-qwen3", "tiny-random-moe", "tiny-random-qwen3-moe"}) {
     SCOPED_TRACE(spec);
     auto m = Make(spec);
-    CheckSlices(*m, 2, MoeParallel::kExpert);
-    CheckSlices(*m, 2, MoeParallel::kSplit);
+    for (int tp : {2, 4}) {  // at 4, the 2 KV (and GDN key) heads are shared by rank pairs
+      CheckSlices(*m, tp, MoeParallel::kExpert);
+      CheckSlices(*m, tp, MoeParallel::kSplit);
+    }
   }
 }
 
@@ -264,9 +307,19 @@ TEST(ShardingPlanTest, MemoryArithmeticOnRealShapes) {
     for (int tp : {1, 2, 4, 8}) {
       for (MoeParallel moe : {MoeParallel::kExpert, MoeParallel::kSplit}) {
         absl::StatusOr<ShardingPlan> p = PlanTensorParallel(m->config, tp, moe);
-        if (!p.ok()) continue;  // e.g. 4 KV heads at tp 8
+        ASSERT_TRUE(p.ok()) << p.status();  // every real shape takes tp 1 to 8
         EXPECT_EQ(p->WholeWeightBytes(2), whole);
-        EXPECT_EQ(p->RankWeightBytes(2) * tp, whole + p->ReplicatedWeightBytes(2) * (tp - 1));
+        // Shared KV / GDN key heads: each extra holder is one more copy.
+        int64_t shared_copies = 0;
+        for (const TensorSlicing& t : p->tensors) {
+          if (t.replicated) continue;
+          int64_t outer_inner = t.spec.numel() / t.spec.shape[static_cast<size_t>(t.axis)];
+          for (size_t i = 0; i < t.segments.size(); ++i) {
+            shared_copies += t.segments[i] * outer_inner * (tp / t.parts[i] - 1);
+          }
+        }
+        EXPECT_EQ(p->RankWeightBytes(2) * tp,
+                  whole + p->ReplicatedWeightBytes(2) * (tp - 1) + 2 * shared_copies);
         // The device-random tensors are bf16, so as stored equals bf16.
         EXPECT_EQ(RankWeightBytes(*p, *m), p->RankWeightBytes(2));
       }

@@ -31,17 +31,19 @@ def bf16_to_float(bits):
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-@pytest.mark.parametrize("model,moe", [("tiny-random-moe", "ep"), ("tiny-random-moe", "split"),
-                                       ("tiny-random", "ep"), ("tiny-random-qwen3-moe", "ep")])
-def test_tp2_target_repeats_its_bits_and_matches_tp1(make_target, model, moe):
+@pytest.mark.parametrize("model,moe,tp", [("tiny-random-moe", "ep", 2),
+                                          ("tiny-random-moe", "split", 2), ("tiny-random", "ep", 2),
+                                          ("tiny-random-qwen3-moe", "ep", 2),
+                                          ("tiny-random-moe", "ep", 4)])
+def test_tp_target_repeats_its_bits_and_matches_tp1(make_target, model, moe, tp):
     lens = [[5, 60], [1, 2, 3], [200]]
     batches = [(tokens(sum(l), 90 + i), np.array(l, dtype=np.int32)) for i, l in enumerate(lens)]
     layers = [0, 2, -1]  # every model here has at least 3 layers
-    sharded = make_target(model=model, extra=["--device=cpu", "--tp=2", f"--moe_parallel={moe}",
-                                              "--threads=2"])
+    sharded = make_target(model=model, extra=["--device=cpu", f"--tp={tp}",
+                                              f"--moe_parallel={moe}", "--threads=2"])
     info = draftfeed.describe_target(sharded.address)
-    assert info["devices"] == ["cpu tp2"]
-    assert "tensor parallel over 2 ranks" in sharded.output()
+    assert info["devices"] == [f"cpu tp{tp}"]
+    assert f"tensor parallel over {tp} ranks" in sharded.output()
     first = serve(sharded, batches, layers)
     again = serve(sharded, batches, layers)
     for a, b in zip(first, again):
@@ -61,10 +63,10 @@ def test_tp2_target_repeats_its_bits_and_matches_tp1(make_target, model, moe):
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused():
-    r = run_target("--model=tiny-random", "--device=cpu", "--tp=4")
+    r = run_target("--model=tiny-random", "--device=cpu", "--tp=8")
     assert r.returncode == 1
-    assert ("--tp 4 does not divide num_key_value_heads=2, linear_num_key_heads=2 (--tp values "
-            "that divide every split count: 1, 2)") in r.stderr
+    assert ("--tp 8 does not divide num_attention_heads=4, linear_num_value_heads=4 (--tp values "
+            "this model takes: 1, 2, 4)") in r.stderr
 
 
 @pytest.mark.parametrize("flag,message", [
@@ -93,3 +95,9 @@ def test_print_plan_of_a_real_shape():
         r.stdout)
     assert "113.76 GiB per rank, 226.03 GiB whole, 1.49 GiB replicated on every rank" in r.stdout
     assert "mlp.experts.gate_up_proj [256, 2048, 3072] -> [128, 2048, 3072]: experts" in r.stdout
+    # 2 KV heads over 8 ranks: each KV head on 4.
+    r = run_target("--model=random:qwen3.5-122b-a10b", "--tp=8", "--print_plan")
+    assert r.returncode == 0, r.stderr
+    assert "29.59 GiB per rank" in r.stdout
+    assert "self_attn.k_proj.weight [512, 3072] -> [256, 3072]: rows (each KV head on 4 ranks)" in (
+        r.stdout)
