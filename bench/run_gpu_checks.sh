@@ -6,15 +6,19 @@
 #   PART=tests bash bench/run_gpu_checks.sh     # correctness suites
 #   PART=speed bash bench/run_gpu_checks.sh     # engine, kernels, gRPC, end to end
 #   PART=moe bash bench/run_gpu_checks.sh       # MoE suites, MoE engines beside transformers
+#   PART=fp8 bash bench/run_gpu_checks.sh       # FP8 suites, FP8 GEMMs, FP8 engines beside bf16
+# BUILD_DIR (default build) names the build tree the bundle is made from.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bins=(build/bin/draftfeed-target build/bin/draftfeed-bench build/bin/draftfeed-bench-kernels
-      build/bin/draftfeed-grpc-bench build/bin/draftfeed-e2e-bench
-      build/tests/server/model/cuda_engine_test build/tests/server/model/goldens_test
-      build/tests/server/service/service_test build/tests/server/service/transport_test
-      build/tests/kernels/cuda/small_ops_cuda_test build/tests/kernels/cuda/gdn_cuda_test
-      build/tests/kernels/cuda/attention_cuda_test build/tests/common/payload_checksum_test
-      build/tests/kernels/cuda/moe_cuda_test build/tests/server/model/cuda_moe_engine_test)
+b=${BUILD_DIR:-build}
+bins=($b/bin/draftfeed-target $b/bin/draftfeed-bench $b/bin/draftfeed-bench-kernels
+      $b/bin/draftfeed-grpc-bench $b/bin/draftfeed-e2e-bench
+      $b/tests/server/model/cuda_engine_test $b/tests/server/model/goldens_test
+      $b/tests/server/service/service_test $b/tests/server/service/transport_test
+      $b/tests/kernels/cuda/small_ops_cuda_test $b/tests/kernels/cuda/gdn_cuda_test
+      $b/tests/kernels/cuda/attention_cuda_test $b/tests/common/payload_checksum_test
+      $b/tests/kernels/cuda/moe_cuda_test $b/tests/server/model/cuda_moe_engine_test
+      $b/tests/kernels/cuda/fp8_gemm_cuda_test $b/tests/server/model/cuda_fp8_engine_test)
 if [[ ${1:-} == bundle ]]; then
   rm -rf .bundle
   bash scripts/make-bundle.sh .bundle "${bins[@]}"
@@ -41,6 +45,19 @@ if [[ ${PART:-tests} == tests ]]; then
   timeout 240 .bundle/bin/service_test --gtest_filter='CudaService*' 2>&1 | summary
   echo "== transport_test (two-GPU cases skip on one GPU)"
   timeout 240 .bundle/bin/transport_test 2>&1 | summary
+elif [[ $PART == fp8 ]]; then
+  for t in fp8_gemm_cuda_test cuda_fp8_engine_test; do
+    echo "== $t"; timeout 240 .bundle/bin/$t 2>&1 | summary
+  done
+  timeout 240 .bundle/bin/draftfeed-bench-kernels --benchmark_filter='Fp8|Bf16Gemm|SwiGluQuant' \
+    --benchmark_min_time=0.1 2>&1 | grep -v WARNING
+  # The FP8 engines beside their bf16 models, same seed, same call.
+  for m in ${FP8_MODELS:-qwen3.6-27b qwen3.6-35b-a3b}; do
+    for v in "$m-fp8" "$m"; do
+      timeout 300 .bundle/bin/draftfeed-bench engine --model "random:$v" --tokens 49152 \
+        --iters "${ITERS:-5}"
+    done
+  done
 elif [[ $PART == moe ]]; then
   for t in moe_cuda_test cuda_moe_engine_test; do
     echo "== $t"; timeout 240 .bundle/bin/$t 2>&1 | summary

@@ -11,6 +11,7 @@
 #include "kernels/attention.cuh"
 #include "kernels/elementwise.cuh"
 #include "kernels/embedding.cuh"
+#include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/gdn.cuh"
 #include "kernels/moe.cuh"
 #include "kernels/rmsnorm.cuh"
@@ -19,8 +20,38 @@
 
 namespace draftfeed {
 
+absl::Status CudaEngine::Impl::QuantizeForFp8(const bf16* x, int64_t T, int64_t K) {
+  if (x == x8_source && T == x8_tokens && K == x8_k) return absl::OkStatus();
+  if (K > fp8_k_max) return absl::InternalError("FP8 GEMM input wider than its workspace");
+  DF_RETURN_IF_ERROR(Timed("fp8_quant", [&] {
+    return CudaStatus(cuda::QuantizeActivationsFp8(x, K, T, K, x8, x8_scale, stream),
+                      "QuantizeActivationsFp8");
+  }));
+  x8_source = x;
+  x8_tokens = T;
+  x8_k = K;
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::Impl::Project(const DeviceBlock& b, int i, const bf16* x, bf16* y,
+                                       int64_t T, int64_t N, int64_t K) {
+  if (!IsFp8(b, i)) {
+    return Timed("gemm", [&] { return gemm.Run(x, b.bf(i), y, T, N, K, stream); });
+  }
+  const Fp8Weight& w = b.fp8[static_cast<size_t>(i)];
+  DF_RETURN_IF_ERROR(QuantizeForFp8(x, T, K));
+  DF_RETURN_IF_ERROR(Timed("gemm", [&] {
+    return fp8_gemm.Run(x8, x8_scale, w.q, w.scale, y, cuda::Fp8RowsPadded(T), w.rows, K, stream,
+                        N);
+  }));
+  if (w.rows == N) return absl::OkStatus();
+  return Timed("gemm",
+               [&] { return gemm.Run(x, b.bf(i), y + w.rows, T, N - w.rows, K, stream, N); });
+}
+
 absl::Status CudaEngine::Impl::Block(const DeviceBlock& b, int64_t T, int32_t nseq,
                                      int32_t max_len) {
+  x8_source = nullptr;  // the block's inputs are new: nothing quantised is current
   switch (b.kind) {
     case BlockKind::kAttention:
       return Attention(b, T, nseq, max_len);
@@ -40,10 +71,8 @@ absl::Status CudaEngine::Impl::Block(const DeviceBlock& b, int64_t T, int32_t ns
 // rule, the gated norm and out_proj.
 absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, int32_t nseq) {
   const float eps = static_cast<float>(model->config.rms_norm_eps);
-  DF_RETURN_IF_ERROR(
-      Timed("gemm", [&] { return gemm.Run(u, w.bf(kGdnInQkvBA), proj, T, p_gdn, D, stream); }));
-  DF_RETURN_IF_ERROR(
-      Timed("gemm", [&] { return gemm.Run(u, w.bf(kGdnZ), zbuf, T, Nv * dv, D, stream); }));
+  DF_RETURN_IF_ERROR(Project(w, kGdnInQkvBA, u, proj, T, p_gdn, D));
+  DF_RETURN_IF_ERROR(Project(w, kGdnZ, u, zbuf, T, Nv * dv, D));
   DF_RETURN_IF_ERROR(Timed("gdn_conv", [&] {
     return CudaStatus(
         cuda::CausalConv1dSilu(proj, p_gdn, w.bf(kGdnConv), T, C, KC, d_cu, nseq, conv_out, stream),
@@ -73,7 +102,7 @@ absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, in
         cuda::GatedRmsNorm(core, zbuf, dv, w.bf(kGdnNorm), T * Nv, dv, eps, normed, stream),
         "GatedRmsNorm");
   }));
-  return Timed("gemm", [&] { return gemm.Run(normed, w.bf(kGdnOut), mix, T, D, Nv * dv, stream); });
+  return Project(w, kGdnOut, normed, mix, T, D, Nv * dv);
 }
 
 // Full attention, Qwen3.5's gated form (the sigmoid output gate interleaved
@@ -81,8 +110,7 @@ absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, in
 absl::Status CudaEngine::Impl::Attention(const DeviceBlock& w, int64_t T, int32_t nseq,
                                          int32_t max_len) {
   const float eps = static_cast<float>(model->config.rms_norm_eps);
-  DF_RETURN_IF_ERROR(
-      Timed("gemm", [&] { return gemm.Run(u, w.bf(kAttnQkv), proj, T, p_attn, D, stream); }));
+  DF_RETURN_IF_ERROR(Project(w, kAttnQkv, u, proj, T, p_attn, D));
   const int64_t q_head_stride = gated ? 2 * hd : hd;
   bf16* q = proj;
   bf16* k = proj + q_rows;
@@ -135,16 +163,34 @@ absl::Status CudaEngine::Impl::Attention(const DeviceBlock& w, int64_t T, int32_
           "SigmoidGateMul");
     }));
   }
-  return Timed("gemm", [&] { return gemm.Run(core, w.bf(kAttnO), mix, T, D, Hq * hd, stream); });
+  return Project(w, kAttnO, core, mix, T, D, Hq * hd);
+}
+
+// down(SiLU(gate)·up) from the fused [gate; up] projection `proj` of width
+// 2·width: with FP8 down weights SwiGLU writes the down GEMM's quantised
+// input directly (the same values SwiGlu would store, one pass fewer).
+absl::Status CudaEngine::Impl::SwiGluDown(const DeviceBlock& w, int down, int64_t T, int64_t width,
+                                          bf16* out) {
+  if (IsFp8(w, down) && w.fp8[static_cast<size_t>(down)].rows == D) {
+    DF_RETURN_IF_ERROR(Timed("elementwise", [&] {
+      return CudaStatus(cuda::SwiGluQuantizeFp8(proj, T, width, x8, x8_scale, stream),
+                        "SwiGluQuantizeFp8");
+    }));
+    x8_source = act;  // what it quantised, as if SwiGlu had written act first
+    x8_tokens = T;
+    x8_k = width;
+  } else {
+    DF_RETURN_IF_ERROR(Timed("elementwise", [&] {
+      return CudaStatus(cuda::SwiGlu(proj, T, width, act, stream), "SwiGlu");
+    }));
+  }
+  return Project(w, down, act, out, T, D, width);
 }
 
 // The dense MLP: down_proj(SiLU(gate) * up), gate and up from one fused GEMM.
 absl::Status CudaEngine::Impl::DenseMlp(const DeviceBlock& w, int64_t T) {
-  DF_RETURN_IF_ERROR(
-      Timed("gemm", [&] { return gemm.Run(u, w.bf(kMlpGateUp), proj, T, 2 * F, D, stream); }));
-  DF_RETURN_IF_ERROR(Timed(
-      "elementwise", [&] { return CudaStatus(cuda::SwiGlu(proj, T, F, act, stream), "SwiGlu"); }));
-  return Timed("gemm", [&] { return gemm.Run(act, w.bf(kMlpDown), mix, T, D, F, stream); });
+  DF_RETURN_IF_ERROR(Project(w, kMlpGateUp, u, proj, T, 2 * F, D));
+  return SwiGluDown(w, kMlpDown, T, F, mix);
 }
 
 // The mixture of experts, all on the device: router logits (cuBLASLt, bf16
@@ -176,10 +222,11 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
   }));
   const bool shared = I_shared > 0;
   if (shared) {
-    DF_RETURN_IF_ERROR(Timed("shared_expert", [&]() -> absl::Status {
-      DF_RETURN_IF_ERROR(gemm.Run(u, w.bf(kMoeSharedGateUp), proj, T, 2 * I_shared, D, stream));
-      DF_RETURN_IF_ERROR(CudaStatus(cuda::SwiGlu(proj, T, I_shared, act, stream), "SwiGlu"));
-      DF_RETURN_IF_ERROR(gemm.Run(act, w.bf(kMoeSharedDown), mix, T, D, I_shared, stream));
+    // Its GEMMs and SwiGLU count under "gemm" and "elementwise" like the
+    // dense MLP's (Project times them), its N = 1 gate logit under "router".
+    DF_RETURN_IF_ERROR(Project(w, kMoeSharedGateUp, u, proj, T, 2 * I_shared, D));
+    DF_RETURN_IF_ERROR(SwiGluDown(w, kMoeSharedDown, T, I_shared, mix));
+    DF_RETURN_IF_ERROR(Timed("router", [&] {
       return gemm.Run(u, w.bf(kMoeSharedGate), shared_logit, T, 1, D, stream);
     }));
   }

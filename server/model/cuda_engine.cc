@@ -61,6 +61,9 @@ int64_t CudaEngine::max_capture_layers() const { return impl_->options.max_layer
 
 int64_t CudaEngine::weight_bytes() const { return static_cast<int64_t>(impl_->weights.used()); }
 int64_t CudaEngine::workspace_bytes() const { return static_cast<int64_t>(impl_->workspace_total); }
+CudaEngine::Fp8Layout CudaEngine::fp8_layout() const {
+  return {impl_->fp8_gemm_buffers, impl_->fp8_dequantized_buffers};
+}
 const OpTimes& CudaEngine::last_op_times() const { return impl_->times; }
 void CudaEngine::set_profile(bool on) { impl_->options.profile = on; }
 

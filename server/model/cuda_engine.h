@@ -59,6 +59,12 @@ class CudaEngine final : public Engine {
 
   int64_t weight_bytes() const;
   int64_t workspace_bytes() const;
+  // An FP8 model's device buffers by how they run: through FP8 GEMMs, or
+  // dequantised to bf16 at load (the routed experts). Both 0 for bf16 models.
+  struct Fp8Layout {
+    int64_t gemm_buffers = 0, dequantized_buffers = 0;
+  };
+  Fp8Layout fp8_layout() const;
   const OpTimes& last_op_times() const;
   // Times every op family (syncs after each op: for benchmarks only).
   void set_profile(bool on);

@@ -23,6 +23,7 @@
 #include "kernels/moe.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "server/model/cuda_engine.h"
+#include "server/model/cuda_fp8_gemm.h"
 #include "server/model/cuda_gemm.h"
 #include "server/model/weight_layout.h"
 
@@ -59,11 +60,21 @@ class DeviceArena {
 struct CudaEngine::Impl {
   using bf16 = cuda::bf16;
 
+  // A device buffer's FP8 part: its first `rows` rows as e4m3 with fp32
+  // block scales (fp8_gemm_operands.cuh's layout). The buffer's other rows
+  // (a partly FP8 fused projection's bf16 tail, e.g. GDN's in_proj_b/a) are
+  // what `buffers` points at.
+  struct Fp8Weight {
+    const uint8_t* q = nullptr;
+    const float* scale = nullptr;
+    int64_t rows = 0;  // 0: the whole buffer is bf16
+  };
   // One block's device buffers, in its BlockDeviceBuffers order
   // (weight_layout.h); null where the config has no such tensor.
   struct DeviceBlock {
     BlockKind kind = BlockKind::kNorms;
     std::vector<void*> buffers;
+    std::vector<Fp8Weight> fp8;  // beside `buffers`
     bf16* bf(int i) const { return static_cast<bf16*>(buffers[static_cast<size_t>(i)]); }
     float* f32(int i) const { return static_cast<float*>(buffers[static_cast<size_t>(i)]); }
   };
@@ -77,6 +88,7 @@ struct CudaEngine::Impl {
   DeviceArena weights;
   DeviceArena work;
   CublasLtGemm gemm;
+  CublasLtFp8Gemm fp8_gemm;
   std::vector<Layer> layers;
   bf16* embed = nullptr;
   bf16* final_norm = nullptr;
@@ -149,6 +161,17 @@ struct CudaEngine::Impl {
   bool stop_copier = false;
   std::thread copier;
   void* gdn_ws = nullptr;
+  // FP8 GEMM inputs: the activation quantised per token and 128 group, and
+  // which activation it holds (reset at each block, whose inputs are fresh).
+  uint8_t* x8 = nullptr;   // [T_pad, fp8_k_max]
+  float* x8_scale = nullptr;  // [fp8_k_max / 128, T_pad]
+  int64_t fp8_k_max = 0;   // 0: no FP8 weights on the device
+  const bf16* x8_source = nullptr;
+  int64_t x8_tokens = 0, x8_k = 0;
+  // Counts of the FP8 weights by how they run, for the start-up line.
+  int64_t fp8_gemm_buffers = 0, fp8_dequantized_buffers = 0;
+  void* gemm_workspace = nullptr;
+  size_t gemm_workspace_bytes = 0;
   size_t workspace_total = 0;
   int64_t capture_tokens = 0, capture_slots = 0;
   OpTimes times;
@@ -198,6 +221,18 @@ struct CudaEngine::Impl {
   // adds its output into the residual itself (AddsToResidual).
   absl::Status Block(const DeviceBlock& b, int64_t T, int32_t nseq, int32_t max_len);
   static bool AddsToResidual(const DeviceBlock& b) { return b.kind == BlockKind::kMoeMlp; }
+  // y[T, N] = x[T, K]·W_iᵀ for buffer i of block b: cuBLASLt bf16, or
+  // the FP8 GEMM on x quantised (once per activation) for an FP8 buffer, with
+  // its bf16 tail rows as a second GEMM into the remaining columns.
+  absl::Status Project(const DeviceBlock& b, int i, const bf16* x, bf16* y, int64_t T, int64_t N,
+                       int64_t K);
+  absl::Status QuantizeForFp8(const bf16* x, int64_t T, int64_t K);
+  // out = down(SwiGLU(proj)) for the MLP block w (dense or shared expert).
+  absl::Status SwiGluDown(const DeviceBlock& w, int down, int64_t T, int64_t width, bf16* out);
+  // Whether buffer i of b is used through FP8 GEMMs (Project).
+  static bool IsFp8(const DeviceBlock& b, int i) {
+    return static_cast<size_t>(i) < b.fp8.size() && b.fp8[static_cast<size_t>(i)].rows > 0;
+  }
   absl::Status Attention(const DeviceBlock& b, int64_t T, int32_t nseq, int32_t max_len);
   absl::Status GatedDeltaNet(const DeviceBlock& b, int64_t T, int32_t nseq);
   absl::Status DenseMlp(const DeviceBlock& b, int64_t T);

@@ -55,9 +55,12 @@ class CublasLtGemm {
   // (cuBLASLt's first heuristic pick is often a few % off the best).
   void set_autotune(bool on) { autotune_ = on; }
 
+  // `ldy` (0: n) is Y's row stride, so a GEMM can fill some columns of a
+  // wider output (the bf16 tail of a partly FP8 fused projection).
   absl::Status Run(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int64_t m,
-                   int64_t n, int64_t k, cudaStream_t stream) {
-    auto key = std::make_tuple(m, n, k);
+                   int64_t n, int64_t k, cudaStream_t stream, int64_t ldy = 0) {
+    if (ldy == 0) ldy = n;
+    auto key = std::make_tuple(m, n, k, ldy);
     auto it = plans_.find(key);
     if (it == plans_.end()) {
       Plan p;
@@ -69,7 +72,7 @@ class CublasLtGemm {
           cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
       DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, k));
       DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, k));
-      DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, n, m, n));
+      DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, n, m, ldy));
       DF_RETURN_IF_ERROR(ChooseAlgo(p, x, w, y, m, n, k, stream));
       it = plans_.emplace(key, p).first;
     }
@@ -149,7 +152,7 @@ class CublasLtGemm {
   cublasLtMatmulPreference_t pref_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
-  std::map<std::tuple<int64_t, int64_t, int64_t>, Plan> plans_;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, Plan> plans_;
 };
 
 }  // namespace draftfeed

@@ -1,14 +1,62 @@
 // The weights on the device, laid out by weight_layout's BlockDeviceBuffers:
 // copied from the host model, or (real-size random models) filled on the GPU
 // by each tensor's RandomInit.
+//
+// FP8 weights stay FP8 where an FP8 GEMM takes them (Project): a device
+// buffer whose FP8 members come first, share K (a multiple of 128) and stack
+// on 128-row block edges holds them as e4m3 plus fp32 block scales in the
+// GEMM's layout, and its bf16 members after them (GDN's in_proj_b/a) as a
+// bf16 tail. Anything else FP8 (the routed experts, whose grouped GEMMs take
+// bf16; a buffer that breaks those rules) is dequantised to bf16 at load.
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/random_init.cuh"
 #include "server/model/cuda_engine_impl.h"
 
 namespace draftfeed {
+namespace {
+
+// A host FP8 tensor's block scales as fp32, in the GEMM's padded layout:
+// block (nb, g) at nb * stride + g.
+std::vector<float> PaddedScales(const Tensor& t, int64_t stride) {
+  const BlockScales& s = t.scale_inv;
+  const int64_t kb = s.shape.back();
+  const int64_t nb = s.numel() / kb;
+  std::vector<float> out(static_cast<size_t>(nb * stride), 0.0f);
+  for (int64_t r = 0; r < nb; ++r) {
+    for (int64_t g = 0; g < kb; ++g) {
+      const int64_t i = r * kb + g;
+      float v = 0;
+      switch (s.dtype) {
+        case DType::kF32:
+          std::memcpy(&v, s.data + i * 4, 4);
+          break;
+        case DType::kBF16: {
+          uint16_t h;
+          std::memcpy(&h, s.data + i * 2, 2);
+          v = Bf16ToFloat(h);
+          break;
+        }
+        case DType::kF16: {
+          uint16_t h;
+          std::memcpy(&h, s.data + i * 2, 2);
+          v = Fp16ToFloat(h);
+          break;
+        }
+        default:
+          break;  // the loader admits only the three
+      }
+      out[static_cast<size_t>(r * stride + g)] = v;
+    }
+  }
+  return out;
+}
+
+}  // namespace
 
 absl::Status CudaEngine::Impl::UploadWeights() {
   const ModelWeights& mw = model->weights;
@@ -21,6 +69,8 @@ absl::Status CudaEngine::Impl::UploadWeights() {
     if (specs[i].layer >= 0) of_layer[static_cast<size_t>(specs[i].layer)].push_back(i);
   }
   auto element_bytes = [&](size_t i) -> size_t { return specs[i].device_f32 ? 4 : 2; };
+  auto is_fp8 = [&](size_t i) { return WeightSlot(mw, specs[i]).fp8(); };
+  auto rows_of = [&](size_t i) { return specs[i].numel() / specs[i].shape.back(); };
   // The members of one device buffer that this layer has, as spec indices.
   auto members = [&](int64_t l, const DeviceBuffer& buffer) {
     std::vector<size_t> out;
@@ -31,11 +81,48 @@ absl::Status CudaEngine::Impl::UploadWeights() {
     }
     return out;
   };
-  auto bytes_of = [&](const std::vector<size_t>& idx) {
-    size_t bytes = 0;
-    for (size_t i : idx) bytes += static_cast<size_t>(specs[i].numel()) * element_bytes(i);
-    return bytes;
+  // The rows of a buffer's FP8 head kept FP8 on the device (0: all bf16).
+  auto fp8_rows = [&](BlockKind kind, size_t buffer, const std::vector<size_t>& idx) -> int64_t {
+    if (kind == BlockKind::kMoeMlp && (buffer == kMoeExpertsGateUp || buffer == kMoeExpertsDown)) {
+      return 0;  // the grouped expert GEMMs take bf16
+    }
+    size_t head = 0;
+    while (head < idx.size() && is_fp8(idx[head])) ++head;
+    if (head == 0) return 0;
+    for (size_t j = head; j < idx.size(); ++j) {
+      if (is_fp8(idx[j])) return 0;  // FP8 after bf16: not one GEMM's prefix
+    }
+    const int64_t k = specs[idx[0]].shape.back();
+    int64_t rows = 0;
+    for (size_t j = 0; j < head; ++j) {
+      const WeightSpec& spec = specs[idx[j]];
+      if (spec.shape.size() != 2 || spec.shape.back() != k) return 0;
+      if (j + 1 < head && rows_of(idx[j]) % cuda::kFp8Block != 0) return 0;
+      rows += rows_of(idx[j]);
+    }
+    if (k % cuda::kFp8Block != 0 || rows % 16 != 0) return 0;
+    return rows;
   };
+  // Device bytes of a buffer: FP8 head (e4m3 + its scales), then the rest.
+  auto bytes_of = [&](const std::vector<size_t>& idx, int64_t head_rows) {
+    size_t bytes = 0;
+    int64_t rows = 0;
+    for (size_t i : idx) {
+      if (rows < head_rows) {
+        rows += rows_of(i);
+        continue;
+      }
+      bytes += static_cast<size_t>(specs[i].numel()) * element_bytes(i);
+    }
+    if (head_rows == 0) return bytes;
+    const int64_t k = specs[idx[0]].shape.back();
+    const int64_t scale_rows = (head_rows + cuda::kFp8Block - 1) / cuda::kFp8Block;
+    return bytes + DeviceArena::Round(static_cast<size_t>(head_rows * k)) +
+           DeviceArena::Round(static_cast<size_t>(scale_rows * cuda::Fp8ScaleStride(k)) * 4);
+  };
+  // Where each FP8-kept tensor's e4m3 rows and scale rows go.
+  std::vector<uint8_t*> dst_q(specs.size(), nullptr);
+  std::vector<float*> dst_scale(specs.size(), nullptr);
 
   // Sizes first, then one allocation.
   size_t total = 0;
@@ -53,8 +140,10 @@ absl::Status CudaEngine::Impl::UploadWeights() {
     w.mixer.kind = blocks.mixer;
     w.mlp.kind = blocks.mlp;
     for (DeviceBlock* b : {&w.norms, &w.mixer, &w.mlp}) {
-      for (const DeviceBuffer& buffer : BlockDeviceBuffers(b->kind)) {
-        const size_t bytes = bytes_of(members(l, buffer));
+      const std::vector<DeviceBuffer>& buffers = BlockDeviceBuffers(b->kind);
+      for (size_t j = 0; j < buffers.size(); ++j) {
+        const std::vector<size_t> idx = members(l, buffers[j]);
+        const size_t bytes = bytes_of(idx, fp8_rows(b->kind, j, idx));
         if (bytes > 0) total += DeviceArena::Round(bytes);
       }
     }
@@ -70,14 +159,39 @@ absl::Status CudaEngine::Impl::UploadWeights() {
   for (int64_t l = 0; l < L; ++l) {
     Layer& w = layers[static_cast<size_t>(l)];
     for (DeviceBlock* b : {&w.norms, &w.mixer, &w.mlp}) {
-      for (const DeviceBuffer& buffer : BlockDeviceBuffers(b->kind)) {
-        const std::vector<size_t> idx = members(l, buffer);
-        const size_t bytes = bytes_of(idx);
+      const std::vector<DeviceBuffer>& buffers = BlockDeviceBuffers(b->kind);
+      for (size_t j = 0; j < buffers.size(); ++j) {
+        const std::vector<size_t> idx = members(l, buffers[j]);
+        const int64_t head_rows = fp8_rows(b->kind, j, idx);
+        const size_t bytes = bytes_of(idx, head_rows);
         char* base = bytes > 0 ? weights.Take<char>(static_cast<int64_t>(bytes)) : nullptr;
-        b->buffers.push_back(base);
-        for (size_t i : idx) {
-          dst[i] = base;
-          base += static_cast<size_t>(specs[i].numel()) * element_bytes(i);
+        Fp8Weight fp8;
+        size_t next = 0;
+        if (head_rows > 0) {
+          const int64_t k = specs[idx[0]].shape.back();
+          const int64_t stride = cuda::Fp8ScaleStride(k);
+          fp8.rows = head_rows;
+          uint8_t* q = reinterpret_cast<uint8_t*>(base);
+          float* scale = reinterpret_cast<float*>(
+              base + DeviceArena::Round(static_cast<size_t>(head_rows * k)));
+          fp8.q = q;
+          fp8.scale = scale;
+          for (int64_t rows = 0; rows < head_rows; ++next) {
+            dst_q[idx[next]] = q + rows * k;
+            dst_scale[idx[next]] = scale + rows / cuda::kFp8Block * stride;
+            rows += rows_of(idx[next]);
+          }
+          const int64_t scale_rows = (head_rows + cuda::kFp8Block - 1) / cuda::kFp8Block;
+          base = reinterpret_cast<char*>(scale) +
+                 DeviceArena::Round(static_cast<size_t>(scale_rows * stride) * 4);
+          ++fp8_gemm_buffers;
+        }
+        for (size_t n = next; n < idx.size(); ++n) fp8_dequantized_buffers += is_fp8(idx[n]);
+        b->fp8.push_back(fp8);
+        b->buffers.push_back(next < idx.size() ? base : nullptr);
+        for (size_t n = next; n < idx.size(); ++n) {
+          dst[idx[n]] = base;
+          base += static_cast<size_t>(specs[idx[n]].numel()) * element_bytes(idx[n]);
         }
       }
     }
@@ -88,9 +202,82 @@ absl::Status CudaEngine::Impl::UploadWeights() {
   // its RandomInit (seeded by its canonical index, so the values do not
   // depend on the device layout).
   const bool random = model->weights_on_device_random;
+  // GPU-made FP8 weights are drawn in bf16 as the bf16 model's are, then
+  // quantised by blocks (and, where they run in bf16, dequantised again).
+  bf16* fp8_stage = nullptr;
+  uint8_t* fp8_stage_q = nullptr;
+  float* fp8_stage_scale = nullptr;
+  if (random) {
+    int64_t most = 0, most_scales = 0;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (!is_fp8(i)) continue;
+      const int64_t experts = specs[i].shape.size() == 3 ? specs[i].shape[0] : 1;
+      const int64_t per = rows_of(i) / experts;
+      most = std::max(most, specs[i].numel());
+      most_scales =
+          std::max(most_scales, experts * ((per + cuda::kFp8Block - 1) / cuda::kFp8Block) *
+                                    cuda::Fp8ScaleStride(specs[i].shape.back()));
+    }
+    if (most > 0) {
+      DF_CUDA(cudaMalloc(&fp8_stage, static_cast<size_t>(most) * 2));
+      DF_CUDA(cudaMalloc(&fp8_stage_q, static_cast<size_t>(most)));
+      DF_CUDA(cudaMalloc(&fp8_stage_scale, static_cast<size_t>(most_scales) * 4));
+    }
+  }
+  struct StageFree {
+    void* p[3];
+    ~StageFree() {
+      for (void* q : p) cudaFree(q);
+    }
+  } stage_free{{fp8_stage, fp8_stage_q, fp8_stage_scale}};
   for (size_t i = 0; i < specs.size(); ++i) {
     const WeightSpec& spec = specs[i];
     const int64_t n = spec.numel();
+    if (random && is_fp8(i)) {
+      const uint64_t seed = model->device_random_seed * 1000003 + i + 1;
+      const RandomInit& r = spec.init;
+      if (r.dist != RandomInit::Dist::kNormal || r.row_log_sigma > 0) {
+        return absl::InternalError(absl::StrCat(spec.name, ": FP8 weights are drawn kNormal"));
+      }
+      const int64_t cols = spec.shape.back();
+      const int64_t rows = rows_of(i);
+      const int64_t stride = cuda::Fp8ScaleStride(cols);
+      cudaError_t e = cuda::FillRandomBf16(fp8_stage, n, seed, static_cast<float>(r.scale),
+                                           static_cast<float>(r.offset), stream);
+      if (dst_q[i] != nullptr) {
+        if (e == cudaSuccess) {
+          e = cuda::QuantizeWeightBlocksFp8(fp8_stage, rows, cols, dst_q[i], dst_scale[i], stride,
+                                            stream);
+        }
+      } else {
+        // Stacked experts [E, R, C]: blocks never straddle two experts.
+        const int64_t experts = spec.shape.size() == 3 ? spec.shape[0] : 1;
+        const int64_t per = rows / experts;
+        const int64_t scale_rows = (per + cuda::kFp8Block - 1) / cuda::kFp8Block;
+        bf16* out = reinterpret_cast<bf16*>(dst[i]);
+        for (int64_t x = 0; x < experts && e == cudaSuccess; ++x) {
+          e = cuda::QuantizeWeightBlocksFp8(
+              fp8_stage + x * per * cols, per, cols, fp8_stage_q + x * per * cols,
+              fp8_stage_scale + x * scale_rows * stride, stride, stream);
+          if (e == cudaSuccess) {
+            e = cuda::DequantizeWeightBlocksFp8(fp8_stage_q + x * per * cols,
+                                                fp8_stage_scale + x * scale_rows * stride, stride,
+                                                per, cols, out + x * per * cols, stream);
+          }
+        }
+      }
+      if (e != cudaSuccess) return CudaError(e, "FP8 random weight fill");
+      // The stage is reused by the next tensor.
+      DF_CUDA(cudaStreamSynchronize(stream));
+      continue;
+    }
+    if (dst_q[i] != nullptr) {
+      const Tensor& t = WeightSlot(mw, spec);
+      DF_CUDA(cudaMemcpy(dst_q[i], t.data, static_cast<size_t>(n), cudaMemcpyHostToDevice));
+      const std::vector<float> scales = PaddedScales(t, cuda::Fp8ScaleStride(spec.shape.back()));
+      DF_CUDA(cudaMemcpy(dst_scale[i], scales.data(), scales.size() * 4, cudaMemcpyHostToDevice));
+      continue;
+    }
     if (random) {
       const uint64_t seed = model->device_random_seed * 1000003 + i + 1;
       const RandomInit& r = spec.init;

@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/payload_checksum.h"
 #include "common/status_macros.h"
+#include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/gdn.cuh"
 #include "kernels/moe.cuh"
 #include "server/model/cuda_engine_impl.h"
@@ -69,8 +70,16 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   DF_CUDA(cudaSetDevice(opt.device));
   DF_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
-  // Workspace, sized once from the token budget.
-  const int64_t T = options.max_tokens;
+  // Workspace, sized once from the token budget, in whole FP8 GEMM row
+  // groups (cuBLASLt's block-scaled GEMM writes M padded to 4 rows).
+  const int64_t T = cuda::Fp8RowsPadded(options.max_tokens);
+  // FP8 weights quantise each GEMM's input first: room for the widest.
+  bool any_fp8 = false;
+  for (const WeightSpec& spec : DecoderWeightSpecs(c)) {
+    any_fp8 |= spec.layer >= 0 && WeightSlot(m->weights, spec).fp8();
+  }
+  fp8_k_max = any_fp8 ? std::max({D, F, Hq * hd, Nv * dv, I_shared}) : 0;
+  fp8_k_max = (fp8_k_max + cuda::kFp8Block - 1) / cuda::kFp8Block * cuda::kFp8Block;
   // The shared expert runs through proj and act as the dense MLP does.
   const int64_t ffn_cols = std::max(F, I_shared);
   const int64_t proj_cols = std::max({p_attn, p_gdn, 2 * ffn_cols});
@@ -107,6 +116,8 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   add(T * options.max_layers * D * 2);  // capture, twice
   add(T * options.max_layers * D * 2);
   add(gdn_bytes);
+  add(T * fp8_k_max);                                 // x8
+  add(T * (fp8_k_max / cuda::kFp8Block) * 4);         // x8_scale
   add(gemm_ws);
   if (absl::Status s = work.Reserve(total); !s.ok()) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate the ", total >> 20,
@@ -137,7 +148,10 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   captures[1] = work.Take<bf16>(T * options.max_layers * D);
   capture = captures[current];
   gdn_ws = work.Take<char>(static_cast<int64_t>(gdn_bytes));
-  void* gemm_workspace = work.Take<char>(gemm_ws);
+  x8 = work.Take<uint8_t>(T * fp8_k_max);
+  x8_scale = work.Take<float>(T * (fp8_k_max / cuda::kFp8Block));
+  gemm_workspace = work.Take<char>(gemm_ws);
+  gemm_workspace_bytes = gemm_ws;
   if (gemm_workspace == nullptr) return absl::InternalError("workspace carve overflow");
   DF_CUDA(cudaMallocHost(&h_ids, T * 4));
   DF_CUDA(cudaMallocHost(&h_cu, (options.max_seqs + 1) * 4));
@@ -156,6 +170,8 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
     DF_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   }
   DF_RETURN_IF_ERROR(gemm.Init(gemm_workspace, gemm_ws));
+  // The FP8 GEMMs run on the same stream as the bf16 ones: they share the workspace.
+  if (any_fp8) DF_RETURN_IF_ERROR(fp8_gemm.Init(gemm_workspace, gemm_ws));
   return UploadWeights();
 }
 

@@ -67,11 +67,6 @@ constexpr double kBf16Unit = 1.0 / 256.0;
 // whose error goldens_test.cc measured at 0.65-1.10x HF-bf16's; the rounding
 // term is the engine's bf16 output.
 constexpr double kEmuFactor = 1.25;
-// MoE: tokens whose routing is a near-tie under FP8 noise (FindNearTies with
-// emu in HF-bf16's place) are left out of the CUDA comparison, as the bf16
-// goldens' test leaves out its near-ties; FP8 noise is larger, so more are,
-// but the comparison must still cover some tokens.
-constexpr double kMaxNearTieFraction = 0.9;
 constexpr int kThreads = 2;
 
 std::string SourceDir() {
@@ -453,18 +448,19 @@ TEST_P(Fp8GoldensTest, CpuEngineMatchesDequantisedReference) {
 #if DRAFTFEED_HAVE_CUDA
 // The CUDA engine (FP8 GEMMs) against the bar, per sequence and layer, alone
 // and packed: rms(cuda - ref) <= 1.25 rms(emu - ref) + rms(bf16(ref) - ref).
-// MoE models are compared on the tokens that are not near-ties (FindNearTies
-// with emu as the noisy run): a token emu and the engine route differently
-// is a routing flip, judged by the routing tests, not kernel error.
+// MoE models are compared on every token: FP8 activation noise moves the
+// router's logits by far more than bf16's (on these goldens 73-96% of tokens
+// have a top-k gap inside emu's logit noise, so excluding near ties would
+// leave almost nothing), and the emulation's own error already holds the
+// routing flips an FP8 engine makes: the bar compares like with like.
 TEST_P(Fp8GoldensTest, CudaEngineWithinEmulationBar) {
   NearTies ties;
   if (goldens_.moe.experts > 0) {
     ties = FindNearTies(goldens_.moe);
     std::cout << GetParam() << "_fp8: " << ties.near_tie << " of " << ties.total
               << " tokens near-tie (ref top-k logit gap < tau = " << ties.tau
-              << " at some MoE layer), compared on the other " << ties.total - ties.near_tie
-              << "\n";
-    ASSERT_LE(static_cast<double>(ties.near_tie), kMaxNearTieFraction * ties.total);
+              << " at some MoE layer); all tokens compared\n";
+    ties.stable.clear();
   }
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   CudaEngineOptions opt;

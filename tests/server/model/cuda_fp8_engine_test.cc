@@ -1,0 +1,100 @@
+// The CUDA engine on FP8 models (skips without a Hopper GPU): it runs the
+// projections through FP8 GEMMs and stays close to the CPU reference, which
+// computes in fp32 on the dequantised weights (what the checkpoint means).
+//
+// The two differ by the GPU's run-time quantisation of every FP8 GEMM input
+// to e4m3 per 128-group: e4m3 keeps 3 mantissa bits, so each quantised
+// element carries a relative rounding error of rms 2^-4/√3 ≈ 3.6%, and a GEMM
+// output about the same relative error. Compounded over these models' few
+// layers (plus bf16 roundings) the captured states stay within ~10% relative
+// rms; the bound 0.15 leaves room, while a scale read from the wrong block,
+// a misplaced bf16 tail or an unquantised input gives errors of order 1. MoE
+// models add routing flips (FP8 noise moves near-tie tokens to other
+// experts: errors of order 1 on those tokens), so they are judged by the
+// median token's relative error, which flips of a minority cannot move. The
+// exact fidelity bar (against transformers and a torch emulation of the FP8
+// engine) is fp8_goldens_test's.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "server/model/cpu_engine.h"
+#include "server/model/cuda_engine.h"
+#include "server/model/tensor.h"
+
+namespace draftfeed {
+namespace {
+
+bool HasHopper() {
+  if (CudaDeviceCount() == 0) return false;
+  int major = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+  return major == 9;
+}
+
+class CudaFp8EngineTest : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(CudaFp8EngineTest, RunsFp8GemmsCloseToTheDequantisedReference) {
+  if (!HasHopper()) GTEST_SKIP() << "needs an sm_90 GPU (cuBLASLt's block-scaled FP8 GEMM)";
+  auto model = OpenModel(GetParam());
+  ASSERT_TRUE(model.ok()) << model.status();
+  const ModelConfig& c = (*model)->config;
+  auto cpu = CpuEngine::Create(model->get(), 0);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  CudaEngineOptions opt;
+  opt.max_tokens = 1023;  // not a multiple of 4: the FP8 GEMM's row padding is exercised
+  opt.max_seqs = 16;
+  auto gpu = CudaEngine::Create(model->get(), opt);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  const CudaEngine::Fp8Layout layout = (*gpu)->fp8_layout();
+  EXPECT_GT(layout.gemm_buffers, 0) << "no projection ran through an FP8 GEMM";
+
+  const std::vector<int32_t> lens = {1, 63, 130, 7};  // T = 201, not a multiple of 4
+  int64_t T = 0;
+  for (int32_t l : lens) T += l;
+  std::vector<int32_t> ids(static_cast<size_t>(T));
+  std::mt19937_64 rng(17);
+  for (auto& t : ids) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(c.vocab_size));
+  std::vector<int32_t> layers;
+  for (int32_t i = 0; i < c.num_layers; ++i) layers.push_back(i);
+  layers.push_back(kFinalLayerId);
+  const int64_t K = static_cast<int64_t>(layers.size()), H = c.hidden_size;
+  std::vector<float> ref(static_cast<size_t>(T * K * H));
+  ASSERT_TRUE((*cpu)->ForwardFloat({ids, lens, layers}, ref).ok());
+  std::vector<uint16_t> got(static_cast<size_t>(T * K * H));
+  ASSERT_TRUE(
+      (*gpu)->Forward({ids, lens, layers}, std::as_writable_bytes(std::span<uint16_t>(got))).ok());
+  const bool moe = c.num_experts > 0;
+  for (int64_t k = 0; k < K; ++k) {
+    double num = 0, den = 0;
+    std::vector<double> token_rel;
+    for (int64_t t = 0; t < T; ++t) {
+      double tn = 0, td = 0;
+      for (int64_t i = 0; i < H; ++i) {
+        const double r = ref[(t * K + k) * H + i];
+        const double d = Bf16ToFloat(got[(t * K + k) * H + i]) - r;
+        tn += d * d;
+        td += r * r;
+      }
+      num += tn;
+      den += td;
+      token_rel.push_back(std::sqrt(tn / (td + 1e-30)));
+    }
+    std::nth_element(token_rel.begin(), token_rel.begin() + T / 2, token_rel.end());
+    const double rel = moe ? token_rel[static_cast<size_t>(T / 2)] : std::sqrt(num / den);
+    EXPECT_LT(rel, 0.15) << GetParam() << " capture slot " << k << (moe ? " (median token)" : "");
+    // Activation quantisation is real: the GPU is not silently running bf16.
+    EXPECT_GT(rel, 1e-3) << GetParam() << " capture slot " << k;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fp8Models, CudaFp8EngineTest,
+                         ::testing::Values("tiny-random-fp8", "tiny-random-qwen3-fp8",
+                                           "tiny-random-moe-fp8", "tiny-random-qwen3-moe-fp8"));
+
+}  // namespace
+}  // namespace draftfeed
