@@ -56,6 +56,10 @@ ABSL_FLAG(std::string, target_bin, "",
 ABSL_FLAG(double, startup_timeout_s, 600, "Seconds to wait for the target to serve.");
 ABSL_FLAG(double, min_ratio, 0, "Exit 1 when end-to-end / engine-only is below this.");
 ABSL_FLAG(uint64_t, seed, 0, "Sequence-length and token seed.");
+ABSL_FLAG(std::string, encoding, "bf16",
+          "Capture encoding on the wire: bf16, or fp8_e4m3 (the trainer gets it dequantised to "
+          "bf16 on the way in unless --fp8_raw).");
+ABSL_FLAG(bool, fp8_raw, false, "With --encoding fp8_e4m3: the trainer keeps the fp8 bytes.");
 
 namespace draftfeed {
 namespace {
@@ -88,6 +92,11 @@ std::string Rates(const std::vector<double>& r) {
       r, ", ", [](std::string* out, double v) { absl::StrAppend(out, static_cast<int64_t>(v)); });
 }
 
+CaptureEncoding Encoding() {
+  return absl::GetFlag(FLAGS_encoding) == "fp8_e4m3" ? CaptureEncoding::kFp8E4m3
+                                                     : CaptureEncoding::kBf16;
+}
+
 // (a) The engine alone. Returns per-window rates of the forward on the
 // device; `copied` gets those of the forward with its copy to pinned memory.
 absl::StatusOr<std::vector<double>> EngineOnly(const Model& model, const std::string& device,
@@ -96,15 +105,19 @@ absl::StatusOr<std::vector<double>> EngineOnly(const Model& model, const std::st
                                                std::vector<double>* copied) {
   const int warmup = absl::GetFlag(FLAGS_warmup), per = absl::GetFlag(FLAGS_batches);
   const int64_t tokens = absl::GetFlag(FLAGS_tokens);
-  const size_t values = static_cast<size_t>(tokens) * layers.size() * model.config.hidden_size;
+  const CaptureEncoding enc = Encoding();
+  const size_t bytes =
+      static_cast<size_t>(tokens) *
+      CaptureBytesPerToken(enc, static_cast<int64_t>(layers.size()), model.config.hidden_size);
   std::vector<Clock::time_point> finished;
   if (device == "cpu") {
     auto engine = CpuEngine::Create(&model, absl::GetFlag(FLAGS_threads));
     if (!engine.ok()) return engine.status();
-    std::vector<uint16_t> out(values);
+    std::vector<std::byte> out(bytes);
     for (const Batch& b : batches) {
+      ForwardInput in{b.ids, b.lens, layers, enc};
       if (absl::Status s =
-              (*engine)->Forward({b.ids, b.lens, layers}, std::as_writable_bytes(std::span(out)));
+              (*engine)->Forward(in, std::span(out).first(CaptureBytes(model.config, in)));
           !s.ok()) {
         return s;
       }
@@ -130,9 +143,9 @@ absl::StatusOr<std::vector<double>> EngineOnly(const Model& model, const std::st
   // The target's path inside the engine: ForwardAsync into pinned buffers,
   // three in rotation (one filled, one copied into, one being "delivered").
   HostBufferPool pinned(0, PinnedHostAllocator());
-  std::vector<std::shared_ptr<uint16_t>> bufs;
+  std::vector<std::shared_ptr<std::byte>> bufs;
   for (int i = 0; i < 3; ++i) {
-    bufs.push_back(std::reinterpret_pointer_cast<uint16_t>(pinned.Acquire(values * 2)));
+    bufs.push_back(pinned.Acquire(bytes));
     if (bufs.back() == nullptr) return absl::ResourceExhaustedError("cannot pin host memory");
   }
   std::mutex mu;
@@ -145,9 +158,9 @@ absl::StatusOr<std::vector<double>> EngineOnly(const Model& model, const std::st
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] { return done + 2 >= i; });  // buffer i % 3 is free again
     }
+    const ForwardInput in{batches[i].ids, batches[i].lens, layers, enc};
     absl::Status s =
-        (*engine)->ForwardAsync({batches[i].ids, batches[i].lens, layers},
-                                std::as_writable_bytes(std::span(bufs[i % 3].get(), values)),
+        (*engine)->ForwardAsync(in, std::span(bufs[i % 3].get(), CaptureBytes(model.config, in)),
                                 [&, i](Engine::Copied copied) {
                                   std::lock_guard<std::mutex> lock(mu);
                                   finished[i] = Clock::now();
@@ -244,6 +257,8 @@ absl::StatusOr<EndToEnd> ThroughTarget(const std::string& device, const std::vec
   opt.credits_per_target = absl::GetFlag(FLAGS_credits);
   opt.verify_checksum = absl::GetFlag(FLAGS_verify);
   opt.client_name = "draftfeed-e2e-bench";
+  opt.encoding = static_cast<draftfeed::Encoding>(Encoding());
+  opt.fp8_raw = absl::GetFlag(FLAGS_fp8_raw);
   auto feed = Feed::Open(opt);
   if (!feed.ok()) return feed.status();
   // Next() refuses when nothing is outstanding, so batch i is awaited only
@@ -329,14 +344,19 @@ int Run() {
                                            absl::GetFlag(FLAGS_max_len), seed)});
     seqs += batches.back().lens.size();
   }
-  const int64_t batch_bytes = tokens * static_cast<int64_t>(layers.size()) * c.hidden_size * 2;
+  if (absl::GetFlag(FLAGS_encoding) != "bf16" && absl::GetFlag(FLAGS_encoding) != "fp8_e4m3") {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--encoding is bf16 or fp8_e4m3, got '", absl::GetFlag(FLAGS_encoding), "'")));
+  }
+  const int64_t batch_bytes =
+      tokens * CaptureBytesPerToken(Encoding(), static_cast<int64_t>(layers.size()), c.hidden_size);
   std::printf(
       "e2e: %s on %s; %lld-token batches (%.1f sequences of %d..%d on average), layers "
-      "[%s], %.0f MB of states per batch; %d warm-up + %d windows of %d batches\n",
+      "[%s], %.0f MB of %s states per batch; %d warm-up + %d windows of %d batches\n",
       (*model)->id.c_str(), device.c_str(), static_cast<long long>(tokens),
       static_cast<double>(seqs) / batches.size(), absl::GetFlag(FLAGS_min_len),
-      absl::GetFlag(FLAGS_max_len), absl::StrJoin(layers, ",").c_str(), batch_bytes / 1e6, warmup,
-      repeats, per);
+      absl::GetFlag(FLAGS_max_len), absl::StrJoin(layers, ",").c_str(), batch_bytes / 1e6,
+      absl::GetFlag(FLAGS_encoding).c_str(), warmup, repeats, per);
   std::fflush(stdout);
 
   std::vector<double> copied;

@@ -1,4 +1,5 @@
-// The HiddenChunk envelope codec in envelopes/s, against protobuf's generated code for the same.
+// The HiddenChunk envelope codec in envelopes/s, against protobuf's generated code for the same;
+// and the fp8_e4m3 capture codec in MB/s of fp8 bytes.
 //
 //   build/bin/draftfeed-bench-codec
 //
@@ -8,12 +9,15 @@
 // code) and on the whole message, payload included, which is what the
 // envelope spares the target and the client: a copy of every payload byte.
 #include <cstdint>
+#include <cstdlib>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "bench/micro/benchmark_main.h"
 #include "benchmark/benchmark.h"
 #include "common/chunk_envelope.h"
+#include "common/fp8_capture.h"
 #include "draftfeed/v1/draftfeed.pb.h"
 
 namespace draftfeed {
@@ -115,6 +119,59 @@ void BM_ProtobufParseChunk(benchmark::State& state) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * wire.size()));
 }
 BENCHMARK(BM_ProtobufParseChunk);
+
+// The fp8_e4m3 capture codec on the same chunk (81 tokens x 5 layers x
+// 5,120): the client's dequantisation on the way in (to bf16, and to fp32)
+// and the host encoder the CPU engine uses. Bytes are fp8 wire bytes, so
+// MB/s compares with a connection's rate directly.
+constexpr int64_t kTokens = 81, kLayers = 5, kHidden = 5120;
+
+std::vector<float> Fp8States() {
+  std::mt19937_64 rng(1);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(kTokens * kLayers * kHidden));
+  for (float& v : x) v = d(rng);
+  return x;
+}
+
+std::vector<std::byte> Fp8Chunk() {
+  std::vector<std::byte> out(static_cast<size_t>(kTokens * (kLayers * kHidden + 4 * kLayers)));
+  if (!EncodeFp8Capture(Fp8States(), kTokens, kLayers, kHidden, out).ok()) std::abort();
+  return out;
+}
+
+void BM_DecodeFp8ToBf16(benchmark::State& state) {
+  const std::vector<std::byte> in = Fp8Chunk();
+  std::vector<uint16_t> out(static_cast<size_t>(kTokens * kLayers * kHidden));
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(DecodeFp8CaptureToBf16(in, kTokens, kLayers, kHidden, out).ok());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * in.size()));
+}
+BENCHMARK(BM_DecodeFp8ToBf16);
+
+void BM_DecodeFp8ToFloat(benchmark::State& state) {
+  const std::vector<std::byte> in = Fp8Chunk();
+  std::vector<float> out(static_cast<size_t>(kTokens * kLayers * kHidden));
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(DecodeFp8CaptureToFloat(in, kTokens, kLayers, kHidden, out).ok());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * in.size()));
+}
+BENCHMARK(BM_DecodeFp8ToFloat);
+
+void BM_EncodeFp8FromFloat(benchmark::State& state) {
+  const std::vector<float> x = Fp8States();
+  std::vector<std::byte> out(static_cast<size_t>(kTokens * (kLayers * kHidden + 4 * kLayers)));
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(EncodeFp8Capture(x, kTokens, kLayers, kHidden, out).ok());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations() * out.size()));
+}
+BENCHMARK(BM_EncodeFp8FromFloat);
 
 }  // namespace
 }  // namespace draftfeed

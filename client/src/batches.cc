@@ -9,6 +9,7 @@ namespace {
 
 // The public mirror of the capture's encoding (draftfeed/client.h stands alone).
 static_assert(static_cast<int>(Encoding::kBf16) == static_cast<int>(CaptureEncoding::kBf16));
+static_assert(static_cast<int>(Encoding::kFp8E4m3) == static_cast<int>(CaptureEncoding::kFp8E4m3));
 Encoding Public(CaptureEncoding e) { return static_cast<Encoding>(e); }
 
 }  // namespace

@@ -98,7 +98,7 @@ absl::Status Feed::Impl::ConnectOnce(Target* t, bool first) {
   v1::StreamRequest req;
   v1::Open* open = req.mutable_open();
   for (int32_t l : options.layers) open->add_layers(l);
-  open->set_encoding(static_cast<v1::Encoding>(kRequestedEncoding));
+  open->set_encoding(static_cast<v1::Encoding>(RequestedEncoding()));
   open->set_expected_fingerprint(info->fingerprint);
   open->set_max_inflight_batches(options.credits_per_target);
   open->set_client_name(options.client_name);

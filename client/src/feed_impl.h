@@ -37,9 +37,6 @@ namespace draftfeed {
 
 using Clock = std::chrono::steady_clock;
 
-// The encoding every stream asks for (the only one served so far).
-inline constexpr CaptureEncoding kRequestedEncoding = CaptureEncoding::kBf16;
-
 struct Feed::Impl final : BatchSink {
   // Messages a gRPC connection reads ahead of its processor (chunks are
   // chunk_bytes each, 4 MiB by default).
@@ -73,7 +70,7 @@ struct Feed::Impl final : BatchSink {
     std::shared_ptr<Conn> conn;
     int32_t credits = 1;
     // The live stream's capture, as its Opened said.
-    CaptureEncoding encoding = kRequestedEncoding;
+    CaptureEncoding encoding = CaptureEncoding::kBf16;
     int64_t bytes_per_token = 0;
     int64_t attempts = 0;
     double backoff_s = 0;
@@ -139,8 +136,11 @@ struct Feed::Impl final : BatchSink {
 
   int64_t K() const { return static_cast<int64_t>(options.layers.size()); }
   // What a token of a batch weighs before a stream says (prefetch_bytes).
+  CaptureEncoding RequestedEncoding() const {
+    return static_cast<CaptureEncoding>(options.encoding);
+  }
   int64_t RequestedBytesPerToken() const {
-    return CaptureBytesPerToken(kRequestedEncoding, K(), hidden_size);
+    return CaptureBytesPerToken(RequestedEncoding(), K(), hidden_size);
   }
 
   // connection.cc

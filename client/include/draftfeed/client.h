@@ -1,6 +1,7 @@
 // draftfeed client: feeds packed token batches to target servers and hands
-// back their hidden states, token-major [T, K, H], as bytes in the encoding
-// the target sent (bf16 today).
+// back their hidden states, token-major [T, K, H]: bf16, or fp8_e4m3 with one
+// fp32 scale per token and layer (FeedOptions::encoding), which the gRPC path
+// dequantises to bf16 on the way in unless FeedOptions::fp8_raw.
 //
 //   draftfeed::FeedOptions opt;
 //   opt.targets = {"127.0.0.1:50051"};
@@ -18,6 +19,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -35,6 +38,26 @@ enum class Transport {
   kNccl,  // payload by NCCL straight into `cuda_device`'s memory (same host, other GPU)
   kAuto,  // NCCL with targets where it works, gRPC with the others (each says why)
 };
+
+// How a capture's bytes encode its [T, K, H] values (the wire's numbers;
+// mirrored here so that this header stands alone).
+enum class Encoding : uint8_t {
+  kBf16 = 1,  // 2 bytes per value: bf16 bit patterns, little endian
+  // K*H + 4K bytes per token: the K layers' H values as OCP e4m3 codes
+  // (layer-major), then K little-endian fp32 scales; a value is code * scale.
+  // The scale of a (token, layer) row is max|x| / 448 (1 for an all-zero row).
+  kFp8E4m3 = 2,
+};
+
+inline constexpr std::string_view EncodingName(Encoding e) {
+  switch (e) {
+    case Encoding::kBf16:
+      return "bf16";
+    case Encoding::kFp8E4m3:
+      return "fp8_e4m3";
+  }
+  return "unknown";
+}
 
 struct FeedOptions {
   // "host:port" or any gRPC target string (e.g. "dns:///targets.ns.svc:50051").
@@ -60,6 +83,16 @@ struct FeedOptions {
   std::string expected_fingerprint;
   // Recompute each batch's checksum and fail the batch on a mismatch.
   bool verify_checksum = true;
+  // What the targets send. kFp8E4m3 takes K*H + 4K bytes a token instead of
+  // bf16's 2*K*H. Results that come by gRPC are then dequantised to bf16 as
+  // Next() hands them out (bf16(float(code) * scale), HiddenBatch::encoding
+  // kBf16) unless `fp8_raw`; results that come by NCCL stay fp8_e4m3 in the
+  // GPU's memory (dequantise them there: the Python client does, with torch).
+  // prefetch_bytes counts the bytes sent.
+  Encoding encoding = Encoding::kBf16;
+  // kFp8E4m3 only: hand out the e4m3 codes and scales as they were sent
+  // (HiddenBatch::encoding kFp8E4m3; fp8_codes / fp8_scale read them).
+  bool fp8_raw = false;
   // Each gRPC connection reads on one thread and copies (and hashes) chunks
   // into their batches on a second, so the next chunk is already arriving
   // while the last is copied: 63% -> 83-90% of raw TCP for one connection on
@@ -102,20 +135,6 @@ struct TargetDescription {
   std::vector<std::string> layer_types;
 };
 
-// How a capture's bytes encode its [T, K, H] values (the wire's numbers;
-// mirrored here so that this header stands alone).
-enum class Encoding : uint8_t {
-  kBf16 = 1,  // 2 bytes per value: bf16 bit patterns, little endian
-};
-
-inline constexpr std::string_view EncodingName(Encoding e) {
-  switch (e) {
-    case Encoding::kBf16:
-      return "bf16";
-  }
-  return "unknown";
-}
-
 struct HiddenBatch {
   uint64_t batch_id = 0;
   std::vector<int32_t> token_ids;
@@ -143,8 +162,26 @@ struct HiddenBatch {
     const std::span<const std::byte> b = bytes();
     return {reinterpret_cast<const uint16_t*>(b.data()), b.size() / 2};
   }
-  uint64_t checksum = 0;  // as sent in BatchDone (verified when asked)
-  std::string target;     // address that computed it
+  // An fp8_e4m3 result in host memory: the H codes of token t, layer k, and
+  // their scale (value = E4M3 code * scale). Empty / NaN for other results.
+  std::span<const uint8_t> fp8_codes(int64_t t, int64_t k) const {
+    const std::span<const std::byte> b = bytes();
+    if (encoding != Encoding::kFp8E4m3 || b.empty()) return {};
+    return {reinterpret_cast<const uint8_t*>(b.data() + t * bytes_per_token + k * hidden_size),
+            static_cast<size_t>(hidden_size)};
+  }
+  float fp8_scale(int64_t t, int64_t k) const {
+    const std::span<const std::byte> b = bytes();
+    float s = std::numeric_limits<float>::quiet_NaN();
+    if (encoding == Encoding::kFp8E4m3 && !b.empty()) {
+      std::memcpy(&s, b.data() + t * bytes_per_token + num_layers * hidden_size + 4 * k, 4);
+    }
+    return s;
+  }
+  // As sent in BatchDone (verified when asked): of the bytes sent, so of the
+  // fp8_e4m3 payload for a result dequantised on the way in.
+  uint64_t checksum = 0;
+  std::string target;  // address that computed it
   double queue_ms = 0, forward_ms = 0, send_ms = 0;
   // NCCL transport: the receive's time on the receiving GPU, from its post to
   // its end. The target's send is already waiting when the receive is
