@@ -1,6 +1,7 @@
 #include "common/chunk_envelope.h"
 
 #include <algorithm>
+#include <limits>
 #include <string>
 
 #include "absl/status/status.h"
@@ -138,6 +139,12 @@ absl::StatusOr<DecodedChunkEnvelope> DecodeChunkEnvelope(std::span<const uint8_t
   DecodedChunkEnvelope out;
   while (r.pos() < message_bytes) {
     DF_RETURN_IF_ERROR(r.Varint(&tag));
+    // Protobuf's tags are 32 bits (field numbers up to 2^29 - 1); its parser
+    // fails a message with a wider one, so skipping it as unknown would take
+    // for a chunk what the generated parser rejects.
+    if (tag > std::numeric_limits<uint32_t>::max()) {
+      return Malformed(absl::StrCat("tag ", tag, " is wider than 32 bits"));
+    }
     const uint64_t field = tag >> 3;
     const auto wire = static_cast<uint32_t>(tag & 7);
     if (field == 0) return Malformed("field number 0");

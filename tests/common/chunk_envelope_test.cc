@@ -223,6 +223,10 @@ TEST(ChunkEnvelope, HostileBytesFailCleanly) {
   hostile.push_back(Chunk("\x00\x01"s));                                // field 0
   hostile.push_back(Chunk("\x5d\x01\x02"));                             // fixed32 cut
   hostile.push_back("\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01");    // 2^64-1 byte chunk
+  // Tags wider than protobuf's 32 bits (field numbers past 2^29 - 1), read as
+  // an unknown field before the fix; found by tests/fuzz/fuzz_chunk.
+  hostile.push_back(Chunk("\xe8\xfe\xb7\xb2\xf7\xfe\xb7\xae\x08\x01\x48\x4d"));
+  hostile.push_back(Chunk("\x80\x80\x80\x80\x10\x01"));  // tag 2^32, a varint field
   for (const std::string& msg : hostile) {
     SCOPED_TRACE(testing::Message() << "message of " << msg.size() << " bytes");
     v1::StreamResponse parsed;
