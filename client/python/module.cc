@@ -20,10 +20,11 @@ struct DLDevice {
   int32_t device_id;
 };
 struct DLDataType {
-  uint8_t code;  // 4 = bfloat
+  uint8_t code;  // 1 = unsigned integer, 4 = bfloat
   uint8_t bits;
   uint16_t lanes;
 };
+constexpr uint8_t kDLUInt = 1;
 constexpr uint8_t kDLBfloat = 4;
 struct DLTensor {
   void* data;
@@ -42,18 +43,21 @@ struct DLManagedTensor {
 
 struct DlpackHolder {
   std::shared_ptr<HiddenBatch> batch;
-  int64_t shape[3];
+  int64_t shape[3];  // [T, K, H]; fp8_e4m3: [T, bytes_per_token]
   DLManagedTensor managed;
 };
 
 void DeleteHolder(DLManagedTensor* t) { delete static_cast<DlpackHolder*>(t->manager_ctx); }
 
-// The DLPack element type of a capture's encoding; an encoding without one
-// (say, one with per-token scales beside its values) is refused by name.
+// The DLPack element type of a capture's encoding: bf16, or the raw bytes of
+// an fp8_e4m3 capture (codes and scales interleaved per token, which the
+// Python layer views apart).
 DLDataType DlpackType(Encoding e) {
   switch (e) {
     case Encoding::kBf16:
       return DLDataType{kDLBfloat, 16, 1};
+    case Encoding::kFp8E4m3:
+      return DLDataType{kDLUInt, 8, 1};
   }
   throw py::value_error("draftfeed: encoding " + std::string(EncodingName(e)) + " (" +
                         std::to_string(static_cast<int>(e)) +
@@ -104,23 +108,44 @@ class PyResult {
     switch (batch_->encoding) {
       case Encoding::kBf16:
         return View(batch_->bf16().data(), shape);
+      case Encoding::kFp8E4m3: {
+        // The e4m3 codes, a strided view past each token's scales.
+        const auto H = static_cast<ssize_t>(batch_->hidden_size);
+        return StridedView(reinterpret_cast<const uint8_t*>(batch_->buffer.get()), shape,
+                           {static_cast<ssize_t>(batch_->bytes_per_token), H, 1});
+      }
     }
     throw py::value_error("draftfeed: encoding " + encoding() +
                           " has no numpy view in this client");
   }
 
+  // An fp8_e4m3 result's scales [T, K] fp32 (host results only), no copy.
+  py::array fp8_scales() const {
+    if (batch_->encoding != Encoding::kFp8E4m3 || batch_->device >= 0) {
+      throw py::value_error("fp8_scales: not an fp8_e4m3 result in host memory");
+    }
+    const auto K = static_cast<ssize_t>(batch_->num_layers);
+    const auto H = static_cast<ssize_t>(batch_->hidden_size);
+    // Little-endian fp32 at K*H + 4k of each token: aligned only when K*H is
+    // a multiple of 4, which numpy views handle either way.
+    return StridedView(reinterpret_cast<const float*>(batch_->buffer.get() + K * H),
+                       {static_cast<size_t>(batch_->num_tokens), static_cast<size_t>(K)},
+                       {static_cast<ssize_t>(batch_->bytes_per_token), 4});
+  }
+
   py::capsule Dlpack() const {
     const DLDataType dtype = DlpackType(batch_->encoding);  // throws before anything is made
+    const bool fp8 = batch_->encoding == Encoding::kFp8E4m3;
     auto* h = new DlpackHolder;
     h->batch = batch_;
     h->shape[0] = batch_->num_tokens;
-    h->shape[1] = batch_->num_layers;
+    h->shape[1] = fp8 ? batch_->bytes_per_token : batch_->num_layers;
     h->shape[2] = batch_->hidden_size;
     DLTensor& t = h->managed.dl_tensor;
     t.dtype = dtype;
     t.data = batch_->buffer.get();
     t.device = batch_->device >= 0 ? DLDevice{2, batch_->device} : DLDevice{1, 0};
-    t.ndim = 3;
+    t.ndim = fp8 ? 2 : 3;
     t.shape = h->shape;
     t.strides = nullptr;  // compact row-major
     t.byte_offset = 0;
@@ -142,6 +167,17 @@ class PyResult {
     auto* keep = new std::shared_ptr<HiddenBatch>(batch_);
     py::capsule base(keep, [](void* p) { delete static_cast<std::shared_ptr<HiddenBatch>*>(p); });
     py::array_t<T> a(shape, data, base);
+    py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+    return a;
+  }
+  // The same with byte strides.
+  template <typename T>
+  py::array StridedView(const T* data, std::vector<size_t> shape,
+                        std::vector<ssize_t> byte_strides) const {
+    auto* keep = new std::shared_ptr<HiddenBatch>(batch_);
+    py::capsule base(keep, [](void* p) { delete static_cast<std::shared_ptr<HiddenBatch>*>(p); });
+    std::vector<ssize_t> dims(shape.begin(), shape.end());
+    py::array a(py::dtype::of<T>(), dims, byte_strides, data, base);
     py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
     return a;
   }
@@ -200,7 +236,17 @@ class PyFeed {
         o.expected_fingerprint = py::cast<std::string>(value);
       else if (k == "verify_checksum")
         o.verify_checksum = py::cast<bool>(value);
-      else if (k == "connect_timeout_s")
+      else if (k == "fp8_raw")
+        o.fp8_raw = py::cast<bool>(value);
+      else if (k == "encoding") {
+        const std::string e = py::cast<std::string>(value);
+        if (e == "bf16")
+          o.encoding = Encoding::kBf16;
+        else if (e == "fp8_e4m3")
+          o.encoding = Encoding::kFp8E4m3;
+        else
+          throw py::value_error("encoding must be 'bf16' or 'fp8_e4m3', got '" + e + "'");
+      } else if (k == "connect_timeout_s")
         o.connect_timeout_s = py::cast<double>(value);
       else if (k == "batch_timeout_s")
         o.batch_timeout_s = py::cast<double>(value);
@@ -343,6 +389,7 @@ PYBIND11_MODULE(_draftfeed, m) {
       .def_property_readonly("token_ids", &PyResult::token_ids)
       .def_property_readonly("seq_lens", &PyResult::seq_lens)
       .def_property_readonly("hidden_bits", &PyResult::hidden_bits)
+      .def_property_readonly("fp8_scales", &PyResult::fp8_scales)
       .def_property_readonly("device", &PyResult::device)
       .def("dlpack_capsule", &PyResult::Dlpack);
   py::class_<PyFeed>(m, "Feed")

@@ -8,6 +8,11 @@
 
 Layer ids: i is the raw output of decoder layer i (transformers' hidden_states[i+1]);
 -1 is the post-final-norm state (hidden_states[num_layers]).
+
+FP8 on the wire: `Feed(..., encoding="fp8_e4m3")` halves the bytes per token (K*H + 4K: e4m3
+codes and one fp32 scale per token and layer). Results still read as bf16 (`torch()`), dequantised
+on the way in for gRPC and on the receiving GPU for NCCL; with `fp8_raw=True` they keep the codes
+and scales (`Result.values`, `Result.scales`, `Result.fp8()`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import numpy as np
 
 from . import _draftfeed
 
-__all__ = ["Feed", "Result", "DraftfeedError", "describe_target", "FINAL_LAYER"]
+__all__ = ["Feed", "Result", "DraftfeedError", "describe_target", "FINAL_LAYER",
+           "dequantize_fp8", "E4M3_VALUES"]
 
 FINAL_LAYER = -1
 
@@ -47,11 +53,69 @@ class DraftfeedError(RuntimeError):
 # fails by name (UNIMPLEMENTED) instead of being read as another.
 _TORCH_DTYPES = {"bf16": "bfloat16"}
 _TO_FLOAT32 = {"bf16": lambda bits: (bits.astype(np.uint32) << 16).view(np.float32)}
+FP8 = "fp8_e4m3"
+_READABLE = sorted([*_TORCH_DTYPES, FP8])
 
 
 def _unsupported(encoding: str) -> "DraftfeedError":
     return DraftfeedError(12, f"this draftfeed client cannot read captures encoded as "
-                              f"{encoding!r} (it reads {sorted(_TORCH_DTYPES)})")
+                              f"{encoding!r} (it reads {_READABLE})")
+
+
+def _e4m3_values() -> np.ndarray:
+    # Every OCP e4m3 code's value, exact in float32: 2^-9 * m below the normals,
+    # 2^(e-7) * (1 + m/8) above; 0x7f and 0xff are NaN.
+    code = np.arange(256)
+    sign = np.where(code & 0x80, -1.0, 1.0)
+    exp, man = (code >> 3) & 0xF, code & 0x7
+    mag = np.where(exp == 0, man * 2.0 ** -9, 2.0 ** (exp - 7) * (1 + man / 8))
+    mag = np.where((exp == 0xF) & (man == 0x7), np.nan, mag)
+    return (sign * mag).astype(np.float32)
+
+
+E4M3_VALUES = _e4m3_values()
+
+# Tokens of an fp8 result dequantised per step on torch: bounds the fp32 (and,
+# without torch.float8_e4m3fn, int64 index) temporaries at 2^24 values.
+_DEQUANT_VALUES_PER_STEP = 1 << 24
+
+
+def _fp8_torch(raw, num_layers: int, hidden_size: int):
+    """(codes [T, K, H], scales [T, K] float32) viewed out of an fp8_e4m3 result's raw
+    bytes, a uint8 torch tensor [T, K*H + 4K]; codes are torch.float8_e4m3fn where torch has
+    it, else uint8."""
+    import torch
+
+    kh = num_layers * hidden_size
+    codes = raw[:, :kh].unflatten(1, (num_layers, hidden_size))
+    if hasattr(torch, "float8_e4m3fn"):
+        codes = codes.view(torch.float8_e4m3fn)
+    scale_bytes = raw[:, kh:]
+    if kh % 4:  # a float32 view needs 4-byte aligned rows
+        scale_bytes = scale_bytes.contiguous()
+    return codes, scale_bytes.view(torch.float32)
+
+
+def dequantize_fp8(codes, scales):
+    """bf16 [T, K, H] from fp8_e4m3 codes [T, K, H] (torch.float8_e4m3fn or uint8) and
+    scales [T, K], on their device: bf16(float32(code) * scale), the same bits as the C++
+    client's dequantisation on the way in."""
+    import torch
+
+    t = codes.shape[0]
+    out = torch.empty(codes.shape, dtype=torch.bfloat16, device=codes.device)
+    step = max(1, _DEQUANT_VALUES_PER_STEP // max(1, codes[0].numel() if t else 1))
+    table = None
+    for a in range(0, t, step):
+        c = codes[a:a + step]
+        if c.dtype == torch.uint8:
+            if table is None:
+                table = torch.from_numpy(E4M3_VALUES).to(codes.device)
+            v = table[c.long()]
+        else:
+            v = c.float()
+        out[a:a + step] = (v * scales[a:a + step].unsqueeze(-1)).to(torch.bfloat16)
+    return out
 
 
 def _check(triple):
@@ -86,9 +150,10 @@ class Result:
     hidden_bits = property(lambda self: self._r.hidden_bits,
                            doc="[T, K, H] bit patterns, no copy (uint16 for bf16)")
     encoding = property(lambda self: self._r.encoding,
-                        doc='how the capture\'s bytes encode its values: "bf16"')
+                        doc='how the result\'s bytes encode its values: "bf16", or "fp8_e4m3" '
+                            'for fp8 results kept raw (fp8_raw=True) or received by NCCL')
     bytes_per_token = property(lambda self: self._r.bytes_per_token,
-                               doc="capture bytes per token (K * H * 2 for bf16)")
+                               doc="result bytes per token (K*H*2 for bf16, K*H + 4K for fp8_e4m3)")
 
     device = property(lambda self: self._r.device,
                       doc="-1: host memory (gRPC); else the CUDA device holding it (NCCL)")
@@ -102,6 +167,9 @@ class Result:
         """
         if self._r.device >= 0:
             return self.torch()
+        if self._r.encoding == FP8:
+            # float32(code) * scale: exact widening, one fp32 multiply.
+            return E4M3_VALUES[self._r.hidden_bits] * self._r.fp8_scales[:, :, None]
         widen = _TO_FLOAT32.get(self._r.encoding)
         if widen is None:
             raise _unsupported(self._r.encoding)
@@ -116,15 +184,60 @@ class Result:
         d = self._r.device
         return (2, d) if d >= 0 else (1, 0)  # kDLCUDA / kDLCPU
 
+    def _fp8_check(self, what: str) -> None:
+        if self._r.encoding != FP8:
+            raise DraftfeedError(9, f"Result.{what} reads fp8_e4m3 codes and scales; this result "
+                                    f"is {self._r.encoding} (ask for them with "
+                                    f"Feed(encoding='fp8_e4m3', fp8_raw=True))")
+
+    @property
+    def values(self):
+        """fp8_e4m3 results: the e4m3 codes [T, K, H], no copy; numpy uint8 for host results,
+        a torch tensor (torch.float8_e4m3fn where torch has it, else uint8) for NCCL ones.
+        A value is E4M3_VALUES[code] * scales[t, k]."""
+        self._fp8_check("values")
+        if self._r.device >= 0:
+            return self.fp8()[0]
+        return self._r.hidden_bits
+
+    @property
+    def scales(self):
+        """fp8_e4m3 results: the float32 scale of each token and layer [T, K], no copy
+        (numpy for host results, torch for NCCL ones)."""
+        self._fp8_check("scales")
+        if self._r.device >= 0:
+            return self.fp8()[1]
+        return self._r.fp8_scales
+
+    def fp8(self, device=None, non_blocking: bool = True):
+        """fp8_e4m3 results: (codes [T, K, H], scales [T, K] float32) as torch tensors, views of
+        the result's memory (codes torch.float8_e4m3fn where torch has it, else uint8); copied
+        to `device` when given."""
+        import torch
+
+        self._fp8_check("fp8()")
+        raw = torch.utils.dlpack.from_dlpack(self)
+        codes, scales = _fp8_torch(raw, self._r.num_layers, self._r.hidden_size)
+        if device is not None:
+            codes = codes.to(device, non_blocking=non_blocking)
+            scales = scales.to(device, non_blocking=non_blocking)
+        return codes, scales
+
     def torch(self, device=None, non_blocking: bool = True):
         """Torch tensor [T, K, H] in the capture's dtype (bf16: torch.bfloat16)
         through DLPack (no copy on CPU).
 
+        An fp8_e4m3 result is dequantised to bf16 (dequantize_fp8) where it is: on its GPU
+        for NCCL results (then copied to `device`, if another), on `device` for host ones.
         With `device` (e.g. "cuda:0") it is copied there; from pinned memory the
         copy is asynchronous when `non_blocking`.
         """
         import torch
 
+        if self._r.encoding == FP8:
+            codes, scales = self.fp8(device if self._r.device < 0 else None, non_blocking)
+            t = dequantize_fp8(codes, scales)
+            return t if device is None else t.to(device, non_blocking=non_blocking)
         dtype_name = _TORCH_DTYPES.get(self._r.encoding)
         if dtype_name is None:
             raise _unsupported(self._r.encoding)
@@ -181,6 +294,13 @@ class Feed:
         targets where it works, gRPC with the others; `stats()` says which and
         why per target).
       cuda_device: the GPU index that receives, for "nccl" and "auto".
+      encoding: what the targets send: "bf16" (default, exact) or "fp8_e4m3" (K*H + 4K bytes a
+        token instead of 2*K*H: e4m3 codes with one fp32 scale per token and layer,
+        scale = max|x| / 448). fp8 results are bf16 to the trainer: dequantised on the way in
+        for gRPC, on the receiving GPU by `torch()` for NCCL.
+      fp8_raw: with encoding="fp8_e4m3", keep results as sent: `Result.encoding` is then
+        "fp8_e4m3" and `Result.values` / `Result.scales` / `Result.fp8()` give the codes and
+        scales (`torch()` still dequantises on request).
 
     A batch whose target dies, hangs or shuts down is re-sent to another target;
     duplicates are dropped by batch id, so each batch comes back exactly once.
@@ -192,7 +312,8 @@ class Feed:
                  verify_checksum: bool = True, connect_timeout_s: float = 30.0,
                  batch_timeout_s: float = 120.0, unavailable_timeout_s: float = 60.0,
                  client_name: str = "", progress_every_s: float = 0.0,
-                 transport: str = "grpc", cuda_device: int = -1, **advanced):
+                 transport: str = "grpc", cuda_device: int = -1, encoding: str = "bf16",
+                 fp8_raw: bool = False, **advanced):
         if isinstance(targets, str):
             targets = [targets]
         opts = dict(prefetch=int(prefetch), prefetch_bytes=int(prefetch_bytes),
@@ -202,10 +323,13 @@ class Feed:
                     connect_timeout_s=float(connect_timeout_s),
                     batch_timeout_s=float(batch_timeout_s),
                     unavailable_timeout_s=float(unavailable_timeout_s), client_name=client_name,
-                    transport=str(transport), cuda_device=int(cuda_device))
+                    transport=str(transport), cuda_device=int(cuda_device),
+                    encoding=str(encoding), fp8_raw=bool(fp8_raw))
         opts.update(advanced)  # reconnect_backoff_min_s, reconnect_backoff_max_s, dns_refresh_s
         self._feed = _check(_draftfeed.Feed.open(list(targets), [int(l) for l in layers], opts))
         self.prefetch = int(prefetch)
+        self.encoding = str(encoding)
+        self.fp8_raw = bool(fp8_raw)
         self.layers = [int(l) for l in layers]
         self.progress_every_s = float(progress_every_s)
         self._outstanding = 0

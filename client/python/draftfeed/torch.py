@@ -22,6 +22,10 @@ copy); a PackedBatch becomes {token_ids, seq_lens, position_ids, cu_seqlens, ind
 a pair {token_ids, seq_lens}, as CPU torch tensors (numpy memory shared, not copied). Added to
 every dict: `hidden` (bf16 torch tensor [T, K, H], or [T, K*H] with layers_view="t(kh)", on
 `device`) and `batch_id` (the feed's id). Items with no tokens are skipped (a target refuses them).
+A feed with encoding="fp8_e4m3" gives the same bf16 `hidden` (dequantised on the receiving GPU for
+NCCL); with fp8_raw=True too, `hidden` is instead the e4m3 codes ([T, K, H]
+torch.float8_e4m3fn where torch has it, else uint8; [T, K*H] with "t(kh)") and `hidden_scales`
+their float32 scales [T, K]: value = code * scale (draftfeed.dequantize_fp8 does it).
 
 torch.distributed: every rank makes its own Feed in its own process (a Feed is not shared across
 processes), after init_process_group. Either give every rank all targets (each feed balances
@@ -175,14 +179,24 @@ class HiddenStateDataset(torch.utils.data.IterableDataset):
     def __len__(self) -> int:
         return len(self.loader)  # TypeError when the loader has no length, as len() should
 
-    def _hidden(self, result) -> torch.Tensor:
-        # bf16 [T, K, H] sharing the result's memory: on the CPU (gRPC), or
-        # already on the receiving GPU (transport="nccl").
-        t = result.torch()
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self._pin and not t.is_cuda and not t.is_pinned():
             t = t.pin_memory()
         if self.device is not None and self.device.type != "cpu":
             t = t.to(self.device, non_blocking=self.non_blocking)
+        return t
+
+    def _hidden(self, result, fields: Dict[str, Any]) -> torch.Tensor:
+        if result.encoding == "fp8_e4m3" and getattr(self.feed, "fp8_raw", False):
+            # The codes and scales as sent, moved like bf16 states are.
+            codes, scales = result.fp8()
+            fields["hidden_scales"] = self._to_device(scales)
+            t = self._to_device(codes)
+        else:
+            # bf16 [T, K, H] sharing the result's memory: on the CPU (gRPC), or
+            # already on the receiving GPU (transport="nccl"; an fp8_e4m3
+            # result is dequantised there).
+            t = self._to_device(result.torch())
         if self.layers_view == "t(kh)":
             t = t.reshape(t.shape[0], -1)
         return t
@@ -221,7 +235,7 @@ class HiddenStateDataset(torch.utils.data.IterableDataset):
         try:
             for result in results:
                 fields = self._take(pending, result)
-                fields["hidden"] = self._hidden(result)
+                fields["hidden"] = self._hidden(result, fields)
                 fields["batch_id"] = result.batch_id
                 yield fields
         finally:
