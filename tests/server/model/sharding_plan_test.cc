@@ -295,6 +295,16 @@ TEST(ShardingPlanTest, SliceRefusesDeviceWeightsAndBadRanks) {
               HasSubstr("rank 2 is outside [0, tp=2)"));
 }
 
+TEST(ShardingPlanTest, SliceRefusesFp8Weights) {
+  // Their 128x128 block scales would have to be cut with them.
+  auto m = Make("tiny-random-fp8");
+  absl::StatusOr<RankWeights> w = SliceForRank(Plan(m->config, 2), *m, 0);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(w.status().message(),
+              HasSubstr("is F8_E4M3; tensor parallelism slices BF16, F16 and F32 weights only"));
+}
+
 // Per-rank bytes: each split tensor's 1/tp plus every replicated tensor
 // whole, so tp ranks hold the model plus tp - 1 extra copies of the
 // replicated part. On the real shapes, as the README's table prints them.
