@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/fp8_capture.h"
 #include "common/status_macros.h"
 #include "server/model/cpu_forward.h"
 
@@ -165,8 +166,13 @@ absl::Status ShardedCpuEngine::Forward(const ForwardInput& in, std::span<std::by
   DF_RETURN_IF_ERROR(CheckCaptureOutput(*this, in, out.size()));
   std::vector<float> states(static_cast<size_t>(n));
   impl_->Run(in, states.data());
-  // bf16 (the only encoding served here): little-endian uint16 per value,
-  // written bytewise so `out` needs no alignment.
+  if (in.encoding == CaptureEncoding::kFp8E4m3) {
+    return EncodeFp8Capture(states, static_cast<int64_t>(in.token_ids.size()),
+                            static_cast<int64_t>(in.layers.size()),
+                            impl_->model->config.hidden_size, out);
+  }
+  // bf16: little-endian uint16 per value, written bytewise so `out` needs no
+  // alignment.
   for (int64_t i = 0; i < n; ++i) {
     const uint16_t bits = FloatToBf16(states[static_cast<size_t>(i)]);
     out[2 * i] = static_cast<std::byte>(bits & 0xff);

@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "server/model/engine.h"
 #include "server/model/sharding_plan.h"
@@ -26,6 +27,10 @@ class ShardedCpuEngine final : public Engine {
   const Model& model() const override;
   std::string device_name() const override;  // "cpu tp2"
   ParallelLayout layout() const override;
+  // As CpuEngine: bf16, and fp8_e4m3 encoded from the fp32 states.
+  std::vector<CaptureEncoding> encodings() const override {
+    return {CaptureEncoding::kBf16, CaptureEncoding::kFp8E4m3};
+  }
   absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override;
   // Same forward, fp32 capture (rank 0's residual stream).
   absl::Status ForwardFloat(const ForwardInput& in, std::span<float> out);

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fp8_capture.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/model/cpu_engine.h"
@@ -179,7 +180,7 @@ TEST(ShardedCpuEngineTest, TpOneIsBitExact) {
   }
 }
 
-TEST(ShardedCpuEngineTest, Bf16CaptureIsTheFloatsRounded) {
+TEST(ShardedCpuEngineTest, CapturesAreTheFloatsEncoded) {
   auto m = Make("tiny-random-moe");
   auto e = MakeSharded(*m, 2, MoeParallel::kExpert, 2);
   ASSERT_NE(e, nullptr);
@@ -192,6 +193,16 @@ TEST(ShardedCpuEngineTest, Bf16CaptureIsTheFloatsRounded) {
                                                 (static_cast<uint16_t>(out[2 * i + 1]) << 8));
     ASSERT_EQ(bits, FloatToBf16(f[i])) << i;
   }
+  // fp8_e4m3 is the same states encoded.
+  std::vector<std::byte> fp8(
+      CaptureBytes(m->config, {b.tokens, b.lens, b.layers, CaptureEncoding::kFp8E4m3}));
+  ASSERT_TRUE(e->Forward({b.tokens, b.lens, b.layers, CaptureEncoding::kFp8E4m3}, fp8).ok());
+  std::vector<std::byte> expected(fp8.size());
+  ASSERT_TRUE(EncodeFp8Capture(f, static_cast<int64_t>(b.tokens.size()),
+                               static_cast<int64_t>(b.layers.size()), m->config.hidden_size,
+                               expected)
+                  .ok());
+  EXPECT_EQ(fp8, expected);
   EXPECT_EQ(e->device_name(), "cpu tp2");
   const Engine::ParallelLayout l = e->layout();
   EXPECT_EQ(l.tp, 2);
