@@ -95,6 +95,29 @@ absl::Status ModelConfig::Validate() const {
     if (s.name == "intermediate_size" && !dense_mlp) continue;
     if (s.value <= 0) return bad(s.name, " must be positive, got ", s.value);
   }
+  const struct {
+    absl::string_view name;
+    int64_t value, max;
+  } bounded[] = {
+      {"vocab_size", vocab_size, kMaxConfigVocab},
+      {"hidden_size", hidden_size, kMaxConfigWidth},
+      {"intermediate_size", intermediate_size, kMaxConfigWidth},
+      {"num_hidden_layers", num_layers, kMaxConfigLayers},
+      {"num_attention_heads", num_heads, kMaxConfigWidth},
+      {"num_key_value_heads", num_kv_heads, kMaxConfigWidth},
+      {"head_dim", head_dim, kMaxConfigWidth},
+      {"num_experts", num_experts, kMaxConfigExperts},
+      {"moe_intermediate_size", moe_intermediate_size, kMaxConfigWidth},
+      {"shared_expert_intermediate_size", shared_expert_intermediate_size, kMaxConfigWidth},
+      {"linear_conv_kernel_dim", linear_conv_kernel, kMaxConfigWidth},
+      {"linear_key_head_dim", linear_key_head_dim, kMaxConfigWidth},
+      {"linear_value_head_dim", linear_value_head_dim, kMaxConfigWidth},
+      {"linear_num_key_heads", linear_num_key_heads, kMaxConfigWidth},
+      {"linear_num_value_heads", linear_num_value_heads, kMaxConfigWidth},
+  };
+  for (const auto& s : bounded) {
+    if (s.value > s.max) return bad(s.name, " must be at most ", s.max, ", got ", s.value);
+  }
   if (features.mlp != MlpKind::kDenseSwiGlu) {
     if (features.mlp == MlpKind::kMoe) {
       if (num_experts < 0) return bad("num_experts must not be negative, got ", num_experts);

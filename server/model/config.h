@@ -63,6 +63,15 @@ struct Fp8Quantization {
   std::vector<std::string> modules_to_not_convert;
 };
 
+// Upper bounds on a config's sizes, far above any released model (at most
+// 128 layers, widths of tens of thousands, 512 experts), so that sizes
+// multiplied together (every expert of every layer, in fp32 bytes) stay inside
+// int64 and a corrupted number is refused by name instead of allocated.
+inline constexpr int64_t kMaxConfigLayers = 1024;
+inline constexpr int64_t kMaxConfigWidth = int64_t{1} << 18;        // any width, head count or dim
+inline constexpr int64_t kMaxConfigExperts = int64_t{1} << 14;      // num_experts
+inline constexpr int64_t kMaxConfigVocab = (int64_t{1} << 31) - 1;  // token ids are int32
+
 struct ModelConfig {
   // Set both with SetArch.
   Arch arch = Arch::kQwen35Hybrid;

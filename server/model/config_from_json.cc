@@ -317,6 +317,13 @@ absl::Status ParseDecoder(const JsonObject& dec, Arch arch, absl::string_view so
     DF_ASSIGN_OR_RETURN(cfg.intermediate_size, dec.RequiredInt("intermediate_size"));
   }  // qwen3_5_moe has no dense MLP: the key means nothing there
   DF_ASSIGN_OR_RETURN(cfg.num_layers, dec.RequiredInt("num_hidden_layers"));
+  // Checked here, not only in Validate: the layer types are derived from it
+  // below, and a corrupted count would be allocated first.
+  if (cfg.num_layers > kMaxConfigLayers) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", dec.Path("num_hidden_layers"),
+                                                   " must be at most ", kMaxConfigLayers, ", got ",
+                                                   cfg.num_layers));
+  }
   DF_ASSIGN_OR_RETURN(cfg.num_heads, dec.RequiredInt("num_attention_heads"));
   if (hybrid) {
     DF_ASSIGN_OR_RETURN(cfg.num_kv_heads, dec.RequiredInt("num_key_value_heads"));

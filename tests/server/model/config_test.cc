@@ -240,7 +240,7 @@ TEST(ConfigTest, RopeKeysThatDisagreeAreRefused) {
 
 // Numbers that load but would serve NaN or nonsense: a base of 1e-300 overflows
 // RoPE's inverse frequencies; eps <= 0 divides by zero on a zero row.
-TEST(ConfigTest, NonsensicalRopeThetaAndEpsAreRefused) {
+TEST(ConfigTest, NonsensicalNumbersAreRefused) {
   auto with = [](absl::string_view field) {
     return Edit(kTextMinimal, "\"num_hidden_layers\": 6",
                 absl::StrCat("\"num_hidden_layers\": 6, ", field));
@@ -264,6 +264,15 @@ TEST(ConfigTest, NonsensicalRopeThetaAndEpsAreRefused) {
     auto c = ModelConfig::FromJson(with(absl::StrCat(R"("rope_theta": )", theta)), "x");
     EXPECT_TRUE(c.ok()) << theta << ": " << c.status();
   }
+  // Sizes past any real model: refused by name, not allocated (a layer count
+  // of 4e12 made the parser derive 4e12 layer types; found by fuzz_config).
+  EXPECT_EQ(ErrorOf(Edit(kTextMinimal, "\"num_hidden_layers\": 6",
+                         "\"num_hidden_layers\": 4000000000000")),
+            "/ckpt/config.json: num_hidden_layers must be at most 1024, got 4000000000000");
+  EXPECT_EQ(ErrorOf(Edit(kQwen3, "\"hidden_size\": 1024", "\"hidden_size\": 4000000000")),
+            "/ckpt/config.json: hidden_size must be at most 262144, got 4000000000");
+  EXPECT_EQ(ErrorOf(Edit(kQwen3, "\"vocab_size\": 151936", "\"vocab_size\": 900000000000")),
+            "/ckpt/config.json: vocab_size must be at most 2147483647, got 900000000000");
   ModelConfig nan_eps = *ModelConfig::FromJson(kTextMinimal, "x");
   nan_eps.rms_norm_eps = std::nan("");
   EXPECT_EQ(nan_eps.Validate().message(), "rms_norm_eps must be in (0, 1), got nan");
