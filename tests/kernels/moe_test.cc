@@ -182,6 +182,44 @@ TEST(MoeExpertsTest, OneExpertReceivingEveryTokenMatchesItsDenseSwiGlu) {
   for (int threads : {1, 4}) CheckExperts(tokens, experts, hidden, inter, k, r, threads);
 }
 
+// One rank's experts of an expert-parallel group: MoeExpertRange over just
+// those experts' weights is the naive sum of their terms (the other experts'
+// slots weighted 0), the ranges add up to MoeExperts within fp32 regrouping,
+// and one range of every expert is MoeExperts bit for bit.
+TEST(MoeExpertRangeTest, RangesAreTheirExpertsTermsAndSumToTheWhole) {
+  const int64_t tokens = 41, experts = 8, hidden = 19, inter = 13, k = 3;
+  const Route r = RouteOf(Random(tokens * experts, 51, 3.0f), tokens, experts, k, true);
+  const std::vector<float> x = Random(tokens * hidden, 52);
+  const std::vector<float> gate_up = Random(experts * 2 * inter * hidden, 53, 0.3f);
+  const std::vector<float> down = Random(experts * hidden * inter, 54, 0.3f);
+  std::vector<float> whole(static_cast<size_t>(tokens * hidden));
+  MoeExperts(x.data(), tokens, hidden, inter, gate_up.data(), down.data(), r.ids.data(),
+             r.weights.data(), k, whole.data(), 2);
+  std::vector<float> sum(whole.size(), 0.0f);
+  const int64_t per_rank = experts / 4;
+  for (int64_t first = 0; first < experts; first += per_rank) {
+    std::vector<float> y(whole.size(), NAN);
+    MoeExpertRange(x.data(), tokens, hidden, inter, gate_up.data() + first * 2 * inter * hidden,
+                   down.data() + first * hidden * inter, first, per_rank, r.ids.data(),
+                   r.weights.data(), k, y.data(), 3);
+    Route mine = r;
+    for (size_t i = 0; i < mine.ids.size(); ++i) {
+      if (mine.ids[i] < first || mine.ids[i] >= first + per_rank) mine.weights[i] = 0.0f;
+    }
+    const std::vector<double> want = NaiveExperts(x, tokens, hidden, inter, gate_up, down, mine, k);
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_NEAR(y[i], want[i], 1e-5) << "range " << first << " element " << i;
+      sum[i] += y[i];
+    }
+  }
+  for (size_t i = 0; i < whole.size(); ++i) ASSERT_NEAR(sum[i], whole[i], 1e-5) << i;
+  // One range holding every expert is MoeExperts, bit for bit.
+  std::vector<float> all(whole.size());
+  MoeExpertRange(x.data(), tokens, hidden, inter, gate_up.data(), down.data(), 0, experts,
+                 r.ids.data(), r.weights.data(), k, all.data(), 1);
+  EXPECT_EQ(all, whole);
+}
+
 TEST(MoeExpertsTest, RowsDependOnlyOnTheirTokenAcrossBatchesAndThreads) {
   // Packed == separate: token t's output from the whole batch is bit-equal to
   // its output alone, for any thread count.
