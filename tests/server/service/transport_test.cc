@@ -234,33 +234,37 @@ class GpuTarget : public ::testing::Test {
   }
 
   // Runs the batches through a feed with `transport` and returns each result's
-  // values in host memory, plus the per-target transport it used.
-  std::vector<std::vector<uint16_t>> RunFeed(Transport transport, int cuda_device,
-                                             std::string* used, std::string* note) {
+  // bytes in host memory, plus the per-target transport it used.
+  std::vector<std::vector<uint8_t>> RunFeed(Transport transport, int cuda_device, std::string* used,
+                                            std::string* note, Encoding encoding = Encoding::kBf16,
+                                            bool fp8_raw = false) {
     FeedOptions opt;
     opt.targets = {serving_->address()};
     opt.layers = layers_;
     opt.transport = transport;
     opt.cuda_device = cuda_device;
     opt.nccl_timeout_s = 30;
+    opt.encoding = encoding;
+    opt.fp8_raw = fp8_raw;
     auto feed = Feed::Open(opt);
     EXPECT_TRUE(feed.ok()) << feed.status();
     if (!feed.ok()) return {};
     for (size_t i = 0; i < lens_.size(); ++i) EXPECT_TRUE((*feed)->Submit(toks_[i], lens_[i]).ok());
-    std::vector<std::vector<uint16_t>> out;
+    std::vector<std::vector<uint8_t>> out;
     for (size_t i = 0; i < lens_.size(); ++i) {
       auto b = (*feed)->Next();
       EXPECT_TRUE(b.ok()) << b.status();
       if (!b.ok()) return {};
-      std::vector<uint16_t> v(b->num_bytes / 2);
+      std::vector<uint8_t> v(b->num_bytes);
       if (b->device >= 0) {
         EXPECT_EQ(b->device, cuda_device);
         EXPECT_TRUE(b->bytes().empty());
-        EXPECT_EQ(cudaMemcpy(v.data(), b->buffer.get(), v.size() * 2, cudaMemcpyDeviceToHost),
+        EXPECT_EQ(cudaMemcpy(v.data(), b->buffer.get(), v.size(), cudaMemcpyDeviceToHost),
                   cudaSuccess);
-        EXPECT_EQ(b->checksum, v1::PayloadChecksum(v.data(), v.size() * 2));
+        EXPECT_EQ(b->checksum, v1::PayloadChecksum(v.data(), v.size()));
       } else {
-        v.assign(b->bf16().begin(), b->bf16().end());
+        const auto bytes = reinterpret_cast<const uint8_t*>(b->bytes().data());
+        v.assign(bytes, bytes + b->bytes().size());
       }
       out.push_back(std::move(v));
     }
@@ -296,6 +300,26 @@ TEST_F(GpuTarget, NcclDeliversExactlyWhatGrpcDoes) {
   EXPECT_EQ(used, "nccl") << note;
   ASSERT_EQ(by_auto.size(), by_grpc.size());
   for (size_t i = 0; i < by_grpc.size(); ++i) EXPECT_EQ(by_auto[i], by_grpc[i]) << "batch " << i;
+}
+
+// fp8_e4m3 over NCCL: the trainer's GPU receives the bytes a raw gRPC feed
+// gets (codes and scales, checksum verified), K*H + 4K a token.
+TEST_F(GpuTarget, NcclDeliversTheFp8BytesGrpcDoes) {
+  Start(2);
+  if (IsSkipped()) return;
+  std::string used, note;
+  const auto by_grpc =
+      RunFeed(Transport::kGrpc, -1, &used, &note, Encoding::kFp8E4m3, /*fp8_raw=*/true);
+  const auto by_nccl = RunFeed(Transport::kNccl, 1, &used, &note, Encoding::kFp8E4m3);
+  EXPECT_EQ(used, "nccl") << note;
+  ASSERT_EQ(by_nccl.size(), by_grpc.size());
+  const int64_t K = static_cast<int64_t>(layers_.size()), H = model_->config.hidden_size;
+  for (size_t i = 0; i < by_grpc.size(); ++i) {
+    int64_t T = 0;
+    for (int32_t l : lens_[i]) T += l;
+    EXPECT_EQ(by_grpc[i].size(), static_cast<size_t>(T * (K * H + 4 * K))) << "batch " << i;
+    EXPECT_EQ(by_nccl[i], by_grpc[i]) << "batch " << i;
+  }
 }
 
 TEST_F(GpuTarget, AutoOnTheTargetsOwnGpuFallsBackToGrpc) {
