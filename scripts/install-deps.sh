@@ -10,6 +10,7 @@ PACKAGES=(
   libabsl-dev libssl-dev zlib1g-dev libzstd-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   pybind11-dev python3-dev python3-numpy python3-pytest python3-grpcio python3-matplotlib
+  python3-venv python3-pip python3-setuptools python3-wheel
 )
 # torch is optional for the client (DLPack hand-off); installed when the archive has it.
 OPTIONAL=(python3-torch)

@@ -80,6 +80,13 @@ absl::StatusOr<std::unique_ptr<Model>> LoadModel(const std::string& dir);
 // "random:qwen3.6-35b-a3b[:SEED]", "random:qwen3-30b-a3b[:SEED]",
 // "random:qwen3.5-122b-a10b[:SEED]" (two GPUs' worth in bf16).
 absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec);
+// The built-in specs as the table above defines them ("tiny-random[:SEED]")
+// with what each is ("qwen3_5, 4 layers, hidden 128, ..."), for --help.
+struct BuiltinModel {
+  std::string spec;
+  std::string description;
+};
+std::vector<BuiltinModel> BuiltinModels();
 // A model of any config (checked with Validate) with host random weights drawn
 // as the built-ins' are, for tests that need a shape the table lacks.
 absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const ModelConfig& config, uint64_t seed);

@@ -373,7 +373,23 @@ class Sampler {
 std::unique_ptr<Model> MakeRandomWeights(const ModelConfig& config, uint64_t seed, std::string id,
                                          bool on_device);
 
+constexpr absl::string_view kFp8Suffix = "-fp8";
+
 }  // namespace
+
+std::vector<BuiltinModel> BuiltinModels() {
+  std::vector<BuiltinModel> out;
+  for (const RandomShape& s : kShapes) {
+    std::string what = absl::StrCat(std::string(ArchName(s.arch)), ", ", s.layers,
+                                    " layers, hidden ", s.hidden, ", vocab ", s.vocab);
+    if (s.experts > 0) {
+      absl::StrAppend(&what, ", ", s.experts, " experts (top ", s.experts_per_tok, ")");
+    }
+    if (s.device_weights) absl::StrAppend(&what, ", weights made on the GPU");
+    out.push_back({absl::StrCat(std::string(s.name), "[:SEED]"), std::move(what)});
+  }
+  return out;
+}
 
 absl::StatusOr<std::unique_ptr<Model>> MakeRandomModel(const std::string& spec) {
   // Debian's Abseil has its own string_view, so strings cross into absl here.
