@@ -125,3 +125,62 @@ def test_dataset_hands_raw_codes_and_scales(target):
         assert "hidden_scales" not in p and p["hidden"].dtype == torch.bfloat16
         again = draftfeed.dequantize_fp8(it["hidden"], it["hidden_scales"])
         assert torch.equal(again.view(torch.int16), p["hidden"].view(torch.int16))
+
+
+def _cuda_devices():
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(_cuda_devices() < 1, reason="needs a CUDA device")
+def test_dequantisation_on_a_gpu_gives_the_cpu_bits(target):
+    # What an NCCL result gets on the trainer's GPU: the same bf16 bits as the
+    # C++ client's dequantisation on the way in.
+    import torch
+
+    dequantised, _ = run(target, encoding="fp8_e4m3")
+    raw, _ = run(target, encoding="fp8_e4m3", fp8_raw=True)
+    for d, r in zip(dequantised, raw):
+        codes, scales = r.fp8("cuda:0")
+        t = draftfeed.dequantize_fp8(codes, scales)
+        assert t.is_cuda
+        np.testing.assert_array_equal(t.cpu().view(torch.int16).numpy().view(np.uint16),
+                                      d.hidden_bits)
+        on_gpu = r.torch("cuda:0")  # dequantised on the device it goes to
+        assert on_gpu.is_cuda and torch.equal(on_gpu.view(torch.int16), t.view(torch.int16))
+
+
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs two CUDA devices")
+def test_nccl_fp8_lands_on_the_trainers_gpu(make_target):
+    # A CUDA target on GPU 0 sending fp8 by NCCL to GPU 1: the raw payload is the
+    # gRPC raw payload; torch() dequantises it there to the gRPC feed's bf16 bits.
+    import torch
+
+    t = make_target(model="small-random", extra=["--device=cuda:0"])
+    layers = [0, 2, -1]
+    batches = [(tokens(n, 7 + n), [n]) for n in (1, 300, 2048)]
+
+    def results(**kw):
+        with draftfeed.Feed(targets=[t.address], layers=layers, prefetch=2,
+                            encoding="fp8_e4m3", **kw) as feed:
+            out = list(feed.map(batches))
+            assert feed.stats()["targets"][0]["transport"] == kw.get("transport", "grpc")
+        return out
+
+    grpc_bf16 = results()
+    grpc_raw = results(fp8_raw=True)
+    nccl = results(transport="nccl", cuda_device=1)
+    for g, gr, n in zip(grpc_bf16, grpc_raw, nccl):
+        assert n.device == 1 and n.encoding == "fp8_e4m3"
+        assert n.checksum == gr.checksum
+        codes, scales = n.fp8()
+        assert codes.device == torch.device("cuda", 1)
+        np.testing.assert_array_equal(codes.view(torch.uint8).cpu().numpy(), gr.values)
+        np.testing.assert_array_equal(scales.cpu().numpy(), gr.scales)
+        h = n.torch()
+        assert h.device == torch.device("cuda", 1) and h.dtype == torch.bfloat16
+        np.testing.assert_array_equal(h.cpu().view(torch.int16).numpy().view(np.uint16),
+                                      g.hidden_bits)
