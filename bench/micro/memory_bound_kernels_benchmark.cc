@@ -11,6 +11,7 @@
 
 #include "bench/micro/gpu_benchmark.h"
 #include "benchmark/benchmark.h"
+#include "kernels/capture_fp8.cuh"
 #include "kernels/checksum.cuh"
 #include "kernels/checksum_terms.h"
 #include "kernels/elementwise.cuh"
@@ -198,6 +199,19 @@ void BM_CaptureResidual(benchmark::State& state) {
   });
 }
 DF_GPU_BENCHMARK(BM_CaptureResidual);
+
+// The fp8_e4m3 wire encoding of a whole capture, [T, 5, D] bf16 in, codes and
+// per-(token, layer) scales out. Each row is read twice (max, then divide);
+// the second read is counted as free (it comes from L1/L2).
+void BM_EncodeFp8Capture(benchmark::State& state) {
+  DeviceArray<bf16> capture(kT * kCaptureSlots * kD);
+  DeviceArray<uint8_t> out(kT * (kCaptureSlots * kD + 4 * kCaptureSlots));
+  FillRandom(capture, 1);
+  TimeKernel(state, {static_cast<double>(capture.bytes() + out.bytes())}, [&] {
+    return cuda::EncodeFp8Capture(capture.get(), kT, kCaptureSlots, kD, out.get(), nullptr);
+  });
+}
+DF_GPU_BENCHMARK(BM_EncodeFp8Capture);
 
 // ---------------------------------------------------------------- embedding
 
