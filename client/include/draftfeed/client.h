@@ -59,6 +59,22 @@ inline constexpr std::string_view EncodingName(Encoding e) {
   return "unknown";
 }
 
+// TLS to targets started with --tls_cert. Any field set turns TLS on.
+struct TlsOptions {
+  // TLS with the system's trust store when no `ca_file` is given.
+  bool enabled = false;
+  // PEM CA certificate(s) a target's certificate must chain to.
+  std::string ca_file;
+  // Mutual TLS (a target started with --tls_client_ca): this client's PEM
+  // certificate chain and its private key.
+  std::string cert_file;
+  std::string key_file;
+  // The name a target's certificate must carry when it is not the host of
+  // the address (connecting by IP to a certificate for a name). A
+  // "dns:///name:port" target's addresses are checked against `name`.
+  std::string server_name;
+};
+
 struct FeedOptions {
   // "host:port" or any gRPC target string (e.g. "dns:///targets.ns.svc:50051").
   std::vector<std::string> targets;
@@ -119,6 +135,11 @@ struct FeedOptions {
   int cuda_device = -1;
   // NCCL setup with a target, and each batch's receive, must finish in this.
   double nccl_timeout_s = 120.0;
+  TlsOptions tls;
+  // Bearer token (the targets' --auth_tokens_file), sent on every call as
+  // "authorization: Bearer <token>". Over plaintext it crosses the network
+  // readable: use TLS beyond loopback.
+  std::string token;
 };
 
 struct TargetDescription {
@@ -223,9 +244,12 @@ struct FeedStats {
   std::vector<TargetStats> targets;
 };
 
-// Queries one target without opening a stream.
+// Queries one target without opening a stream (plaintext, no token; or with
+// FeedOptions' `tls` and `token`).
 absl::StatusOr<TargetDescription> DescribeTarget(const std::string& address,
                                                  double timeout_s = 10.0);
+absl::StatusOr<TargetDescription> DescribeTarget(const std::string& address, const TlsOptions& tls,
+                                                 const std::string& token, double timeout_s = 10.0);
 
 class Feed {
  public:
