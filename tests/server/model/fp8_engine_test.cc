@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,7 @@ std::vector<float> Forward(const Model& m, const std::vector<int32_t>& tokens,
 struct Case {
   const char* spec;  // an -fp8 built-in
 };
+void PrintTo(const Case& c, std::ostream* os) { *os << c.spec; }
 
 class Fp8EngineTest : public ::testing::TestWithParam<Case> {};
 
