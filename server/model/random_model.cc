@@ -388,6 +388,10 @@ std::vector<BuiltinModel> BuiltinModels() {
     if (s.device_weights) absl::StrAppend(&what, ", weights made on the GPU");
     out.push_back({absl::StrCat(std::string(s.name), "[:SEED]"), std::move(what)});
   }
+  out.push_back({"NAME-fp8[:SEED]",
+                 "any model above with FP8 weights (e4m3, one fp32 scale per 128x128 block): "
+                 "host models quantised as --quantize fp8 does (tiny MoE experts 128 wide), "
+                 "random:* ones made on the GPU"});
   return out;
 }
 
