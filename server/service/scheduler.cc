@@ -1,5 +1,6 @@
 #include "server/service/scheduler.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -15,6 +16,7 @@ Scheduler::Scheduler(std::vector<Engine*> engines, int64_t max_queued, double th
     : pool_(pool_idle_bytes, std::move(host_allocator), {.keep_buffers = 2}),
       max_queued_(max_queued),
       throttle_tokens_per_s_(throttle_tokens_per_s) {
+  streams_[0];  // the default stream, uncapped
   lanes_.reserve(engines.size());
   for (Engine* engine : engines) {
     lanes_.push_back(std::make_unique<Lane>());
@@ -39,15 +41,101 @@ absl::Status Scheduler::Submit(WorkItem item) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("target is shutting down; send to another target");
-    if (static_cast<int64_t>(queue_.size()) >= max_queued_) {
+    if (queued_ >= max_queued_) {
       return absl::ResourceExhaustedError(
           absl::StrCat("target queue is full (", max_queued_,
                        " batches); retry later or lower the client's credits"));
     }
-    queue_.push_back(Entry{std::move(item), std::chrono::steady_clock::now()});
+    auto it = streams_.find(item.stream);
+    if (it == streams_.end() || it->second.removed) {
+      return absl::NotFoundError(absl::StrCat("scheduler stream ", item.stream, " is closed"));
+    }
+    it->second.queue.push_back(Entry{std::move(item), std::chrono::steady_clock::now()});
+    ++queued_;
   }
   cv_.notify_one();
   return absl::OkStatus();
+}
+
+uint64_t Scheduler::AddStream(int64_t max_pending_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = next_stream_++;
+  streams_[id].max_pending_bytes = max_pending_bytes;
+  return id;
+}
+
+void Scheduler::RemoveStream(uint64_t stream) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = streams_.find(stream);
+    if (stream == 0 || it == streams_.end()) return;
+    if (it->second.queue.empty()) {
+      streams_.erase(it);
+      return;
+    }
+    it->second.removed = true;  // eligible from now on, whatever it holds
+  }
+  cv_.notify_all();
+}
+
+void Scheduler::ChargePending(uint64_t stream, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = streams_.find(stream);
+  if (it != streams_.end()) it->second.pending_bytes += bytes;
+}
+
+void Scheduler::ReleasePending(uint64_t stream, int64_t bytes) {
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = streams_.find(stream);
+    if (it == streams_.end()) return;
+    StreamQueue& s = it->second;
+    const bool was_eligible = Eligible(s);
+    s.pending_bytes = std::max<int64_t>(0, s.pending_bytes - bytes);
+    wake = !was_eligible && Eligible(s) && !s.queue.empty();
+  }
+  if (wake) cv_.notify_all();
+}
+
+int64_t Scheduler::pending_bytes(uint64_t stream) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = streams_.find(stream);
+  return it == streams_.end() ? 0 : it->second.pending_bytes;
+}
+
+bool Scheduler::Eligible(const StreamQueue& s) const {
+  // Stopping drains everything queued: nobody will read those streams again.
+  return stopping_ || s.removed || s.max_pending_bytes <= 0 ||
+         s.pending_bytes < s.max_pending_bytes;
+}
+
+bool Scheduler::TakeLocked(Entry& out) {
+  // At most --max_streams streams: a scan per batch costs far less than the
+  // forward it starts.
+  auto best = streams_.end();
+  int64_t best_tag = 0;
+  for (auto it = streams_.begin(); it != streams_.end(); ++it) {
+    const StreamQueue& s = it->second;
+    if (s.queue.empty() || !Eligible(s)) continue;
+    const int64_t tag = std::max(s.vtime, vtime_);
+    if (best == streams_.end() || tag < best_tag ||
+        (tag == best_tag && s.last_taken < best->second.last_taken)) {
+      best = it;
+      best_tag = tag;
+    }
+  }
+  if (best == streams_.end()) return false;
+  StreamQueue& s = best->second;
+  out = std::move(s.queue.front());
+  s.queue.pop_front();
+  --queued_;
+  vtime_ = best_tag;
+  s.vtime = best_tag + static_cast<int64_t>(out.item.token_ids.size());
+  s.last_taken = ++taken_;
+  s.pending_bytes += out.item.result_bytes;
+  if (s.removed && s.queue.empty()) streams_.erase(best);
+  return true;
 }
 
 void Scheduler::Stop() {
@@ -78,10 +166,12 @@ void Scheduler::WorkerLoop(Lane& lane) {
     Entry entry;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) break;  // stopping and drained
-      entry = std::move(queue_.front());
-      queue_.pop_front();
+      bool taken = false;
+      cv_.wait(lock, [&] {
+        taken = TakeLocked(entry);
+        return taken || (stopping_ && queued_ == 0);
+      });
+      if (!taken) break;  // stopping and drained
       ++running_;
     }
     auto c = std::make_shared<Completion>();
@@ -95,6 +185,10 @@ void Scheduler::WorkerLoop(Lane& lane) {
       lane.fifo.push_back(c);
     }
     if (entry.item.cancelled && entry.item.cancelled()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++skipped_batches_;
+      }
       FinishHalves(lane, *c, absl::CancelledError("stream closed before the batch ran"), 2);
       continue;
     }
@@ -184,7 +278,7 @@ void Scheduler::CompletionLoop(Lane& lane) {
 
 int64_t Scheduler::queued() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(queue_.size());
+  return queued_;
 }
 int64_t Scheduler::running() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -197,6 +291,10 @@ int64_t Scheduler::completed_batches() const {
 int64_t Scheduler::completed_tokens() const {
   std::lock_guard<std::mutex> lock(mu_);
   return completed_tokens_;
+}
+int64_t Scheduler::skipped_batches() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return skipped_batches_;
 }
 
 }  // namespace draftfeed

@@ -1,6 +1,23 @@
-// The scheduler shared by every stream of a target: one bounded FIFO of
-// batches, one worker thread per engine replica. Streams hold credits, so the
-// queue cannot grow past the sum of credits; the explicit bound is the backstop.
+// The scheduler shared by every stream of a target: a queue of batches per
+// stream, one worker thread per engine replica. Streams hold credits, so the
+// queues cannot grow past the sum of credits; the explicit bound is the
+// backstop.
+//
+// Fair queueing by tokens across streams (the limit of deficit round-robin as
+// its quantum shrinks to one token): each stream has a virtual time, the
+// tokens taken for it so far, and the next batch taken is the head of the
+// eligible stream whose virtual time is least. A stream that starts queueing
+// (or comes back from its cap) joins at the virtual time of the batch taken
+// last, so it cannot bank credit while it sent nothing. Hence: a stream's
+// batches run in the order it sent them; while two streams both have batches
+// queued, the tokens taken for them differ by at most one batch; and a
+// stream's batch waits behind at most one batch of each other stream (plus
+// those already taken), however many the others queue.
+//
+// A stream's pending bytes are the result bytes of its batches taken for the
+// forward and not yet written to its client (the stream releases them), plus
+// what the stream charges for its unsent errors. A stream whose pending bytes
+// reach its cap is not eligible: its batches wait, the others run on.
 //
 // Each engine also has a completion thread: the worker starts batch N+1's
 // forward as soon as N's forward is done, while N's capture is still being
@@ -13,6 +30,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -55,6 +73,11 @@ struct WorkItem {
   std::function<void(absl::StatusOr<ForwardResult>)> done;
   // Checked before the forward starts; true skips the work.
   std::function<bool()> cancelled;
+  // The stream it belongs to (AddStream); 0 is the default stream, uncapped.
+  uint64_t stream = 0;
+  // Charged to the stream's pending bytes when the batch is taken for its
+  // forward: the result's size, which the stream releases once written.
+  int64_t result_bytes = 0;
   // When set (NCCL transport), the capture is handed over while still on the
   // device and `done` gets a result without a host buffer (`capture` null),
   // once the sink's work is done (the engine is on the next batch by then).
@@ -71,8 +94,23 @@ class Scheduler {
             HostAllocator host_allocator = HostAllocator::Heap());
   ~Scheduler();  // Stop()s
 
-  // RESOURCE_EXHAUSTED when the queue is full, UNAVAILABLE once stopping.
+  // Queues `item` behind its stream's earlier items. RESOURCE_EXHAUSTED when
+  // `max_queued` items are queued across streams, UNAVAILABLE once stopping,
+  // NOT_FOUND for a stream that is not (or no longer) added.
   absl::Status Submit(WorkItem item);
+
+  // A new stream with its own queue. `max_pending_bytes` > 0: while the
+  // stream's pending bytes are at least this, its batches wait (a batch
+  // larger than the cap still runs when nothing of the stream is pending).
+  uint64_t AddStream(int64_t max_pending_bytes);
+  // The stream is going away: its queued items are still taken (in its
+  // order, whatever its cap) so that each gets its `done`; then it is gone.
+  void RemoveStream(uint64_t stream);
+  // Pending bytes the stream adds (an unsent error) or gives back (a result
+  // or error written). No-ops for a removed stream.
+  void ChargePending(uint64_t stream, int64_t bytes);
+  void ReleasePending(uint64_t stream, int64_t bytes);
+  int64_t pending_bytes(uint64_t stream) const;
   // Finishes what is queued and running, delivers it, then joins the threads.
   void Stop();
 
@@ -89,6 +127,9 @@ class Scheduler {
   int64_t running() const;
   int64_t completed_batches() const;
   int64_t completed_tokens() const;
+  // Of the completed: skipped because their stream was gone (or cancelled by
+  // the client) before they ran.
+  int64_t skipped_batches() const;
   const HostBufferPool& pool() const { return pool_; }
   // Caps the capture buffers' host memory, live + idle (0: no cap): a
   // forward waits for buffers to come back rather than exceed it.
@@ -99,6 +140,18 @@ class Scheduler {
     WorkItem item;
     std::chrono::steady_clock::time_point enqueued;
   };
+  struct StreamQueue {
+    int64_t max_pending_bytes = 0;  // 0: no cap
+    int64_t pending_bytes = 0;
+    int64_t vtime = 0;        // tokens taken for it, in virtual time
+    uint64_t last_taken = 0;  // sequence number of its last batch taken (breaks ties)
+    std::deque<Entry> queue;
+    bool removed = false;
+  };
+  bool Eligible(const StreamQueue& s) const;
+  // Moves the next batch by fair queueing into `out`; false when no stream
+  // has an eligible batch. Called with mu_ held.
+  bool TakeLocked(Entry& out);
   // One batch from the start of its forward to its `done` call. Delivered
   // when both halves are in: the worker's (forward over) and the copy's.
   struct Completion {
@@ -130,11 +183,16 @@ class Scheduler {
   const double throttle_tokens_per_s_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Entry> queue_;
+  std::map<uint64_t, StreamQueue> streams_;
+  uint64_t next_stream_ = 1;
+  int64_t queued_ = 0;
+  int64_t vtime_ = 0;   // virtual time at which the last batch taken started
+  uint64_t taken_ = 0;  // batches taken so far
   bool stopping_ = false;
   int64_t running_ = 0;
   int64_t completed_batches_ = 0;
   int64_t completed_tokens_ = 0;
+  int64_t skipped_batches_ = 0;
   std::vector<std::unique_ptr<Lane>> lanes_;
   bool joined_ = false;
 };

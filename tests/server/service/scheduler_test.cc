@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -292,6 +293,168 @@ TEST(SchedulerTest, DeviceSinksDeliverInForwardOrderWithTheirChecksums) {
     EXPECT_EQ(got[i].checksum, v1::PayloadChecksum(payload.data(), payload.size() * 2));
     EXPECT_FALSE(got[i].host_buffer);
   }
+}
+
+// An engine whose forwards record their first token id and wait while the
+// gate is shut: batches from several streams queue up before any runs, and
+// the order the scheduler chose is read back afterwards.
+class GateEngine final : public Engine {
+ public:
+  GateEngine() : model_(*OpenModel("tiny-random")) {}
+  const Model& model() const override { return *model_; }
+  std::string device_name() const override { return "gate"; }
+  absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    order_.push_back(in.token_ids[0]);
+    cv_.notify_all();
+    cv_.wait(lock, [this] { return open_; });
+    const uint16_t value = static_cast<uint16_t>(in.token_ids[0]);
+    for (size_t i = 0; i + 1 < out.size(); i += 2) std::memcpy(&out[i], &value, 2);
+    return absl::OkStatus();
+  }
+  void Set(bool open) {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = open;
+    cv_.notify_all();
+  }
+  bool WaitForForwards(size_t n) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::seconds(10), [&] { return order_.size() >= n; });
+  }
+  std::vector<int32_t> order() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return order_;
+  }
+
+ private:
+  std::unique_ptr<Model> model_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = true;
+  std::vector<int32_t> order_;
+};
+
+WorkItem ForStream(Recorder& rec, uint64_t stream, int32_t id, int32_t tokens,
+                   int64_t result_bytes = 0) {
+  WorkItem item = rec.Item(id, tokens);
+  item.stream = stream;
+  item.result_bytes = result_bytes;
+  return item;
+}
+
+// Stream a queues 32 batches while the engine is held on a batch of the
+// default stream; then b queues 4. First come, first served would run all of
+// a's first. Fair queueing alternates the two (equal batch sizes), so b's
+// n-th batch (from 0) runs at position 2n + 1 at the latest; each stream's
+// batches keep their order.
+TEST(SchedulerTest, FairQueueingDoesNotLetAQueuedStreamPushAnotherBack) {
+  GateEngine engine;
+  Recorder rec;
+  Scheduler sched({&engine}, 256);
+  const uint64_t a = sched.AddStream(0), b = sched.AddStream(0);
+  engine.Set(false);
+  ASSERT_TRUE(sched.Submit(rec.Item(1)).ok());
+  ASSERT_TRUE(engine.WaitForForwards(1));
+  for (int i = 0; i < 32; ++i) ASSERT_TRUE(sched.Submit(ForStream(rec, a, 100 + i, 64)).ok());
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(sched.Submit(ForStream(rec, b, 200 + i, 64)).ok());
+  EXPECT_EQ(sched.queued(), 36);
+  engine.Set(true);
+  ASSERT_EQ(rec.WaitFor(37).size(), 37u);
+  const std::vector<int32_t> order = engine.order();
+  std::vector<int32_t> of_a, of_b;
+  std::vector<size_t> b_at;
+  for (size_t i = 1; i < order.size(); ++i) {
+    if (order[i] >= 200) {
+      of_b.push_back(order[i]);
+      b_at.push_back(i - 1);
+    } else {
+      of_a.push_back(order[i]);
+    }
+  }
+  ASSERT_EQ(of_a.size(), 32u);
+  ASSERT_EQ(of_b.size(), 4u);
+  for (int i = 0; i < 32; ++i) EXPECT_EQ(of_a[i], 100 + i);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(of_b[i], 200 + i);
+    EXPECT_LE(b_at[i], static_cast<size_t>(2 * i + 1)) << "b's batch " << i;
+  }
+}
+
+// Fairness is by tokens: beside a stream of 256-token batches, one of
+// 64-token batches gets four batches per batch of the other, and while both
+// have batches queued the tokens taken for them never differ by more than
+// one batch.
+TEST(SchedulerTest, FairQueueingSharesTokensNotBatches) {
+  GateEngine engine;
+  Recorder rec;
+  Scheduler sched({&engine}, 256);
+  const uint64_t big = sched.AddStream(0), small = sched.AddStream(0);
+  engine.Set(false);
+  ASSERT_TRUE(sched.Submit(rec.Item(1)).ok());
+  ASSERT_TRUE(engine.WaitForForwards(1));
+  for (int i = 0; i < 10; ++i) ASSERT_TRUE(sched.Submit(ForStream(rec, big, 1000 + i, 256)).ok());
+  for (int i = 0; i < 40; ++i) ASSERT_TRUE(sched.Submit(ForStream(rec, small, 2000 + i, 64)).ok());
+  engine.Set(true);
+  ASSERT_EQ(rec.WaitFor(51).size(), 51u);
+  const std::vector<int32_t> order = engine.order();
+  int64_t big_tokens = 0, small_tokens = 0;
+  int big_n = 0, small_n = 0;
+  for (size_t i = 1; i < order.size(); ++i) {
+    if (order[i] >= 2000) {
+      EXPECT_EQ(order[i], 2000 + small_n++);
+      small_tokens += 64;
+    } else {
+      EXPECT_EQ(order[i], 1000 + big_n++);
+      big_tokens += 256;
+    }
+    if (big_n < 10 && small_n < 40) {
+      EXPECT_LE(std::abs(big_tokens - small_tokens), 256) << "after " << i << " batches";
+    }
+  }
+  EXPECT_EQ(big_n, 10);
+  EXPECT_EQ(small_n, 40);
+}
+
+// A stream at its pending cap is skipped while others run; each release
+// lets exactly as much more of it run as fits under the cap again; removing
+// it drains what it queued.
+TEST(SchedulerTest, APendingCapHoldsBackOnlyItsStream) {
+  GateEngine engine;
+  Recorder rec;
+  Scheduler sched({&engine}, 256);
+  const uint64_t capped = sched.AddStream(/*max_pending_bytes=*/200);
+  const uint64_t free = sched.AddStream(0);
+  for (int i = 0; i < 6; ++i) {
+    ASSERT_TRUE(sched.Submit(ForStream(rec, capped, 300 + i, 64, /*result_bytes=*/100)).ok());
+  }
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(sched.Submit(ForStream(rec, free, 400 + i, 64)).ok());
+  // Two of the capped stream's batches reach its cap; the other stream's
+  // six all run.
+  ASSERT_EQ(rec.WaitFor(8).size(), 8u);
+  EXPECT_EQ(rec.WaitFor(9, milliseconds(300)).size(), 8u) << "a capped stream ran past its cap";
+  EXPECT_EQ(sched.pending_bytes(capped), 200);
+  EXPECT_EQ(sched.queued(), 4);
+  sched.ReleasePending(capped, 100);  // one result written: one more fits
+  ASSERT_EQ(rec.WaitFor(9).size(), 9u);
+  EXPECT_EQ(rec.WaitFor(10, milliseconds(300)).size(), 9u);
+  EXPECT_EQ(sched.pending_bytes(capped), 200);
+  // A charge (an unsent error) counts as a result would.
+  sched.ChargePending(capped, 150);
+  sched.ReleasePending(capped, 200);
+  ASSERT_EQ(rec.WaitFor(10).size(), 10u);
+  EXPECT_EQ(rec.WaitFor(11, milliseconds(300)).size(), 10u);
+  EXPECT_EQ(sched.pending_bytes(capped), 250);
+  sched.RemoveStream(capped);  // the stream went away: its last two still get their done
+  const std::vector<Delivery> got = rec.WaitFor(12);
+  ASSERT_EQ(got.size(), 12u);
+  std::vector<int32_t> capped_order;
+  for (const Delivery& d : got) {
+    if (d.id < 400) capped_order.push_back(d.id);
+  }
+  EXPECT_EQ(capped_order, (std::vector<int32_t>{300, 301, 302, 303, 304, 305}));
+  EXPECT_EQ(sched.Submit(ForStream(rec, capped, 399, 64)).code(), absl::StatusCode::kNotFound);
+  sched.ReleasePending(capped, 100);  // a removed stream: a no-op
+  EXPECT_EQ(sched.pending_bytes(capped), 0);
 }
 
 }  // namespace
