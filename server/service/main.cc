@@ -33,7 +33,9 @@
 #include "server/model/sharded_cpu_engine.h"
 #include "server/model/sharding_plan.h"
 #include "server/model/weight_check.h"
+#include "server/service/auth_tokens.h"
 #include "server/service/target_service.h"
+#include "server/service/tls_options.h"
 #include "server/service/version.h"
 
 ABSL_FLAG(std::string, model, "tiny-random",
@@ -90,6 +92,20 @@ ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written there o
 ABSL_FLAG(std::string, quantize, "none",
           "Quantise the model at load: none, or fp8 (e4m3 weights with one fp32 scale per "
           "128x128 block, as Qwen's FP8 checkpoints; refused for a checkpoint already FP8).");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain to serve TLS with (with --tls_key). Without TLS, a --listen "
+          "address other than loopback needs --insecure.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA certificate(s): every client must present a certificate signed by one "
+          "(mutual TLS). Needs --tls_cert.");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "File of named bearer tokens, one 'name: token' a line (# comments): every call but "
+          "health must carry one ('authorization: Bearer <token>'); the name appears in the "
+          "stream's log line. Re-read on SIGHUP (a bad file then keeps the old set).");
+ABSL_FLAG(bool, insecure, false,
+          "Serve plaintext on a --listen address other than loopback (refused without it "
+          "unless TLS is configured).");
 ABSL_FLAG(bool, check_weights, false,
           "At load, scan every weight for NaN and infinities and refuse to start on the first, "
           "naming the tensor (one pass over the weights: seconds for a large checkpoint).");
@@ -195,6 +211,24 @@ int Run() {
   }
 #endif
   if (absl::Status s = CheckFlags(); !s.ok()) return Fail(std::string(s.message()));
+  // Security is settled before the model loads: a bad certificate or token
+  // file fails in a second, not after minutes of loading.
+  const ListenSecurity security{.tls_cert = absl::GetFlag(FLAGS_tls_cert),
+                                .tls_key = absl::GetFlag(FLAGS_tls_key),
+                                .tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca),
+                                .insecure = absl::GetFlag(FLAGS_insecure)};
+  auto credentials = MakeServerCredentials(absl::GetFlag(FLAGS_listen), security);
+  if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
+  const std::string tokens_path = absl::GetFlag(FLAGS_auth_tokens_file);
+  std::shared_ptr<TokenChecker> tokens;
+  if (!tokens_path.empty()) {
+    auto file = ReadTokenFile(tokens_path);
+    if (!file.ok()) return Fail(std::string(file.status().message()));
+    for (const std::string& w : file->warnings) {
+      std::fprintf(stderr, "draftfeed-target: warning: %s\n", w.c_str());
+    }
+    tokens = std::make_shared<TokenChecker>(std::move(file->tokens));
+  }
   const int tp = absl::GetFlag(FLAGS_tp);
   const MoeParallel moe_parallel = *ParseMoeParallel(absl::GetFlag(FLAGS_moe_parallel));
   if (absl::GetFlag(FLAGS_print_plan)) {
@@ -218,6 +252,7 @@ int Run() {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);  // re-reads --auth_tokens_file
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   const auto t0 = std::chrono::steady_clock::now();
@@ -286,34 +321,41 @@ int Run() {
       static_cast<int64_t>(absl::GetFlag(FLAGS_host_memory_cap_gib) * (int64_t{1} << 30));
   options.enable_nccl = absl::GetFlag(FLAGS_nccl);
   options.nccl_timeout_s = absl::GetFlag(FLAGS_nccl_timeout_s);
+  options.tokens = tokens;
   TargetService service(engine_ptrs, options);
 
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // Reflection cannot check a bearer token, so a target that checks them
+  // serves none.
+  if (tokens == nullptr) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.RegisterService(&service);
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.SetMaxSendMessageSize(-1);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
     return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen),
-                             " (address in use or malformed?)"));
+                             security.tls() ? " (address in use or malformed, or --tls_key is not "
+                                              "the private key of --tls_cert?)"
+                                            : " (address in use or malformed?)"));
   }
   service.ServeHealth(server.get());
   const Model& m = **model;
-  std::fprintf(stderr,
-               "draftfeed-target %s: serving %s (%s, %lld layers, hidden %lld, fingerprint %s) "
-               "on port %d, device %s, token budget %lld, loaded in %.2fs\n",
-               std::string(kDraftfeedVersion).c_str(), m.id.c_str(),
-               std::string(ArchName(m.config.arch)).c_str(),
-               static_cast<long long>(m.config.num_layers),
-               static_cast<long long>(m.config.hidden_size), m.fingerprint.c_str(), port,
-               absl::StrJoin(engine_ptrs, ",",
-                             [](std::string* out, Engine* e) { out->append(e->device_name()); })
-                   .c_str(),
-               static_cast<long long>(options.max_batch_tokens), load_s);
+  std::fprintf(
+      stderr,
+      "draftfeed-target %s: serving %s (%s, %lld layers, hidden %lld, fingerprint %s) "
+      "on port %d (%s%s), device %s, token budget %lld, loaded in %.2fs\n",
+      std::string(kDraftfeedVersion).c_str(), m.id.c_str(),
+      std::string(ArchName(m.config.arch)).c_str(), static_cast<long long>(m.config.num_layers),
+      static_cast<long long>(m.config.hidden_size), m.fingerprint.c_str(), port,
+      security.Describe().c_str(),
+      tokens == nullptr ? "" : absl::StrCat(", ", tokens->size(), " bearer tokens").c_str(),
+      absl::StrJoin(engine_ptrs, ",",
+                    [](std::string* out, Engine* e) { out->append(e->device_name()); })
+          .c_str(),
+      static_cast<long long>(options.max_batch_tokens), load_s);
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
     const std::string tmp = pf + ".tmp";
     std::ofstream(tmp) << port << "\n";
@@ -321,7 +363,24 @@ int Run() {
   }
 
   int sig = 0;
-  sigwait(&signals, &sig);
+  for (sigwait(&signals, &sig); sig == SIGHUP; sigwait(&signals, &sig)) {
+    if (tokens == nullptr) {
+      std::fprintf(stderr, "draftfeed-target: SIGHUP: no --auth_tokens_file to re-read\n");
+      continue;
+    }
+    std::vector<std::string> warnings;
+    if (absl::Status s = ReloadTokenFile(tokens_path, tokens.get(), &warnings); !s.ok()) {
+      std::fprintf(stderr, "draftfeed-target: SIGHUP: kept the %zu tokens in use: %s\n",
+                   tokens->size(), std::string(s.message()).c_str());
+      continue;
+    }
+    for (const std::string& w : warnings) {
+      std::fprintf(stderr, "draftfeed-target: warning: %s\n", w.c_str());
+    }
+    std::fprintf(stderr,
+                 "draftfeed-target: SIGHUP: %zu bearer tokens from %s, for calls from now on\n",
+                 tokens->size(), tokens_path.c_str());
+  }
   std::fprintf(stderr, "draftfeed-target: %s received, finishing accepted batches\n",
                sig == SIGTERM ? "SIGTERM" : "SIGINT");
   service.BeginDrain();

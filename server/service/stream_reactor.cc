@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/payload_checksum.h"
+#include "server/service/call_auth.h"
 #include "server/service/status_util.h"
 #include "server/service/stream_open.h"
 #include "server/service/target_service.h"

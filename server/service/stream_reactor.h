@@ -27,7 +27,9 @@ class ReactorLink;
 
 class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  StreamReactor(TargetService* service, grpc::CallbackServerContext* ctx);
+  // `token_name`: the name of the bearer token the call carried ("" when the
+  // target checks none), shown in the stream's log line.
+  StreamReactor(TargetService* service, grpc::CallbackServerContext* ctx, std::string token_name);
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
@@ -36,6 +38,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   // The target drains: no more batches are read.
   void Drain();
+
+  const std::string& token_name() const { return token_name_; }
 
  private:
   friend class ReactorLink;
@@ -78,6 +82,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
 
   TargetService* const service_;
   grpc::CallbackServerContext* const ctx_;
+  const std::string token_name_;
   const std::shared_ptr<ReactorLink> link_;
   std::unique_ptr<StreamTransport> transport_;  // from Open on
   bool opening_ = false;                        // the transport is not ready yet: no batch is read

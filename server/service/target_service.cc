@@ -8,6 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/model/sharding_plan.h"
+#include "server/service/call_auth.h"
+#include "server/service/status_util.h"
 #include "server/service/stream_reactor.h"
 #include "server/service/transport_registry.h"
 #include "server/service/version.h"
@@ -88,15 +90,24 @@ absl::Status TargetService::CheckCaptureLayers(size_t asked) const {
 grpc::ServerUnaryReactor* TargetService::GetTargetInfo(grpc::CallbackServerContext* ctx,
                                                        const v1::GetTargetInfoRequest*,
                                                        v1::TargetInfo* response) {
-  *response = Info();
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  if (absl::StatusOr<std::string> who =
+          AuthenticateCall(options_.tokens.get(), *ctx, "GetTargetInfo");
+      !who.ok()) {
+    reactor->Finish(ToGrpcStatus(who.status()));
+    return reactor;
+  }
+  *response = Info();
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* TargetService::StreamHiddenStates(
     grpc::CallbackServerContext* ctx) {
-  return new StreamReactor(this, ctx);
+  absl::StatusOr<std::string> who =
+      AuthenticateCall(options_.tokens.get(), *ctx, "StreamHiddenStates");
+  if (!who.ok()) return new RefusedStream(ToGrpcStatus(who.status()));
+  return new StreamReactor(this, ctx, *std::move(who));
 }
 
 void TargetService::Register(StreamReactor* r) {

@@ -16,6 +16,7 @@
 #include "common/capture_encoding.h"
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 #include "server/model/engine.h"
+#include "server/service/auth_tokens.h"
 #include "server/service/scheduler.h"
 #include "server/service/stream_transport.h"
 
@@ -34,6 +35,9 @@ struct ServiceOptions {
   HostAllocator host_allocator = HostAllocator::Heap();
   bool enable_nccl = true;        // offer TRANSPORT_NCCL (one GPU engine, NCCL built in)
   double nccl_timeout_s = 120.0;  // NCCL setup, and one batch's send, must finish in this
+  // Bearer tokens every call but health must carry (--auth_tokens_file);
+  // null: none are checked.
+  std::shared_ptr<const TokenChecker> tokens;
 };
 
 class StreamReactor;

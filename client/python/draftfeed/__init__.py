@@ -148,7 +148,8 @@ class Result:
     token_ids = property(lambda self: self._r.token_ids, doc="int32 [T], as submitted")
     seq_lens = property(lambda self: self._r.seq_lens, doc="int32 [num_sequences]")
     hidden_bits = property(lambda self: self._r.hidden_bits,
-                           doc="[T, K, H] bit patterns, no copy (uint16 for bf16)")
+                           doc="[T, K, H] bit patterns, no copy (uint16 for bf16; the uint8 "
+                               "e4m3 codes for fp8_e4m3, as `values`)")
     encoding = property(lambda self: self._r.encoding,
                         doc='how the result\'s bytes encode its values: "bf16", or "fp8_e4m3" '
                             'for fp8 results kept raw (fp8_raw=True) or received by NCCL')
@@ -160,7 +161,8 @@ class Result:
 
     @property
     def hidden(self):
-        """float32 numpy [T, K, H] for host results; exact (bf16 widens losslessly).
+        """float32 numpy [T, K, H] for host results; exact (bf16 widens losslessly; fp8_e4m3
+        gives code * scale, one fp32 multiply).
 
         Results that came by NCCL are already on the GPU: `hidden` is then the
         torch tensor on that device (no copy), as `torch()` returns.
