@@ -6,7 +6,7 @@
 #    find_package(draftfeed), links draftfeed::client and streams a batch
 #    whose checksum and bytes must equal what the build tree's client gets;
 #  - Python: `pip install ./client/python` into a fresh venv, then the client
-#    tests run under that venv's interpreter, importing draftfeed from it.
+#    API's tests run under that venv's interpreter, importing draftfeed from it.
 # The venv sees Debian's site-packages (--system-site-packages) because
 # numpy, pytest and torch come from Debian here: no package index is
 # reachable, so pip can neither fetch them nor a build backend
@@ -98,7 +98,10 @@ DRAFTFEED_CMAKE_BUILD_DIR=$pip_cmake CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
 import sys, draftfeed
 assert draftfeed.__file__.startswith(sys.prefix), (draftfeed.__file__, sys.prefix)
 print("install test: draftfeed", draftfeed.__file__)') || fail "draftfeed is not imported from the venv"
+# The tests of the client's API; the failover and DDP suites exercise the
+# same module under more processes and stay with the main run.
+tests=(test_client.py test_frictions.py test_torch_adapter.py test_layers.py test_packing.py)
 (cd "$work" && env -u PYTHONPATH DRAFTFEED_BUILD_DIR="$build" \
-  "$py" -m pytest -q -p no:cacheprovider "$repo/tests/client/python") ||
+  "$py" -m pytest -q -p no:cacheprovider "${tests[@]/#/$repo/tests/client/python/}") ||
   fail "the client tests failed under the venv's pip-installed draftfeed"
 echo "install test: the pip-installed package passes the client tests"
