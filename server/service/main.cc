@@ -71,6 +71,21 @@ ABSL_FLAG(int32_t, max_capture_layers, 8,
 ABSL_FLAG(int32_t, default_credits, 4, "In-flight batches per stream when the client asks for 0.");
 ABSL_FLAG(int32_t, max_credits, 32, "Upper bound on a stream's in-flight batches.");
 ABSL_FLAG(int64_t, chunk_bytes, 4 << 20,
+ABSL_FLAG(int64_t, max_stream_pending_mib, 2048,
+          "Per stream: MiB of results taken for the forward and not yet written to the client "
+          "(captures, and unsent BatchErrors); at this much the stream's batches wait while "
+          "other streams run on (a batch larger than this still runs alone). The default holds "
+          "2-3 batches at the Qwen3.6-27B shape (16,384 tokens x 5 layers x 5,120 x 2 B = 800 "
+          "MiB a batch; 1,280 MiB at 8 layers) where 32 credits could pin 25 GiB; 64 streams "
+          "of 2 GiB still add up: cap the total with --host_memory_cap_gib. 0 = no cap.");
+ABSL_FLAG(int32_t, max_streams, 64,
+          "Open streams this target serves at once; the next is refused with "
+          "RESOURCE_EXHAUSTED until one closes.");
+ABSL_FLAG(double, stream_idle_timeout_s, 300,
+          "End a stream (DEADLINE_EXCEEDED) that for this long has sent no message, taken no "
+          "write and had no batch running (a stream waiting for its own batches, or reading a "
+          "large result, is not idle); its unsent results and queued batches are dropped. 0 = "
+          "never.");
           "Payload bytes per HiddenChunk (rounded to whole tokens).");
 ABSL_FLAG(int64_t, max_queued_batches, 256, "Scheduler queue bound across all streams.");
 ABSL_FLAG(int32_t, drain_timeout_s, 60,
@@ -152,6 +167,17 @@ absl::Status CheckFlags() {
   if (const int64_t q = absl::GetFlag(FLAGS_max_queued_batches); !(q >= 1)) {
     return refuse("--max_queued_batches=", q,
                   " must be >= 1 (the scheduler queue across all streams; 0 would fail every "
+  if (const int64_t m = absl::GetFlag(FLAGS_max_stream_pending_mib);
+      !(m >= 0 && m <= (kMaxHostMemoryCapGib << 10))) {
+    return refuse("--max_stream_pending_mib=", m, " must be in [0, ", kMaxHostMemoryCapGib << 10,
+                  "] (0 = no cap)");
+  }
+  if (const int32_t m = absl::GetFlag(FLAGS_max_streams); !(m >= 1)) {
+    return refuse("--max_streams=", m, " must be >= 1");
+  }
+  if (const double t = absl::GetFlag(FLAGS_stream_idle_timeout_s); !(t >= 0 && std::isfinite(t))) {
+    return refuse("--stream_idle_timeout_s=", t, " must be a finite number >= 0 (0 = never)");
+  }
                   "batch)");
   }
   if (!(absl::GetFlag(FLAGS_threads) >= 0)) {
@@ -317,6 +343,9 @@ int Run() {
   // while their next forward runs.
   if (!gpus.empty()) options.host_allocator = PinnedHostAllocator();
 #endif
+  options.max_stream_pending_bytes = absl::GetFlag(FLAGS_max_stream_pending_mib) << 20;
+  options.max_streams = absl::GetFlag(FLAGS_max_streams);
+  options.stream_idle_timeout_s = absl::GetFlag(FLAGS_stream_idle_timeout_s);
   options.host_memory_cap_bytes =
       static_cast<int64_t>(absl::GetFlag(FLAGS_host_memory_cap_gib) * (int64_t{1} << 30));
   options.enable_nccl = absl::GetFlag(FLAGS_nccl);

@@ -48,7 +48,7 @@ class ReactorLink final : public StreamLink {
   // Called on the scheduler's completion thread (the engine has moved on to
   // the next batch). A GPU engine has already checksummed the payload on the
   // device; otherwise (a CPU engine) the pass over it runs here.
-  void Deliver(uint64_t batch_id, absl::StatusOr<ForwardResult> result) {
+  void Deliver(uint64_t batch_id, int64_t charged, absl::StatusOr<ForwardResult> result) {
     uint64_t checksum = 0;
     if (result.ok()) {
       checksum = result->checksum.has_value()
@@ -57,7 +57,7 @@ class ReactorLink final : public StreamLink {
     }
     std::lock_guard<std::mutex> lock(mu);
     if (reactor == nullptr) return;
-    reactor->OnResult(batch_id, std::move(result), checksum);
+    reactor->OnResult(batch_id, charged, std::move(result), checksum);
   }
 
   std::mutex mu;
@@ -92,15 +92,23 @@ StreamReactor::StreamReactor(TargetService* service, grpc::CallbackServerContext
     : service_(service),
       ctx_(ctx),
       token_name_(std::move(token_name)),
-      link_(std::make_shared<ReactorLink>(this)) {
-  service_->Register(this);
+      link_(std::make_shared<ReactorLink>(this)),
+      sched_stream_(service->scheduler().AddStream(service->options().max_stream_pending_bytes)),
+      last_activity_(std::chrono::steady_clock::now()) {
+  absl::Status registered = service_->Register(this);
   std::lock_guard<std::mutex> lock(mu_);
+  if (!registered.ok()) FailStream(std::move(registered));  // before anything is read
   Pump();
 }
 
 void StreamReactor::OnReadDone(bool ok) {
   std::lock_guard<std::mutex> lock(mu_);
   read_pending_ = false;
+  last_activity_ = std::chrono::steady_clock::now();
+  if (idle_ended_at_.has_value()) {  // ended while the read was pending: nothing more is read
+    Pump();
+    return;
+  }
   if (ok) {
     grpc::ProtoBufferReader reader(&raw_req_);
     req_.Clear();
@@ -123,6 +131,7 @@ void StreamReactor::OnReadDone(bool ok) {
 void StreamReactor::OnWriteDone(bool ok) {
   std::lock_guard<std::mutex> lock(mu_);
   write_pending_ = false;
+  last_activity_ = std::chrono::steady_clock::now();
   if (!ok) {
     // The client is gone; nothing more can be sent. Queued batches skip.
     broken_ = true;
@@ -147,6 +156,7 @@ void StreamReactor::OnDone() {
     link_->cancelled_flag = true;
   }
   service_->Unregister(this);
+  service_->scheduler().RemoveStream(sched_stream_);
   delete this;  // the transport's destructor joins its threads
 }
 
@@ -156,12 +166,14 @@ void StreamReactor::Drain() {
   Pump();
 }
 
-void StreamReactor::OnResult(uint64_t batch_id, absl::StatusOr<ForwardResult> result,
-                             uint64_t checksum) {
+void StreamReactor::OnResult(uint64_t batch_id, int64_t charged,
+                             absl::StatusOr<ForwardResult> result, uint64_t checksum) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (finished_ || broken_) return;
+  if (finished_ || broken_ || idle_ended_at_.has_value()) return;
+  --scheduled_;
+  last_activity_ = std::chrono::steady_clock::now();
   if (!result.ok()) {
-    PushError(batch_id, result.status());
+    PushError(batch_id, result.status(), charged);
   } else {
     Outgoing out;
     out.batch_id = batch_id;
@@ -169,6 +181,7 @@ void StreamReactor::OnResult(uint64_t batch_id, absl::StatusOr<ForwardResult> re
     out.payload = transport_->WritePayload(batch_id, out.result);
     out.checksum = checksum;
     out.releases_credit = true;
+    out.pending_bytes = charged;
     Enqueue(std::move(out));
   }
   Pump();
@@ -201,7 +214,7 @@ void StreamReactor::OnTransportFailed(absl::Status status) {
 
 void StreamReactor::OnSend(StreamResponse msg) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (finished_ || broken_) return;
+  if (finished_ || broken_ || idle_ended_at_.has_value()) return;
   Enqueue(Outgoing{.message = std::move(msg)});
   Pump();
 }
@@ -278,10 +291,14 @@ void StreamReactor::HandleRequest() {
   item.seq_lens = std::move(planned->seq_lens);
   item.layers = std::move(planned->layers);
   item.encoding = planned->encoding;
+  item.stream = sched_stream_;
+  item.result_bytes = static_cast<int64_t>(item.token_ids.size()) *
+                      CaptureBytesPerToken(item.encoding, static_cast<int64_t>(item.layers.size()),
+                                           service_->model().config.hidden_size);
   std::shared_ptr<ReactorLink> link = link_;
   item.cancelled = [link] { return link->cancelled(); };
-  item.done = [link, batch_id](absl::StatusOr<ForwardResult> r) {
-    link->Deliver(batch_id, std::move(r));
+  item.done = [link, batch_id, charged = item.result_bytes](absl::StatusOr<ForwardResult> r) {
+    link->Deliver(batch_id, charged, std::move(r));
   };
   transport_->Post(batch_id, item);
   if (absl::Status s = service_->scheduler().Submit(std::move(item)); !s.ok()) {
@@ -289,23 +306,29 @@ void StreamReactor::HandleRequest() {
     return;
   }
   ++inflight_;
+  ++scheduled_;
 }
 
 void StreamReactor::RejectBatch(uint64_t batch_id, const absl::Status& status) {
   // The error takes the batch's credit until it is written: otherwise a client
   // that sends invalid batches and never reads would have the stream read on
   // and queue errors without bound.
+  // Its bytes count against the stream's pending cap too, as a result would.
   ++inflight_;
-  PushError(batch_id, status);
+  const int64_t bytes = static_cast<int64_t>(sizeof(StreamResponse)) + status.message().size();
+  service_->scheduler().ChargePending(sched_stream_, bytes);
+  PushError(batch_id, status, bytes);
 }
 
-void StreamReactor::PushError(uint64_t batch_id, const absl::Status& status) {
+void StreamReactor::PushError(uint64_t batch_id, const absl::Status& status,
+                              int64_t pending_bytes) {
   StreamResponse resp;
   v1::BatchError* err = resp.mutable_error();
   err->set_batch_id(batch_id);
   err->set_code(static_cast<int32_t>(status.code()));
   err->set_message(std::string(status.message()));
-  Enqueue(Outgoing{.message = std::move(resp), .releases_credit = true});
+  Enqueue(Outgoing{
+      .message = std::move(resp), .releases_credit = true, .pending_bytes = pending_bytes});
 }
 
 void StreamReactor::Enqueue(Outgoing out) {
@@ -318,18 +341,50 @@ void StreamReactor::FailStream(absl::Status status) {
   reads_done_ = true;
 }
 
+void StreamReactor::Settle(const Outgoing& out) {
+  if (out.releases_credit) --inflight_;
+  if (out.pending_bytes > 0) service_->scheduler().ReleasePending(sched_stream_, out.pending_bytes);
+}
+
 void StreamReactor::NextMessage() {
   Outgoing& out = outbox_.front();
   if (out.message.has_value()) {
     raw_resp_ = Serialize(*out.message);
-    if (out.releases_credit) --inflight_;
+    Settle(out);
     outbox_.pop_front();
     return;
   }
   if (out.payload != nullptr && out.payload->Next(&raw_resp_)) return;
   raw_resp_ = Serialize(DoneMessage(out.batch_id, *out.result, out.checksum));
-  if (out.releases_credit) --inflight_;
+  Settle(out);
   outbox_.pop_front();
+}
+
+bool StreamReactor::EndIfIdle(std::chrono::steady_clock::time_point now,
+                              std::chrono::steady_clock::duration timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (idle_ended_at_.has_value()) {
+    return !finished_ && write_pending_ && now - *idle_ended_at_ >= timeout;
+  }
+  if (finished_ || broken_ || opening_) return false;
+  if (scheduled_ > 0 && outbox_.empty() && !write_pending_) return false;  // the engine's turn
+  if (now - last_activity_ < timeout) return false;
+  idle_ended_at_ = now;
+  const double seconds = std::chrono::duration<double>(timeout).count();
+  FailStream(absl::DeadlineExceededError(
+      absl::StrCat("stream idle for ", seconds,
+                   " s: no message from the client, no write taken and no batch of it running "
+                   "(--stream_idle_timeout_s=",
+                   seconds, "); open a new stream")));
+  // Nothing more is read or run for it, and what it held goes back now: the
+  // status follows the write still pending, if any (Pump finishes once it is
+  // taken).
+  link_->cancelled_flag = true;
+  outbox_.clear();
+  inflight_ = 0;
+  service_->scheduler().RemoveStream(sched_stream_);
+  Pump();
+  return false;
 }
 
 void StreamReactor::Pump() {

@@ -3,6 +3,7 @@
 // (through the stream's transport), BatchDone and BatchError in order.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -39,6 +40,20 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // The target drains: no more batches are read.
   void Drain();
 
+  // Ends the stream if it has been idle for `timeout` at `now`. Idle: since
+  // the later of its last message read, its last write completed and its
+  // last result from the scheduler, none has happened; a stream waiting for
+  // the engine (batches in the scheduler, nothing of it waiting to be
+  // written) or for its transport to open is never idle. An idle stream is
+  // ended with DEADLINE_EXCEEDED naming --stream_idle_timeout_s, its unsent
+  // results dropped and its queued batches cancelled. True when the caller
+  // should cancel the call outright: an idle stream whose last write was
+  // still not taken `timeout` after it was ended (the client stopped
+  // reading, so not even the status can reach it).
+  bool EndIfIdle(std::chrono::steady_clock::time_point now,
+                 std::chrono::steady_clock::duration timeout);
+  void Cancel() { ctx_->TryCancel(); }
+
   const std::string& token_name() const { return token_name_; }
 
  private:
@@ -54,10 +69,14 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     std::unique_ptr<PayloadWriter> payload;
     uint64_t checksum = 0;
     bool releases_credit = false;
+    // Given back to the scheduler's count of the stream's pending bytes once
+    // the last message is written.
+    int64_t pending_bytes = 0;
   };
 
   // From the link (the scheduler's completion thread, the transport's).
-  void OnResult(uint64_t batch_id, absl::StatusOr<ForwardResult> result, uint64_t checksum);
+  void OnResult(uint64_t batch_id, int64_t charged, absl::StatusOr<ForwardResult> result,
+                uint64_t checksum);
   void OnTransportOpened(TransportOpened opened);
   void OnTransportReady();
   void OnTransportFailed(absl::Status status);
@@ -68,8 +87,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void HandleRequest();
   // Queues `out` behind what is already waiting to be written.
   void Enqueue(Outgoing out);
-  // Queues the BatchError that ends a batch holding a credit.
-  void PushError(uint64_t batch_id, const absl::Status& status);
+  // Queues the BatchError that ends a batch holding a credit and
+  // `pending_bytes` of the stream's pending bytes.
+  void PushError(uint64_t batch_id, const absl::Status& status, int64_t pending_bytes);
   // Answers a batch that is not run with a BatchError, which holds a credit
   // until it is written.
   void RejectBatch(uint64_t batch_id, const absl::Status& status);
@@ -77,6 +97,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void FailStream(absl::Status status);
   // Fills raw_resp_ with the next message of the outbox front.
   void NextMessage();
+  // The outbox front's last message is written: its credit and pending
+  // bytes come back.
+  void Settle(const Outgoing& out);
   // Advances the stream: next write, next read, or Finish. Called with mu_ held.
   void Pump();
 
@@ -96,7 +119,11 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   CaptureEncoding encoding_ = CaptureEncoding::kBf16;
   absl::Status finish_status_;
   int32_t credits_ = 0;
-  int64_t inflight_ = 0;  // batches (accepted or rejected) whose last message is not yet written
+  int64_t inflight_ = 0;   // batches (accepted or rejected) whose last message is not yet written
+  int64_t scheduled_ = 0;  // batches in the scheduler whose result has not come back
+  uint64_t sched_stream_ = 0;  // this stream's queue in the scheduler
+  std::chrono::steady_clock::time_point last_activity_;
+  std::optional<std::chrono::steady_clock::time_point> idle_ended_at_;
   bool opened_ = false;
   bool read_pending_ = false;
   bool write_pending_ = false;

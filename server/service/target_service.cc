@@ -7,6 +7,7 @@
 #include <grpcpp/server_builder.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/thread_name.h"
 #include "server/model/sharding_plan.h"
 #include "server/service/call_auth.h"
 #include "server/service/status_util.h"
@@ -22,9 +23,40 @@ TargetService::TargetService(std::vector<Engine*> engines, ServiceOptions option
       scheduler_(engines_, options.max_queued_batches, options.throttle_tokens_per_s,
                  options.host_pool_bytes, options.host_allocator) {
   scheduler_.set_host_memory_cap(options.host_memory_cap_bytes);
+  if (options_.stream_idle_timeout_s > 0) {
+    idle_thread_ = std::thread([this] {
+      NameThisThread("df-idle");
+      IdleLoop();
+    });
+  }
 }
 
-TargetService::~TargetService() { scheduler_.Stop(); }
+TargetService::~TargetService() {
+  if (idle_thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_idle_ = true;
+    }
+    idle_cv_.notify_all();
+    idle_thread_.join();
+  }
+  scheduler_.Stop();
+}
+
+void TargetService::IdleLoop() {
+  const auto timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(options_.stream_idle_timeout_s));
+  const auto period =
+      std::min<std::chrono::steady_clock::duration>(timeout / 4, std::chrono::seconds(1));
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!idle_cv_.wait_for(lock, period, [this] { return stopping_idle_; })) {
+    // mu_ keeps every registered stream alive (OnDone unregisters first).
+    const auto now = std::chrono::steady_clock::now();
+    for (StreamReactor* r : streams_) {
+      if (r->EndIfIdle(now, timeout)) r->Cancel();
+    }
+  }
+}
 
 v1::TargetInfo TargetService::Info() const {
   const Model& m = model();
@@ -110,9 +142,15 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* TargetService::Stre
   return new StreamReactor(this, ctx, *std::move(who));
 }
 
-void TargetService::Register(StreamReactor* r) {
+absl::Status TargetService::Register(StreamReactor* r) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (options_.max_streams > 0 && static_cast<int64_t>(streams_.size()) >= options_.max_streams) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this target serves at most --max_streams=", options_.max_streams,
+                     " streams at once and all are open; retry later or use another target"));
+  }
   streams_.insert(r);
+  return absl::OkStatus();
 }
 
 void TargetService::Unregister(StreamReactor* r) {

@@ -3,11 +3,13 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <grpcpp/health_check_service_interface.h>
@@ -31,6 +33,12 @@ struct ServiceOptions {
   double throttle_tokens_per_s = 0;            // > 0: cap the engine's rate (benchmarks)
   int64_t host_pool_bytes = int64_t{2} << 30;  // idle capture buffers kept for reuse
   int64_t host_memory_cap_bytes = 0;           // capture buffers live + idle; 0 = no cap
+  // Per stream: bytes of results taken for the forward and not yet written
+  // (captures, and unsent BatchErrors); at this much the stream's batches
+  // wait and other streams run on. 0 = no cap.
+  int64_t max_stream_pending_bytes = int64_t{2048} << 20;
+  int32_t max_streams = 64;            // open streams; the next is RESOURCE_EXHAUSTED
+  double stream_idle_timeout_s = 300;  // a stream idle this long is ended; 0 = never
   // Capture buffers' memory: pinned (PinnedHostAllocator) for GPU engines.
   HostAllocator host_allocator = HostAllocator::Heap();
   bool enable_nccl = true;        // offer TRANSPORT_NCCL (one GPU engine, NCCL built in)
@@ -104,9 +112,13 @@ class TargetService final
 
  private:
   friend class StreamReactor;
-  void Register(StreamReactor* r);
+  // RESOURCE_EXHAUSTED naming --max_streams when that many are open; the
+  // stream is then not counted (Unregister is still safe).
+  absl::Status Register(StreamReactor* r);
   void Unregister(StreamReactor* r);
   void NoteQueuedResponses(int64_t queued);
+  // Every stream_idle_timeout_s / 4 (at most 1 s), ends the idle streams.
+  void IdleLoop();
 
   std::vector<Engine*> engines_;
   const ServiceOptions options_;
@@ -116,6 +128,9 @@ class TargetService final
   mutable std::mutex mu_;
   std::set<StreamReactor*> streams_;
   grpc::HealthCheckServiceInterface* health_ = nullptr;  // owned by the server; guarded by mu_
+  std::condition_variable idle_cv_;
+  bool stopping_idle_ = false;  // guarded by mu_
+  std::thread idle_thread_;     // when stream_idle_timeout_s > 0
 };
 
 }  // namespace draftfeed
