@@ -33,7 +33,8 @@ def _source_dir() -> pathlib.Path:
 
 
 def _version() -> str:
-    m = re.search(r"project\(draftfeed VERSION ([0-9.]+)", (_source_dir() / "CMakeLists.txt").read_text())
+    text = (_source_dir() / "CMakeLists.txt").read_text()
+    m = re.search(r"project\(draftfeed VERSION ([0-9.]+)", text)
     if m is None:
         raise RuntimeError("draftfeed: no VERSION in the top-level project() of CMakeLists.txt")
     return m.group(1)

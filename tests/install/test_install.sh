@@ -102,6 +102,7 @@ print("install test: draftfeed", draftfeed.__file__)') || fail "draftfeed is not
 # same module under more processes and stay with the main run.
 tests=(test_client.py test_frictions.py test_torch_adapter.py test_layers.py test_packing.py)
 (cd "$work" && env -u PYTHONPATH DRAFTFEED_BUILD_DIR="$build" \
-  "$py" -m pytest -q -p no:cacheprovider "${tests[@]/#/$repo/tests/client/python/}") ||
+  "$py" -m pytest -q -p no:cacheprovider \
+    "${tests[@]/#/$repo/tests/client/python/}") ||
   fail "the client tests failed under the venv's pip-installed draftfeed"
 echo "install test: the pip-installed package passes the client tests"
