@@ -97,7 +97,8 @@ DRAFTFEED_CMAKE_BUILD_DIR=$pip_cmake CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
 (cd "$work" && env -u PYTHONPATH "$py" -c '
 import sys, draftfeed
 assert draftfeed.__file__.startswith(sys.prefix), (draftfeed.__file__, sys.prefix)
-print("install test: draftfeed", draftfeed.__file__)') || fail "draftfeed is not imported from the venv"
+print("install test: draftfeed", draftfeed.__file__)') ||
+  fail "draftfeed is not imported from the venv"
 # The tests of the client's API; the failover and DDP suites exercise the
 # same module under more processes and stay with the main run.
 tests=(test_client.py test_frictions.py test_torch_adapter.py test_layers.py test_packing.py)
