@@ -185,6 +185,27 @@ class PyResult {
   std::shared_ptr<HiddenBatch> batch_;
 };
 
+// Feed(tls=...) as draftfeed/tls.py hands it over: TlsOptions by field.
+// Only a dict reaches here, so TLS is on.
+TlsOptions TlsFromDict(const py::dict& d) {
+  TlsOptions t;
+  t.enabled = true;
+  for (auto [key, value] : d) {
+    const std::string k = py::cast<std::string>(key);
+    if (k == "ca_file")
+      t.ca_file = py::cast<std::string>(value);
+    else if (k == "cert_file")
+      t.cert_file = py::cast<std::string>(value);
+    else if (k == "key_file")
+      t.key_file = py::cast<std::string>(value);
+    else if (k == "server_name")
+      t.server_name = py::cast<std::string>(value);
+    else
+      throw py::value_error("unknown tls option: " + k);
+  }
+  return t;
+}
+
 py::dict DescriptionDict(const TargetDescription& d) {
   py::dict r;
   r["address"] = d.address;
@@ -260,6 +281,10 @@ class PyFeed {
         o.dns_refresh_s = py::cast<double>(value);
       else if (k == "client_name")
         o.client_name = py::cast<std::string>(value);
+      else if (k == "tls") {
+        if (!value.is_none()) o.tls = TlsFromDict(py::cast<py::dict>(value));
+      } else if (k == "token")
+        o.token = py::cast<std::string>(value);
       else if (k == "cuda_device")
         o.cuda_device = py::cast<int>(value);
       else if (k == "nccl_timeout_s")
@@ -400,13 +425,15 @@ PYBIND11_MODULE(_draftfeed, m) {
       .def("close", &PyFeed::Close)
       .def("stats", &PyFeed::Stats)
       .def("target", &PyFeed::Target);
-  m.def("describe_target", [](const std::string& address, double timeout_s) {
-    absl::StatusOr<TargetDescription> d;
-    {
-      py::gil_scoped_release nogil;
-      d = DescribeTarget(address, timeout_s);
-    }
-    if (!d.ok()) return Err(d.status());
-    return Ok(DescriptionDict(*d));
-  });
+  m.def("describe_target",
+        [](const std::string& address, double timeout_s, py::object tls, const std::string& token) {
+          const TlsOptions tls_options = tls.is_none() ? TlsOptions() : TlsFromDict(tls);
+          absl::StatusOr<TargetDescription> d;
+          {
+            py::gil_scoped_release nogil;
+            d = DescribeTarget(address, tls_options, token, timeout_s);
+          }
+          if (!d.ok()) return Err(d.status());
+          return Ok(DescriptionDict(*d));
+        });
 }

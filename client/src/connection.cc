@@ -14,7 +14,7 @@ namespace draftfeed {
 // One Target per (address, connection): with connections_per_target > 1
 // each connection is its own stream, TCP connection and credits, and the
 // dispatcher spreads batches over them like over separate targets.
-void Feed::Impl::AddTargetLocked(const std::string& address) {
+void Feed::Impl::AddTargetLocked(const std::string& address, const std::string& dns_name) {
   for (auto& t : targets) {
     if (t->address == address) return;
   }
@@ -22,7 +22,8 @@ void Feed::Impl::AddTargetLocked(const std::string& address) {
     auto t = std::make_unique<Target>();
     t->address = address;
     t->stats.address = i == 0 ? address : absl::StrCat(address, " #", i + 1);
-    t->channel = MakeChannel(address);  // local subchannel pool: a connection of its own
+    // Local subchannel pool: a connection of its own.
+    t->channel = MakeChannel(address, *credentials, dns_name);
     t->stub = v1::TargetService::NewStub(t->channel);
     t->backoff_s = options.reconnect_backoff_min_s;
     Target* raw = t.get();
@@ -72,7 +73,7 @@ absl::Status Feed::Impl::ConnectOnce(Target* t, bool first) {
   auto info =
       QueryInfo(t->stub.get(), t->address,
                 first ? options.connect_timeout_s : std::min(options.connect_timeout_s, 5.0),
-                /*wait_for_ready=*/first);
+                /*wait_for_ready=*/first, *credentials);
   if (!info.ok()) return info.status();
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -92,7 +93,7 @@ absl::Status Feed::Impl::ConnectOnce(Target* t, bool first) {
   auto conn = std::make_shared<Conn>();
   conn->target = t;
   const std::string context = absl::StrCat("target ", t->address, ": open stream");
-  if (!conn->stream.Start(t->channel)) {
+  if (!conn->stream.Start(t->channel, *credentials)) {
     return FromGrpc(conn->stream.Finish(), context);
   }
   v1::StreamRequest req;

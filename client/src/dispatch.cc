@@ -116,12 +116,14 @@ void Feed::Impl::SuperviseLoop() {
           now + std::chrono::milliseconds(static_cast<int64_t>(options.dns_refresh_s * 1000));
       std::vector<std::string> names = dns_targets;
       lock.unlock();
-      std::vector<std::string> found;
+      std::vector<std::pair<std::string, std::string>> found;  // address, its dns name
       for (const std::string& n : names) {
-        if (auto r = ExpandTarget(n); r.ok()) found.insert(found.end(), r->begin(), r->end());
+        if (auto r = ExpandTarget(n); r.ok()) {
+          for (std::string& a : *r) found.emplace_back(std::move(a), DnsNameOf(n));
+        }
       }
       lock.lock();
-      for (const std::string& a : found) AddTargetLocked(a);
+      for (const auto& [a, name] : found) AddTargetLocked(a, name);
     }
     // Join the threads of ended streams.
     for (auto it = dead_conns.begin(); it != dead_conns.end();) {
@@ -140,7 +142,7 @@ absl::Status Feed::Impl::AddTargets(const std::string& target) {
   if (!addresses.ok()) return addresses.status();
   std::lock_guard<std::mutex> lock(mu);
   if (target.rfind("dns:///", 0) == 0) dns_targets.push_back(target);
-  for (const std::string& a : *addresses) AddTargetLocked(a);
+  for (const std::string& a : *addresses) AddTargetLocked(a, DnsNameOf(target));
   cv.notify_all();
   return absl::OkStatus();
 }

@@ -73,6 +73,7 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
   impl->pool = std::make_unique<HostBufferPool>(2 * options.prefetch_bytes, HostAllocator::Heap(),
                                                 HostBufferPool::Reuse{.keep_buffers = 2});
   DF_ASSIGN_OR_RETURN(impl->transports, MakeClientTransports(options, impl->pool.get()));
+  DF_ASSIGN_OR_RETURN(impl->credentials, ClientCredentials::Create(options.tls, options.token));
   impl->fingerprint = options.expected_fingerprint;
   if (!impl->fingerprint.empty()) impl->fingerprint_source = "FeedOptions.expected_fingerprint";
   Impl& m = *impl;
@@ -80,16 +81,16 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
 
   // The first target that answers fixes the model every other must match, so
   // which target is "the other model" does not depend on connection races.
-  std::vector<std::string> addresses;
+  std::vector<std::pair<std::string, std::string>> addresses;  // address, its dns name
   for (const std::string& t : options.targets) {
     DF_ASSIGN_OR_RETURN(std::vector<std::string> expanded, ExpandTarget(t));
-    addresses.insert(addresses.end(), expanded.begin(), expanded.end());
+    for (std::string& a : expanded) addresses.emplace_back(std::move(a), DnsNameOf(t));
   }
   if (m.fingerprint.empty()) {
     absl::Status last;
-    for (const std::string& a : addresses) {
-      auto stub = v1::TargetService::NewStub(MakeChannel(a));
-      auto info = QueryInfo(stub.get(), a, options.connect_timeout_s, true);
+    for (const auto& [a, dns_name] : addresses) {
+      auto stub = v1::TargetService::NewStub(MakeChannel(a, *m.credentials, dns_name));
+      auto info = QueryInfo(stub.get(), a, options.connect_timeout_s, true, *m.credentials);
       if (info.ok()) {
         m.fingerprint = info->fingerprint;
         m.fingerprint_source = absl::StrCat(a, " (", info->model_id, ")");

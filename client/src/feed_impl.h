@@ -113,7 +113,8 @@ struct Feed::Impl final : BatchSink {
   // prefetch_bytes.
   std::unique_ptr<HostBufferPool> pool;
   std::unique_ptr<ClientTransports> transports;
-  std::string fingerprint;  // every target must serve this
+  std::shared_ptr<const ClientCredentials> credentials;  // TLS and token of every channel and call
+  std::string fingerprint;                               // every target must serve this
   std::string fingerprint_source;
   int32_t hidden_size = 0;
   Clock::time_point opened_at = Clock::now();
@@ -144,7 +145,8 @@ struct Feed::Impl final : BatchSink {
   }
 
   // connection.cc
-  void AddTargetLocked(const std::string& address);
+  // `dns_name`: the dns:/// name `address` was resolved from ("" if none).
+  void AddTargetLocked(const std::string& address, const std::string& dns_name);
   void ConnectLoop(Target* t);
   absl::Status ConnectOnce(Target* t, bool first);
   static void WriteLoop(Conn* c);

@@ -9,7 +9,9 @@ namespace {
 constexpr char kStreamMethod[] = "/draftfeed.v1.TargetService/StreamHiddenStates";
 }  // namespace
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
+                                           const ClientCredentials& creds,
+                                           const std::string& dns_name) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);
   args.SetMaxSendMessageSize(-1);
@@ -21,7 +23,10 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
   // arrives as one frame, not 256, so both ends parse, slice and syscall far
   // less per byte (bench/grpc_throughput.cc: +5..12 points of raw TCP).
   args.SetInt(GRPC_ARG_HTTP2_MAX_FRAME_SIZE, (1 << 24) - 1);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  if (const std::string name = creds.ServerName(dns_name); !name.empty()) {
+    args.SetSslTargetNameOverride(name);
+  }
+  return grpc::CreateCustomChannel(address, creds.channel_credentials(), args);
 }
 
 grpc::ByteBuffer ToBuffer(const google::protobuf::Message& msg) {
@@ -53,7 +58,9 @@ GrpcStream::~GrpcStream() {
   }
 }
 
-bool GrpcStream::Start(const std::shared_ptr<grpc::Channel>& channel) {
+bool GrpcStream::Start(const std::shared_ptr<grpc::Channel>& channel,
+                       const ClientCredentials& creds) {
+  creds.Authorize(&ctx_);
   grpc::GenericStub stub(channel);
   Op started;
   call_ = stub.PrepareCall(&ctx_, kStreamMethod, &cq_);

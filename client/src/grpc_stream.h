@@ -12,11 +12,16 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "client/src/credentials.h"
 #include "google/protobuf/message.h"
 
 namespace draftfeed {
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+// A channel to `address` with `creds`' TLS (if any); `dns_name`: the name a
+// dns:/// target's `address` was resolved from ("" for any other).
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address,
+                                           const ClientCredentials& creds,
+                                           const std::string& dns_name = "");
 grpc::ByteBuffer ToBuffer(const google::protobuf::Message& msg);
 bool ParseBuffer(grpc::ByteBuffer& bb, google::protobuf::Message* msg);
 absl::Status FromGrpc(const grpc::Status& s, const std::string& context);
@@ -34,8 +39,9 @@ class GrpcStream {
   GrpcStream(const GrpcStream&) = delete;
   GrpcStream& operator=(const GrpcStream&) = delete;
 
-  // Starts the call on `channel`; false when it could not start.
-  bool Start(const std::shared_ptr<grpc::Channel>& channel);
+  // Starts the call on `channel`, with `creds`' token; false when it could
+  // not start.
+  bool Start(const std::shared_ptr<grpc::Channel>& channel, const ClientCredentials& creds);
   bool Read(grpc::ByteBuffer* msg);         // false: the stream ended
   bool Write(const grpc::ByteBuffer& msg);  // false: the stream is broken
   bool WritesDone();

@@ -30,15 +30,24 @@ TargetDescription Describe(const std::string& address, const v1::TargetInfo& inf
 
 absl::StatusOr<TargetDescription> QueryInfo(v1::TargetService::Stub* stub,
                                             const std::string& address, double timeout_s,
-                                            bool wait_for_ready) {
+                                            bool wait_for_ready, const ClientCredentials& creds) {
   grpc::ClientContext ctx;
+  creds.Authorize(&ctx);
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
   ctx.set_wait_for_ready(wait_for_ready);
   v1::TargetInfo info;
   grpc::Status s = stub->GetTargetInfo(&ctx, v1::GetTargetInfoRequest(), &info);
-  if (!s.ok()) return FromGrpc(s, absl::StrCat("target ", address, ": GetTargetInfo"));
+  if (!s.ok())
+    return creds.Explain(FromGrpc(s, absl::StrCat("target ", address, ": GetTargetInfo")));
   return Describe(address, info);
+}
+
+std::string DnsNameOf(const std::string& target) {
+  constexpr std::string_view kDns = "dns:///";
+  if (target.rfind(kDns, 0) != 0) return "";
+  const std::string rest = target.substr(kDns.size());
+  return rest.substr(0, rest.rfind(':'));
 }
 
 absl::StatusOr<std::vector<std::string>> ExpandTarget(const std::string& target) {
@@ -74,8 +83,16 @@ absl::StatusOr<std::vector<std::string>> ExpandTarget(const std::string& target)
 }
 
 absl::StatusOr<TargetDescription> DescribeTarget(const std::string& address, double timeout_s) {
-  auto stub = v1::TargetService::NewStub(MakeChannel(address));
-  return QueryInfo(stub.get(), address, timeout_s, /*wait_for_ready=*/true);
+  return DescribeTarget(address, TlsOptions(), "", timeout_s);
+}
+
+absl::StatusOr<TargetDescription> DescribeTarget(const std::string& address, const TlsOptions& tls,
+                                                 const std::string& token, double timeout_s) {
+  absl::StatusOr<std::shared_ptr<const ClientCredentials>> creds =
+      ClientCredentials::Create(tls, token);
+  if (!creds.ok()) return creds.status();
+  auto stub = v1::TargetService::NewStub(MakeChannel(address, **creds));
+  return QueryInfo(stub.get(), address, timeout_s, /*wait_for_ready=*/true, **creds);
 }
 
 }  // namespace draftfeed

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "client/src/credentials.h"
 #include "draftfeed/client.h"
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 
@@ -13,13 +14,17 @@ namespace draftfeed {
 
 TargetDescription Describe(const std::string& address, const v1::TargetInfo& info);
 
-// GetTargetInfo; `wait_for_ready` waits for a target that is still starting.
+// GetTargetInfo, carrying `creds`' token; `wait_for_ready` waits for a
+// target that is still starting.
 absl::StatusOr<TargetDescription> QueryInfo(v1::TargetService::Stub* stub,
                                             const std::string& address, double timeout_s,
-                                            bool wait_for_ready);
+                                            bool wait_for_ready, const ClientCredentials& creds);
 
 // "dns:///name:port" -> every address the name resolves to, as "ip:port";
 // any other target string is returned as it is.
 absl::StatusOr<std::vector<std::string>> ExpandTarget(const std::string& target);
+// "dns:///name:port" -> "name": what the certificates of the addresses it
+// expands to must carry; "" for any other target string.
+std::string DnsNameOf(const std::string& target);
 
 }  // namespace draftfeed

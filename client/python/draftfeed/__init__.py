@@ -23,8 +23,9 @@ from typing import Iterable, Iterator, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _draftfeed
+from .tls import Tls, _native_tls, _native_token
 
-__all__ = ["Feed", "Result", "DraftfeedError", "describe_target", "FINAL_LAYER",
+__all__ = ["Feed", "Result", "DraftfeedError", "describe_target", "FINAL_LAYER", "Tls",
            "dequantize_fp8", "E4M3_VALUES"]
 
 FINAL_LAYER = -1
@@ -125,9 +126,13 @@ def _check(triple):
     return value
 
 
-def describe_target(address: str, timeout_s: float = 10.0) -> dict:
-    """Model id, fingerprint, layer count, hidden size, ... of one target."""
-    return _check(_draftfeed.describe_target(address, timeout_s))
+def describe_target(address: str, timeout_s: float = 10.0, tls=None, token=None) -> dict:
+    """Model id, fingerprint, layer count, hidden size, ... of one target.
+
+    `tls` and `token` as for `Feed`.
+    """
+    return _check(_draftfeed.describe_target(address, timeout_s, _native_tls(tls),
+                                             _native_token(token)))
 
 
 class Result:
@@ -300,6 +305,9 @@ class Feed:
         token instead of 2*K*H: e4m3 codes with one fp32 scale per token and layer,
         scale = max|x| / 448). fp8 results are bf16 to the trainer: dequantised on the way in
         for gRPC, on the receiving GPU by `torch()` for NCCL.
+      tls: TLS to targets started with --tls_cert: True (the system's trust store) or
+        draftfeed.Tls(ca=..., cert=..., key=...) (cert and key: mutual TLS). None: plaintext.
+      token: bearer token for targets started with --auth_tokens_file, sent on every call.
       fp8_raw: with encoding="fp8_e4m3", keep results as sent: `Result.encoding` is then
         "fp8_e4m3" and `Result.values` / `Result.scales` / `Result.fp8()` give the codes and
         scales (`torch()` still dequantises on request).
@@ -315,7 +323,7 @@ class Feed:
                  batch_timeout_s: float = 120.0, unavailable_timeout_s: float = 60.0,
                  client_name: str = "", progress_every_s: float = 0.0,
                  transport: str = "grpc", cuda_device: int = -1, encoding: str = "bf16",
-                 fp8_raw: bool = False, **advanced):
+                 fp8_raw: bool = False, tls=None, token: Optional[str] = None, **advanced):
         if isinstance(targets, str):
             targets = [targets]
         opts = dict(prefetch=int(prefetch), prefetch_bytes=int(prefetch_bytes),
@@ -326,7 +334,8 @@ class Feed:
                     batch_timeout_s=float(batch_timeout_s),
                     unavailable_timeout_s=float(unavailable_timeout_s), client_name=client_name,
                     transport=str(transport), cuda_device=int(cuda_device),
-                    encoding=str(encoding), fp8_raw=bool(fp8_raw))
+                    encoding=str(encoding), fp8_raw=bool(fp8_raw), tls=_native_tls(tls),
+                    token=_native_token(token))
         opts.update(advanced)  # reconnect_backoff_min_s, reconnect_backoff_max_s, dns_refresh_s
         self._feed = _check(_draftfeed.Feed.open(list(targets), [int(l) for l in layers], opts))
         self.prefetch = int(prefetch)
