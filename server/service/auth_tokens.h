@@ -53,7 +53,7 @@ class TokenChecker;
 
 // SIGHUP: re-reads `path` into `checker`, the new set applying to calls that
 // start from then on. On an error the old set stays (and the error says why);
-// `warnings` receives the file's warnings either way.
+// on success `warnings` receives the new file's warnings.
 absl::Status ReloadTokenFile(const std::string& path, TokenChecker* checker,
                              std::vector<std::string>* warnings);
 
