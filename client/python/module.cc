@@ -219,6 +219,16 @@ py::dict DescriptionDict(const TargetDescription& d) {
   r["max_batch_tokens"] = d.max_batch_tokens;
   r["devices"] = d.devices;
   r["layer_types"] = d.layer_types;
+  r["dtype"] = d.dtype;
+  r["transports"] = d.transports;
+  r["encodings"] = d.encodings;
+  r["max_credits"] = d.max_credits;
+  r["max_capture_layers"] = d.max_capture_layers;
+  py::dict layout;
+  layout["tp"] = d.layout.tp;
+  layout["moe_parallel"] = d.layout.moe_parallel;
+  layout["rank_weight_bytes"] = d.layout.rank_weight_bytes;
+  r["layout"] = layout;
   return r;
 }
 
@@ -343,6 +353,11 @@ class PyFeed {
     return Ok(py::cast(PyResult(*std::move(b))));
   }
 
+  int64_t Cancel(const std::vector<uint64_t>& batch_ids) {
+    py::gil_scoped_release nogil;
+    return feed_->Cancel(batch_ids);
+  }
+
   py::tuple Close() {
     absl::Status s;
     {
@@ -361,6 +376,7 @@ class PyFeed {
     d["failed"] = s.failed;
     d["resent"] = s.resent;
     d["duplicates_dropped"] = s.duplicates_dropped;
+    d["cancelled"] = s.cancelled;
     d["tokens_delivered"] = s.tokens_delivered;
     d["bytes_received"] = s.bytes_received;
     d["buffer_allocations"] = s.buffer_allocations;
@@ -422,6 +438,7 @@ PYBIND11_MODULE(_draftfeed, m) {
       .def("submit", &PyFeed::Submit)
       .def("add_target", &PyFeed::AddTarget)
       .def("next", &PyFeed::Next)
+      .def("cancel", &PyFeed::Cancel)
       .def("close", &PyFeed::Close)
       .def("stats", &PyFeed::Stats)
       .def("target", &PyFeed::Target);

@@ -131,8 +131,11 @@ void Feed::Impl::HandleResponse(Target* t, Conn* conn, const v1::StreamResponse&
   }
   auto it = pending.find(id);
   if (it == pending.end() || it->second.complete || it->second.conn != conn) {
-    // A batch that was re-sent elsewhere (or already returned): drop it.
-    if (resp.msg_case() == v1::StreamResponse::kDone) ++stats.duplicates_dropped;
+    // A batch that was re-sent elsewhere (or already returned, or cancelled
+    // with its stream): drop it.
+    if (resp.msg_case() == v1::StreamResponse::kDone && !conn->cancelled_by_client) {
+      ++stats.duplicates_dropped;
+    }
     return;
   }
   Pending& p = it->second;

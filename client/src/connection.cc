@@ -68,12 +68,11 @@ void Feed::Impl::ConnectLoop(Target* t) {
 }
 
 absl::Status Feed::Impl::ConnectOnce(Target* t, bool first) {
-  // The first attempt waits for a target that is still starting; later ones
-  // fail fast and back off.
-  auto info =
-      QueryInfo(t->stub.get(), t->address,
-                first ? options.connect_timeout_s : std::min(options.connect_timeout_s, 5.0),
-                /*wait_for_ready=*/first, *credentials);
+  // Every attempt fails as soon as the connection does (a target not
+  // listening yet is retried with backoff); the timeout bounds one that hangs.
+  auto info = QueryInfo(
+      t->stub.get(), t->address,
+      first ? options.connect_timeout_s : std::min(options.connect_timeout_s, 5.0), *credentials);
   if (!info.ok()) return info.status();
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -311,7 +310,9 @@ void Feed::Impl::OnConnEnd(Target* t, const std::shared_ptr<Conn>& conn,
     if (t->state == State::kLive) t->state = State::kDown;
     t->next_attempt =
         Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(t->backoff_s * 1000));
-    if (!closing) {
+    if (conn->cancelled_by_client) {
+      t->next_attempt = Clock::now();  // nothing went wrong: reconnect now
+    } else if (!closing) {
       ++t->stats.failures;
       if (t->stats.last_error.empty()) {
         t->stats.last_error = status.ok()

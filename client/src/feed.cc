@@ -3,6 +3,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/src/feed_impl.h"
 #include "client/src/target_info.h"
 #include "common/fp8_capture.h"
@@ -87,19 +88,27 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
     for (std::string& a : expanded) addresses.emplace_back(std::move(a), DnsNameOf(t));
   }
   if (m.fingerprint.empty()) {
-    absl::Status last;
+    std::vector<std::string> errors;
+    bool all_unauthenticated = true;
     for (const auto& [a, dns_name] : addresses) {
       auto stub = v1::TargetService::NewStub(MakeChannel(a, *m.credentials, dns_name));
-      auto info = QueryInfo(stub.get(), a, options.connect_timeout_s, true, *m.credentials);
+      auto info = QueryInfo(stub.get(), a, options.connect_timeout_s, *m.credentials);
       if (info.ok()) {
         m.fingerprint = info->fingerprint;
         m.fingerprint_source = absl::StrCat(a, " (", info->model_id, ")");
         m.hidden_size = info->hidden_size;
         break;
       }
-      last = info.status();
+      errors.push_back(std::string(info.status().message()));
+      all_unauthenticated &= info.status().code() == absl::StatusCode::kUnauthenticated;
     }
-    if (m.fingerprint.empty()) return last;
+    if (m.fingerprint.empty()) {
+      // Every target refusing the token is not a target being down: no retry
+      // helps until the token (or the targets' token file) changes.
+      return absl::Status(
+          all_unauthenticated ? absl::StatusCode::kUnauthenticated : absl::StatusCode::kUnavailable,
+          absl::StrCat("no target could be reached: ", absl::StrJoin(errors, "; ")));
+    }
   }
   for (const std::string& t : options.targets) {
     DF_RETURN_IF_ERROR(m.AddTargets(t));
@@ -112,12 +121,20 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
     }
     return true;
   });
+  // A target that serves another model (or lacks a layer) is left out,
+  // `refused` in Stats(), while the others serve; only when every target
+  // refused does Open fail, with their reasons.
+  std::vector<std::string> refusals;
+  absl::StatusCode refusal_code = absl::StatusCode::kOk;
   for (const auto& t : m.targets) {
-    if (t->state == Impl::State::kRefused) {
-      const absl::Status refused = t->refusal;
-      lock.unlock();
-      return refused;
-    }
+    if (t->state != Impl::State::kRefused) continue;
+    if (refusals.empty()) refusal_code = t->refusal.code();
+    refusals.push_back(std::string(t->refusal.message()));
+  }
+  if (!refusals.empty() && refusals.size() == m.targets.size()) {
+    const absl::Status refused(refusal_code, absl::StrJoin(refusals, "; "));
+    lock.unlock();
+    return refused;
   }
   if (!m.AnyLive()) {
     const absl::Status none =
@@ -204,6 +221,44 @@ absl::StatusOr<HiddenBatch> Feed::Next() {
   return std::move(p.result);
 }
 
+int64_t Feed::Impl::CancelLocked(const std::vector<uint64_t>& batch_ids) {
+  std::vector<uint64_t> ids = batch_ids;
+  if (ids.empty()) {
+    for (const auto& [id, p] : pending) ids.push_back(id);
+  }
+  int64_t n = 0;
+  for (uint64_t id : ids) {
+    auto it = pending.find(id);
+    if (it == pending.end()) continue;
+    Pending& p = it->second;
+    if (p.conn != nullptr && !p.complete) {
+      // Only cancelling its stream stops the target computing it (a batch
+      // that is queued there is skipped, one running finishes and is dropped).
+      Conn* c = p.conn;
+      if (!c->cancelled_by_client) {
+        c->cancelled_by_client = true;
+        c->stream.TryCancel();
+      }
+    }
+    Unassign(p);
+    unassigned.erase(id);
+    outstanding_bytes -= static_cast<int64_t>(p.error.ok() && p.complete ? p.result.token_ids.size()
+                                                                         : p.token_ids.size()) *
+                         RequestedBytesPerToken();
+    pending.erase(it);
+    --stats.outstanding;
+    ++stats.cancelled;
+    ++n;
+  }
+  cv.notify_all();
+  return n;
+}
+
+int64_t Feed::Cancel(const std::vector<uint64_t>& batch_ids) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->CancelLocked(batch_ids);
+}
+
 absl::Status Feed::Close() {
   Impl& m = *impl_;
   std::vector<std::shared_ptr<Impl::Conn>> conns;
@@ -211,6 +266,8 @@ absl::Status Feed::Close() {
     std::lock_guard<std::mutex> lock(m.mu);
     if (m.closing) return absl::OkStatus();
     m.closing = true;
+    // Nobody can take what is outstanding any more: do not compute it.
+    m.CancelLocked({});
     for (auto& t : m.targets) {
       if (t->conn) conns.push_back(t->conn);
     }

@@ -57,6 +57,9 @@ struct Feed::Impl final : BatchSink {
     std::deque<grpc::ByteBuffer> wq;
     bool wclosed = false;   // writer: send what is queued, then WritesDone
     bool finished = false;  // reader is done (guarded by Impl::mu)
+    // Cancelled to drop batches (Feed::Cancel), not lost: its end is no
+    // failure, and the target reconnects at once (guarded by Impl::mu).
+    bool cancelled_by_client = false;
   };
 
   enum class State { kConnecting, kLive, kDown, kRefused };
@@ -169,6 +172,9 @@ struct Feed::Impl final : BatchSink {
   void Fail(uint64_t id, Pending& p, absl::Status status);
   void FailMalformedChunk(Target* t, uint64_t id, Pending& p, const ChunkHeader& c,
                           size_t payload_bytes);
+
+  // feed.cc
+  int64_t CancelLocked(const std::vector<uint64_t>& batch_ids);
 
   // dispatch.cc
   void Dispatch();

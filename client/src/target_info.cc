@@ -4,13 +4,28 @@
 #include <netdb.h>
 #include <sys/socket.h>
 
+#include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <set>
+#include <string_view>
 
 #include "absl/strings/str_cat.h"
 #include "client/src/grpc_stream.h"
 
 namespace draftfeed {
+namespace {
+
+// "TRANSPORT_NCCL" -> "nccl", "ENCODING_FP8_E4M3" -> "fp8_e4m3": the names the
+// client's options take. A number this client's proto lacks stays a number.
+std::string WireName(const std::string& name, std::string_view prefix) {
+  if (name.empty()) return "unknown";
+  std::string out = name.rfind(prefix, 0) == 0 ? name.substr(prefix.size()) : name;
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+}  // namespace
 
 TargetDescription Describe(const std::string& address, const v1::TargetInfo& info) {
   TargetDescription d;
@@ -25,21 +40,60 @@ TargetDescription Describe(const std::string& address, const v1::TargetInfo& inf
   d.max_batch_tokens = info.max_batch_tokens();
   d.devices.assign(info.devices().begin(), info.devices().end());
   d.layer_types.assign(info.layer_types().begin(), info.layer_types().end());
+  d.dtype = info.dtype();
+  for (int t : info.transports()) {
+    d.transports.push_back(
+        WireName(v1::Transport_Name(static_cast<v1::Transport>(t)), "TRANSPORT_"));
+  }
+  for (int e : info.encodings()) {
+    d.encodings.push_back(WireName(v1::Encoding_Name(static_cast<v1::Encoding>(e)), "ENCODING_"));
+  }
+  d.max_credits = info.max_credits();
+  d.max_capture_layers = info.max_capture_layers();
+  if (info.has_layout()) {
+    d.layout.tp = std::max(1, info.layout().tp());
+    d.layout.moe_parallel = info.layout().moe_parallel();
+    d.layout.rank_weight_bytes = info.layout().rank_weight_bytes();
+  }
   return d;
+}
+
+absl::Status ExplainCallFailure(const grpc::Status& s, const std::string& address,
+                                const std::string& call, double timeout_s) {
+  const std::string& m = s.error_message();
+  std::string why;
+  if (m.find("Connection refused") != std::string::npos) {
+    why = "connection refused (nothing listens there: is draftfeed-target running, on that port?)";
+  } else if (m.find("DNS resolution failed") != std::string::npos ||
+             m.find("Domain name not found") != std::string::npos ||
+             m.find("Name or service not known") != std::string::npos) {
+    why = "name not resolved (no such host)";
+  } else if (m.find("No route to host") != std::string::npos ||
+             m.find("Network is unreachable") != std::string::npos) {
+    why = "host unreachable (no route to it)";
+  } else if (s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    why = absl::StrCat("no answer within ", timeout_s,
+                       "s (the host is down, firewalled, or too busy to answer)");
+  }
+  if (why.empty()) return FromGrpc(s, absl::StrCat("target ", address, ": ", call));
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat("target ", address, ": ", why, " [", call, ": ", m, "]"));
 }
 
 absl::StatusOr<TargetDescription> QueryInfo(v1::TargetService::Stub* stub,
                                             const std::string& address, double timeout_s,
-                                            bool wait_for_ready, const ClientCredentials& creds) {
+                                            const ClientCredentials& creds) {
   grpc::ClientContext ctx;
   creds.Authorize(&ctx);
   ctx.set_deadline(std::chrono::system_clock::now() +
                    std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
-  ctx.set_wait_for_ready(wait_for_ready);
+  // Fail fast: a refused connection or an unknown name ends the call at once
+  // (waiting for readiness would turn both into DEADLINE_EXCEEDED after
+  // `timeout_s`); the feed retries lost targets with backoff.
+  ctx.set_wait_for_ready(false);
   v1::TargetInfo info;
   grpc::Status s = stub->GetTargetInfo(&ctx, v1::GetTargetInfoRequest(), &info);
-  if (!s.ok())
-    return creds.Explain(FromGrpc(s, absl::StrCat("target ", address, ": GetTargetInfo")));
+  if (!s.ok()) return creds.Explain(ExplainCallFailure(s, address, "GetTargetInfo", timeout_s));
   return Describe(address, info);
 }
 
@@ -92,7 +146,7 @@ absl::StatusOr<TargetDescription> DescribeTarget(const std::string& address, con
       ClientCredentials::Create(tls, token);
   if (!creds.ok()) return creds.status();
   auto stub = v1::TargetService::NewStub(MakeChannel(address, **creds));
-  return QueryInfo(stub.get(), address, timeout_s, /*wait_for_ready=*/true, **creds);
+  return QueryInfo(stub.get(), address, timeout_s, **creds);
 }
 
 }  // namespace draftfeed

@@ -14,11 +14,18 @@ namespace draftfeed {
 
 TargetDescription Describe(const std::string& address, const v1::TargetInfo& info);
 
-// GetTargetInfo, carrying `creds`' token; `wait_for_ready` waits for a
-// target that is still starting.
+// GetTargetInfo. It fails as soon as the connection does, saying why
+// ("connection refused", "name not resolved") with the address, rather than
+// waiting out `timeout_s`, which bounds a connection that hangs.
+// The call carries `creds`' token.
 absl::StatusOr<TargetDescription> QueryInfo(v1::TargetService::Stub* stub,
                                             const std::string& address, double timeout_s,
-                                            bool wait_for_ready, const ClientCredentials& creds);
+                                            const ClientCredentials& creds);
+
+// A failed call's status, its message leading with what went wrong in words
+// a trainer acts on, then gRPC's own.
+absl::Status ExplainCallFailure(const grpc::Status& s, const std::string& address,
+                                const std::string& call, double timeout_s);
 
 // "dns:///name:port" -> every address the name resolves to, as "ip:port";
 // any other target string is returned as it is.

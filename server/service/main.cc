@@ -34,16 +34,14 @@
 #include "server/model/sharding_plan.h"
 #include "server/model/weight_check.h"
 #include "server/service/auth_tokens.h"
+#include "server/service/startup.h"
 #include "server/service/target_service.h"
 #include "server/service/tls_options.h"
 #include "server/service/version.h"
 
 ABSL_FLAG(std::string, model, "tiny-random",
           "Checkpoint directory (HF config.json + safetensors, single or sharded) or a built-in "
-          "random model: tiny-random[:SEED] (Qwen3.5 hybrid), tiny-random-qwen3[:SEED], "
-          "tiny-random-moe[:SEED], tiny-random-qwen3-moe[:SEED], or a real shape with weights "
-          "made on the GPU: random:qwen3.6-27b, random:qwen3-8b, random:qwen3.6-35b-a3b, "
-          "random:qwen3-30b-a3b, random:qwen3.5-122b-a10b (needs two H200s in bf16).");
+          "random model (every one is listed under Models above).");
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "Address to serve on. Port 0 picks a free port (see --port_file).");
 ABSL_FLAG(std::string, device, "auto",
@@ -71,6 +69,8 @@ ABSL_FLAG(int32_t, max_capture_layers, 8,
 ABSL_FLAG(int32_t, default_credits, 4, "In-flight batches per stream when the client asks for 0.");
 ABSL_FLAG(int32_t, max_credits, 32, "Upper bound on a stream's in-flight batches.");
 ABSL_FLAG(int64_t, chunk_bytes, 4 << 20,
+          "Payload bytes per HiddenChunk (rounded to whole tokens).");
+ABSL_FLAG(int64_t, max_queued_batches, 256, "Scheduler queue bound across all streams.");
 ABSL_FLAG(int64_t, max_stream_pending_mib, 2048,
           "Per stream: MiB of results taken for the forward and not yet written to the client "
           "(captures, and unsent BatchErrors); at this much the stream's batches wait while "
@@ -86,8 +86,6 @@ ABSL_FLAG(double, stream_idle_timeout_s, 300,
           "write and had no batch running (a stream waiting for its own batches, or reading a "
           "large result, is not idle); its unsent results and queued batches are dropped. 0 = "
           "never.");
-          "Payload bytes per HiddenChunk (rounded to whole tokens).");
-ABSL_FLAG(int64_t, max_queued_batches, 256, "Scheduler queue bound across all streams.");
 ABSL_FLAG(int32_t, drain_timeout_s, 60,
           "On SIGTERM/SIGINT: seconds to let accepted batches finish before cancelling.");
 ABSL_FLAG(double, throttle_tokens_per_s, 0,
@@ -104,9 +102,6 @@ ABSL_FLAG(double, nccl_timeout_s, 120,
           "An NCCL stream's setup, and each batch's send, must finish within this many "
           "seconds; otherwise the communicator is aborted and the stream ends.");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written there once serving.");
-ABSL_FLAG(std::string, quantize, "none",
-          "Quantise the model at load: none, or fp8 (e4m3 weights with one fp32 scale per "
-          "128x128 block, as Qwen's FP8 checkpoints; refused for a checkpoint already FP8).");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate chain to serve TLS with (with --tls_key). Without TLS, a --listen "
           "address other than loopback needs --insecure.");
@@ -121,6 +116,9 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
 ABSL_FLAG(bool, insecure, false,
           "Serve plaintext on a --listen address other than loopback (refused without it "
           "unless TLS is configured).");
+ABSL_FLAG(std::string, quantize, "none",
+          "Quantise the model at load: none, or fp8 (e4m3 weights with one fp32 scale per "
+          "128x128 block, as Qwen's FP8 checkpoints; refused for a checkpoint already FP8).");
 ABSL_FLAG(bool, check_weights, false,
           "At load, scan every weight for NaN and infinities and refuse to start on the first, "
           "naming the tensor (one pass over the weights: seconds for a large checkpoint).");
@@ -167,6 +165,8 @@ absl::Status CheckFlags() {
   if (const int64_t q = absl::GetFlag(FLAGS_max_queued_batches); !(q >= 1)) {
     return refuse("--max_queued_batches=", q,
                   " must be >= 1 (the scheduler queue across all streams; 0 would fail every "
+                  "batch)");
+  }
   if (const int64_t m = absl::GetFlag(FLAGS_max_stream_pending_mib);
       !(m >= 0 && m <= (kMaxHostMemoryCapGib << 10))) {
     return refuse("--max_stream_pending_mib=", m, " must be in [0, ", kMaxHostMemoryCapGib << 10,
@@ -177,8 +177,6 @@ absl::Status CheckFlags() {
   }
   if (const double t = absl::GetFlag(FLAGS_stream_idle_timeout_s); !(t >= 0 && std::isfinite(t))) {
     return refuse("--stream_idle_timeout_s=", t, " must be a finite number >= 0 (0 = never)");
-  }
-                  "batch)");
   }
   if (!(absl::GetFlag(FLAGS_threads) >= 0)) {
     return refuse("--threads=", absl::GetFlag(FLAGS_threads), " must be >= 0 (0 = all cores)");
@@ -237,6 +235,30 @@ int Run() {
   }
 #endif
   if (absl::Status s = CheckFlags(); !s.ok()) return Fail(std::string(s.message()));
+  const int tp = absl::GetFlag(FLAGS_tp);
+  const MoeParallel moe_parallel = *ParseMoeParallel(absl::GetFlag(FLAGS_moe_parallel));
+  if (absl::GetFlag(FLAGS_print_plan)) {
+    auto model = OpenModel(absl::GetFlag(FLAGS_model));
+    if (!model.ok()) return Fail(std::string(model.status().message()));
+    auto plan = PlanTensorParallel((*model)->config, tp, moe_parallel);
+    if (!plan.ok()) return Fail(std::string(plan.status().message()));
+    std::printf("%s: %s", (*model)->id.c_str(), DescribePlan(*plan, model->get()).c_str());
+    return 0;
+  }
+  if (!gpus.empty() && tp > 1) {
+    return Fail(absl::StrCat("--tp ", tp,
+                             " with a CUDA device: CUDA tensor parallelism needs two GPUs and is "
+                             "not in this build yet; --device cpu --tp ",
+                             tp, " runs the same plan on CPU threads, --devices serves replicas"));
+  }
+  // Where it will serve and report, checked before the model loads (minutes
+  // for a large checkpoint), each with one message instead of gRPC's log.
+  if (absl::Status s = CheckListenAddress(absl::GetFlag(FLAGS_listen)); !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
+  if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
+    if (absl::Status s = CheckPortFile(pf); !s.ok()) return Fail(std::string(s.message()));
+  }
   // Security is settled before the model loads: a bad certificate or token
   // file fails in a second, not after minutes of loading.
   const ListenSecurity security{.tls_cert = absl::GetFlag(FLAGS_tls_cert),
@@ -254,22 +276,6 @@ int Run() {
       std::fprintf(stderr, "draftfeed-target: warning: %s\n", w.c_str());
     }
     tokens = std::make_shared<TokenChecker>(std::move(file->tokens));
-  }
-  const int tp = absl::GetFlag(FLAGS_tp);
-  const MoeParallel moe_parallel = *ParseMoeParallel(absl::GetFlag(FLAGS_moe_parallel));
-  if (absl::GetFlag(FLAGS_print_plan)) {
-    auto model = OpenModel(absl::GetFlag(FLAGS_model));
-    if (!model.ok()) return Fail(std::string(model.status().message()));
-    auto plan = PlanTensorParallel((*model)->config, tp, moe_parallel);
-    if (!plan.ok()) return Fail(std::string(plan.status().message()));
-    std::printf("%s: %s", (*model)->id.c_str(), DescribePlan(*plan, model->get()).c_str());
-    return 0;
-  }
-  if (!gpus.empty() && tp > 1) {
-    return Fail(absl::StrCat("--tp ", tp,
-                             " with a CUDA device: CUDA tensor parallelism needs two GPUs and is "
-                             "not in this build yet; --device cpu --tp ",
-                             tp, " runs the same plan on CPU threads, --devices serves replicas"));
   }
 
   // Signals are taken by sigwait below; every thread started from here on
@@ -337,15 +343,15 @@ int Run() {
   options.max_credits = absl::GetFlag(FLAGS_max_credits);
   options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   options.max_queued_batches = absl::GetFlag(FLAGS_max_queued_batches);
+  options.max_stream_pending_bytes = absl::GetFlag(FLAGS_max_stream_pending_mib) << 20;
+  options.max_streams = absl::GetFlag(FLAGS_max_streams);
+  options.stream_idle_timeout_s = absl::GetFlag(FLAGS_stream_idle_timeout_s);
   options.throttle_tokens_per_s = absl::GetFlag(FLAGS_throttle_tokens_per_s);
 #if DRAFTFEED_HAVE_CUDA
   // Pinned capture buffers: the engines copy into them at full bandwidth
   // while their next forward runs.
   if (!gpus.empty()) options.host_allocator = PinnedHostAllocator();
 #endif
-  options.max_stream_pending_bytes = absl::GetFlag(FLAGS_max_stream_pending_mib) << 20;
-  options.max_streams = absl::GetFlag(FLAGS_max_streams);
-  options.stream_idle_timeout_s = absl::GetFlag(FLAGS_stream_idle_timeout_s);
   options.host_memory_cap_bytes =
       static_cast<int64_t>(absl::GetFlag(FLAGS_host_memory_cap_gib) * (int64_t{1} << 30));
   options.enable_nccl = absl::GetFlag(FLAGS_nccl);
@@ -361,6 +367,9 @@ int Run() {
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.RegisterService(&service);
+  // gRPC's default SO_REUSEPORT would let a second target bind a port that
+  // one already serves, and the kernel would split the trainers between them.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.SetMaxSendMessageSize(-1);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
@@ -386,9 +395,11 @@ int Run() {
           .c_str(),
       static_cast<long long>(options.max_batch_tokens), load_s);
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
-    const std::string tmp = pf + ".tmp";
-    std::ofstream(tmp) << port << "\n";
-    std::rename(tmp.c_str(), pf.c_str());  // atomic: readers never see a partial file
+    if (absl::Status s = WritePortFile(pf, port); !s.ok()) {
+      server->Shutdown();
+      service.StopScheduler();
+      return Fail(std::string(s.message()));
+    }
   }
 
   int sig = 0;
@@ -417,9 +428,12 @@ int Run() {
       std::chrono::system_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s));
   server->Shutdown(deadline);
   service.StopScheduler();
-  std::fprintf(stderr, "draftfeed-target: stopped after %lld batches, %lld tokens\n",
+  std::fprintf(stderr,
+               "draftfeed-target: stopped after %lld batches, %lld tokens (%lld batches skipped: "
+               "their stream was gone before they ran)\n",
                static_cast<long long>(service.scheduler().completed_batches()),
-               static_cast<long long>(service.scheduler().completed_tokens()));
+               static_cast<long long>(service.scheduler().completed_tokens()),
+               static_cast<long long>(service.scheduler().skipped_batches()));
   return 0;
 }
 
@@ -432,12 +446,14 @@ int main(int argc, char** argv) {
       "  draftfeed-target --model tiny-random --listen 127.0.0.1:50051 --device cpu\n"
       "  draftfeed-target --model /ckpt/Qwen3.6-27B --listen 0.0.0.0:50051");
   absl::FlagsUsageConfig usage;
-  // --help lists this binary's own flags (absl's default matches on file names).
-  usage.contains_help_flags = [](absl::string_view path) {
-    return path.find("server/service/main.cc") != absl::string_view::npos;
+  // The flags' file is "draftfeed-target", not the build machine's path.
+  usage.normalize_filename = draftfeed::NormalizeFlagFile;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return file == draftfeed::kTargetFlagsFile;
   };
   usage.version_string = [] { return std::string(draftfeed::kDraftfeedVersion) + "\n"; };
   absl::SetFlagsUsageConfig(usage);
+  if (std::optional<int> rc = draftfeed::HandleHelpOrVersion(argc, argv)) return *rc;
   absl::ParseCommandLine(argc, argv);
   return draftfeed::Run();
 }

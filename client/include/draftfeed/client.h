@@ -154,6 +154,17 @@ struct TargetDescription {
   int64_t max_batch_tokens = 0;
   std::vector<std::string> devices;
   std::vector<std::string> layer_types;
+  std::string dtype;                    // of the hidden states it computes ("bf16")
+  std::vector<std::string> transports;  // offered: "grpc", "nccl"
+  std::vector<std::string> encodings;   // offered: "bf16", "fp8_e4m3"
+  int32_t max_credits = 0;              // most in-flight batches a stream may have
+  int32_t max_capture_layers = 0;       // most layer ids a stream may capture; 0 = no limit
+  // How one model instance is held (the first engine's; replicas alike).
+  struct Layout {
+    int32_t tp = 1;                 // ranks holding one instance (1: one device holds it)
+    std::string moe_parallel;       // MoE at tp > 1: "ep" or "split"; else empty
+    int64_t rank_weight_bytes = 0;  // decoder weight bytes one rank holds
+  } layout;
 };
 
 struct HiddenBatch {
@@ -230,6 +241,7 @@ struct FeedStats {
   int64_t failed = 0;              // batches returned as errors
   int64_t resent = 0;              // batches re-sent after a target was lost
   int64_t duplicates_dropped = 0;  // late results of re-sent batches
+  int64_t cancelled = 0;           // batches dropped by Cancel (or Close) before Next took them
   int64_t tokens_delivered = 0;
   int64_t bytes_received = 0;
   // Result buffers allocated fresh (host and GPU pools together). The pools
@@ -268,7 +280,14 @@ class Feed {
   // Adds a target to the running feed (same model required); it gets work
   // as soon as it is connected. "dns:///name:port" adds every address.
   absl::Status AddTarget(const std::string& address);
-  // Half-closes the streams and waits for them to end.
+  // Drops the outstanding batches named (none named: every one), so Next()
+  // never returns them; returns how many. Those still on a target are not
+  // computed: each stream holding one is cancelled (the target skips the
+  // batches it has not started) and reconnects at once; other batches it held
+  // go to the queue again. For a loop left early (Python: `break`).
+  int64_t Cancel(const std::vector<uint64_t>& batch_ids = {});
+  // Cancels what is outstanding, half-closes the streams and waits for them
+  // to end.
   absl::Status Close();
 
   const TargetDescription& target() const;  // the first target's description

@@ -22,8 +22,12 @@ from typing import Iterable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
-from . import _draftfeed
-from .tls import Tls, _native_tls, _native_token
+from ._native import load as _load_native
+
+_draftfeed = _load_native()  # or an ImportError naming the Python it was built for
+
+from . import layers  # noqa: E402  draftfeed.layers.dflash(L), .eagle3(L)
+from .tls import Tls, _native_tls, _native_token  # noqa: E402
 
 __all__ = ["Feed", "Result", "DraftfeedError", "describe_target", "FINAL_LAYER", "Tls",
            "dequantize_fp8", "E4M3_VALUES"]
@@ -373,25 +377,48 @@ class Feed:
         return Result(_check(self._feed.next()))
 
     def map(self, batches: Iterable[Batch]) -> Iterator[Result]:
-        """Keeps `prefetch` batches in flight; yields their results."""
+        """Keeps `prefetch` batches in flight; yields their results.
+
+        Leaving the loop early (break, an exception, the generator closed or
+        collected) cancels the batches it still has in flight: the targets
+        skip those they have not started, and none is returned later.
+        """
         it = iter(batches)
         exhausted = False
-        while True:
-            while not exhausted and self._outstanding < self.prefetch:
-                try:
-                    token_ids, seq_lens = next(it)
-                except StopIteration:
-                    exhausted = True
-                    break
-                self.submit(token_ids, seq_lens)
-            if self._outstanding == 0:
-                return
-            yield self.next()
-            if self.progress_every_s > 0:
-                now = time.monotonic()
-                if now - self._last_progress >= self.progress_every_s:
-                    self._last_progress = now
-                    print(self.progress_line(), flush=True)
+        mine = set()  # ids this map submitted and has not yielded
+        try:
+            while True:
+                while not exhausted and self._outstanding < self.prefetch:
+                    try:
+                        token_ids, seq_lens = next(it)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    mine.add(self.submit(token_ids, seq_lens))
+                if self._outstanding == 0:
+                    return
+                r = self.next()
+                mine.discard(r.batch_id)
+                yield r
+                if self.progress_every_s > 0:
+                    now = time.monotonic()
+                    if now - self._last_progress >= self.progress_every_s:
+                        self._last_progress = now
+                        print(self.progress_line(), flush=True)
+        finally:
+            if mine and self._feed is not None:
+                self.cancel(sorted(mine))
+
+    def cancel(self, batch_ids: Optional[Sequence[int]] = None) -> int:
+        """Drops outstanding batches (all of them by default) so `next()` never returns
+        them; returns how many. Targets skip those they have not started (each stream
+        holding one is cancelled and reconnects; its other batches are sent again)."""
+        ids = [] if batch_ids is None else [int(b) for b in batch_ids]
+        if batch_ids is not None and not ids:
+            return 0
+        n = int(self._feed.cancel(ids))
+        self._outstanding -= n
+        return n
 
     def stats(self) -> dict:
         """Counters for dashboards (wandb, tensorboard): see README "Feed statistics"."""

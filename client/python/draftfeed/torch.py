@@ -151,7 +151,8 @@ class HiddenStateDataset(torch.utils.data.IterableDataset):
       non_blocking: passed to the host-to-device copy.
 
     Iterating again (next epoch) iterates the loader again. Leaving a loop early (break, an
-    exception) collects the feed's outstanding results first, so the feed is ready for reuse.
+    exception) cancels the batches still in flight (targets skip the ones they have not
+    started), so the feed is ready for reuse.
     Results come in the loader's order (a feed's default); each `hidden` is paired with the
     batch whose tokens it was computed from, and a mismatch raises instead of training on the
     wrong states.
@@ -202,18 +203,13 @@ class HiddenStateDataset(torch.utils.data.IterableDataset):
         return t
 
     def _drain(self) -> None:
-        """Collects results still in flight so the next iteration starts clean."""
+        """Cancels what is still in flight so the next iteration starts clean (map's own
+        exit cancels its batches; this catches any the feed had besides)."""
         try:
-            left = int(self.feed.stats().get("outstanding", 0))
-        except Exception:  # a closed feed has nothing to collect
+            if int(self.feed.stats().get("outstanding", 0)) > 0:
+                self.feed.cancel()
+        except Exception:  # a closed feed has nothing in flight
             return
-        for _ in range(left):
-            try:
-                self.feed.next()
-            except DraftfeedError:
-                continue  # a failed batch is answered too
-            except Exception:
-                return
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         if torch.utils.data.get_worker_info() is not None:

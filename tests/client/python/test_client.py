@@ -166,10 +166,21 @@ def test_two_targets_share_the_work(make_target):
 
 
 def test_target_with_another_model_is_refused(make_target):
+    # The first target fixes the model; the other is left out and the feed runs on a.
     a, b = make_target(model="tiny-random:0"), make_target(model="tiny-random:5")
+    with draftfeed.Feed(targets=[a.address, b.address], layers=[0]) as feed:
+        per = {t["address"]: t for t in feed.stats()["targets"]}
+        assert per[b.address]["state"] == "refused" and per[a.address]["state"] == "live"
+        assert "tiny-random:5" in per[b.address]["last_error"]
+        assert "tiny-random:0" in per[b.address]["last_error"]
+        results = list(feed.map([(tokens(12, i), [12]) for i in range(4)]))
+    assert {r.target for r in results} == {a.address}
+    # Only when no target serves the model does the feed fail, naming each.
     with pytest.raises(draftfeed.DraftfeedError) as e:
-        draftfeed.Feed(targets=[a.address, b.address], layers=[0])
-    assert "tiny-random:5" in str(e.value) and "tiny-random:0" in str(e.value)
+        draftfeed.Feed(targets=[b.address], layers=[0],
+                       expected_fingerprint=draftfeed.describe_target(a.address)["fingerprint"])
+    assert e.value.code_name == "FAILED_PRECONDITION"
+    assert b.address in str(e.value) and "tiny-random:5" in str(e.value)
 
 
 def test_cli_help_and_bad_flags():

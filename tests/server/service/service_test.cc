@@ -365,11 +365,31 @@ TEST(ServiceTest, ClientRefusesTargetWithAnotherModel) {
   FeedOptions opt;
   opt.targets = {a.address(), b.address()};
   opt.layers = {0};
+  // The first target fixes the model; b is left out, refused, and a serves.
   auto feed = Feed::Open(opt);
-  ASSERT_FALSE(feed.ok());
-  EXPECT_EQ(feed.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(feed.status().message().find("tiny-random:1"), std::string::npos) << feed.status();
-  EXPECT_NE(feed.status().message().find("tiny-random:0"), std::string::npos) << feed.status();
+  ASSERT_TRUE(feed.ok()) << feed.status();
+  FeedStats stats = (*feed)->Stats();
+  ASSERT_EQ(stats.targets.size(), 2u);
+  EXPECT_EQ(stats.targets[0].state, "live");
+  EXPECT_EQ(stats.targets[1].state, "refused");
+  EXPECT_NE(stats.targets[1].last_error.find("tiny-random:1"), std::string::npos);
+  EXPECT_NE(stats.targets[1].last_error.find("tiny-random:0"), std::string::npos);
+  for (uint64_t i = 0; i < 3; ++i) {
+    ASSERT_TRUE((*feed)->Submit(RandomTokens(9, 4096, i), {9}).ok());
+    auto r = (*feed)->Next();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->target, a.address());
+  }
+  // Only when no target serves the model does opening fail, naming both.
+  FeedOptions only_b = opt;
+  only_b.targets = {b.address()};
+  only_b.expected_fingerprint = (*feed)->target().fingerprint;
+  auto refused = Feed::Open(only_b);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("tiny-random:1"), std::string::npos)
+      << refused.status();
+  EXPECT_NE(refused.status().message().find(b.address()), std::string::npos) << refused.status();
 }
 
 // Chunking edges: one token, exactly one chunk, one byte over a chunk.
