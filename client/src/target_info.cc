@@ -119,7 +119,8 @@ absl::StatusOr<std::vector<std::string>> ExpandTarget(const std::string& target)
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
   if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0) {
-    return absl::UnavailableError(absl::StrCat("cannot resolve ", target, ": ", gai_strerror(rc)));
+    return absl::UnavailableError(
+        absl::StrCat("target ", target, ": name not resolved (", gai_strerror(rc), ")"));
   }
   std::set<std::string> out;
   for (addrinfo* a = res; a != nullptr; a = a->ai_next) {

@@ -98,6 +98,9 @@ def test_unreachable_target_says_why_and_where():
     with pytest.raises(draftfeed.DraftfeedError) as e:
         draftfeed.describe_target("no-such-host.invalid:50051", timeout_s=600)
     assert "name not resolved" in str(e.value) and "no-such-host.invalid:50051" in str(e.value)
+    with pytest.raises(draftfeed.DraftfeedError) as e:
+        draftfeed.Feed(targets=["dns:///no-such-host.invalid:50051"], layers=[0])
+    assert "name not resolved" in str(e.value) and "dns:///no-such-host.invalid" in str(e.value)
 
 
 def test_describe_target_returns_every_target_info_field(target):
