@@ -27,7 +27,10 @@ constexpr int64_t kNc = 16 * kNr;
 typedef float Vec8 __attribute__((vector_size(32), aligned(4)));
 constexpr int64_t kVecs = kNr / 8;
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under TSan: it instruments the ifunc resolver that target_clones
+// generates, which runs during relocation, before TSan's runtime is up (every
+// TSan binary linking the kernels crashed at start-up).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_THREAD__)
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
 void MicroKernel(int64_t kc, const float* __restrict a, const float* __restrict b,

@@ -153,11 +153,13 @@ void Scheduler::Stop() {
 }
 
 void Scheduler::FinishHalves(Lane& lane, Completion& c, absl::Status status, int halves) {
-  {
-    std::lock_guard<std::mutex> lock(lane.mu);
-    if (c.status.ok()) c.status = std::move(status);
-    c.halves_left -= halves;
-  }
+  // Notified under the lock: the engine's copy thread calls this, and once
+  // the lock is released the completion thread may deliver the last batch and
+  // Stop() may destroy the lane, condition variable included, before a
+  // notify after the unlock ran (TSan: the destructor raced the broadcast).
+  std::lock_guard<std::mutex> lock(lane.mu);
+  if (c.status.ok()) c.status = std::move(status);
+  c.halves_left -= halves;
   lane.cv.notify_all();
 }
 
