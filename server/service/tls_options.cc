@@ -1,5 +1,8 @@
 #include "server/service/tls_options.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <utility>
 
 #include <grpcpp/security/server_credentials.h>
@@ -37,7 +40,12 @@ std::string ListenSecurity::Describe() const {
 bool IsLoopbackListen(absl::string_view listen) {
   if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:")) return true;
   const std::string host = absl::AsciiStrToLower(HostOf(listen));
-  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+  if (host == "localhost") return true;
+  // Addresses, not names that merely look like them ("127.x.example").
+  in_addr v4{};
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  return inet_pton(AF_INET6, host.c_str(), &v6) == 1 && IN6_IS_ADDR_LOOPBACK(&v6);
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(

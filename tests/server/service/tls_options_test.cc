@@ -15,7 +15,7 @@ TEST(IsLoopbackListen, OnlyAddressesThatOtherHostsCannotReach) {
     EXPECT_TRUE(IsLoopbackListen(local)) << local;
   }
   for (const char* remote : {"0.0.0.0:50051", "[::]:50051", ":50051", "10.0.0.5:50051",
-                             "gpu-3.lab:50051", "128.0.0.1:1", "[::2]:1"}) {
+                             "gpu-3.lab:50051", "128.0.0.1:1", "[::2]:1", "127.evil.example:1"}) {
     EXPECT_FALSE(IsLoopbackListen(remote)) << remote;
   }
 }
