@@ -3,7 +3,6 @@ Python client, with certificates this test makes with openssl: the happy paths
 serve exactly what plaintext does, and every misconfiguration ends in a status
 whose message says what to fix, with nothing served."""
 
-import os
 import signal
 import subprocess
 import time
