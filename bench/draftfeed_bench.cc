@@ -32,6 +32,8 @@ ABSL_FLAG(int32_t, capture, 5, "Captured layers: evenly spaced, the last one the
 ABSL_FLAG(int32_t, iters, 5, "Timed iterations (median reported).");
 ABSL_FLAG(int32_t, device, 0, "CUDA device.");
 ABSL_FLAG(uint64_t, seed, 0, "Sequence-length and token seed.");
+ABSL_FLAG(bool, fp8_expert_gemms, true,
+          "FP8 MoE models: FP8 grouped expert GEMMs (else experts dequantised to bf16).");
 
 namespace draftfeed {
 namespace {
@@ -76,6 +78,7 @@ int RunEngineBench() {
   cudaSetDevice(absl::GetFlag(FLAGS_device));
   cudaMemGetInfo(&free0, &total);
   CudaEngineOptions opt;
+  opt.fp8_expert_gemms = absl::GetFlag(FLAGS_fp8_expert_gemms);
   opt.device = absl::GetFlag(FLAGS_device);
   opt.max_tokens = tokens;
   opt.max_seqs = static_cast<int64_t>(lens.size());

@@ -100,6 +100,23 @@ cudaError_t MoeDown(const bf16* act, const bf16* down, int64_t hidden, int64_t i
                     int num_experts, int64_t num_rows, const MoeRouting& routing, bf16* y,
                     cudaStream_t stream);
 
+// The same two GEMMs on fine-grained FP8 operands (fp8_gemm_operands.cuh's
+// layouts): x quantised per token and 128 group ([T_pad, D] e4m3, scales
+// [D/128][x_scale_stride] indexed by token, gathered through the routing),
+// act quantised likewise per expert-sorted row ([rows, I], scales
+// [I/128][act_scale_stride]); weights e4m3 [E, 2I, D] / [E, D, I] with fp32
+// block scales of row stride Fp8ScaleStride(K), experts
+// ⌈rows/128⌉·stride apart. Requires D and I multiples of kMoeFp8Block.
+inline constexpr int kMoeFp8Block = 128;
+cudaError_t MoeGateUpSwiGluFp8(const uint8_t* xq, const float* x_scale, int64_t x_scale_stride,
+                               const uint8_t* gate_up, const float* gate_up_scale, int64_t hidden,
+                               int64_t inter, int num_experts, int64_t num_rows,
+                               const MoeRouting& routing, bf16* act, cudaStream_t stream);
+cudaError_t MoeDownFp8(const uint8_t* actq, const float* act_scale, int64_t act_scale_stride,
+                       const uint8_t* down, const float* down_scale, int64_t hidden, int64_t inter,
+                       int num_experts, int64_t num_rows, const MoeRouting& routing, bf16* y,
+                       cudaStream_t stream);
+
 // residual[t] += Σ_j weights[t, j]·y[pair_row[t·k + j]]
 //              (+ sigmoid(shared_gate[t·gate_stride])·shared[t·shared_stride]),
 // all in fp32 (the MoE output is not rounded to bf16 before the add). Without

@@ -12,15 +12,21 @@
 // is sized from the worst case (MoeMaxTiles), blocks past the routing's last
 // tile exit at once, so nothing waits on the host.
 //
-// Per block: 128 × 128 outputs, K in steps of 64 through a 3-stage cp.async
-// pipeline (rows of 64 bf16 = 128 bytes in shared memory, 16-byte chunks
-// XOR-swizzled by row so ldmatrix is conflict-free); 8 warps as 2 × 4, each
-// 64 × 32. The gate_up GEMM gathers its A rows (the tokens) through
-// row_token and interleaves its B rows so that each warp's 32 columns are 16
-// gate rows and the 16 matching up rows: a thread then holds gate and up of
-// the same output in registers and writes SiLU(gate)·up directly (the [rows,
-// 2I] product never reaches memory). Rows and columns past the tile's end
-// load zeros (cp.async zero-fill) and are not stored.
+// Per block: 128 × 128 outputs, K in steps of 128 bytes (64 bf16 or 128
+// e4m3) through a 3-stage cp.async pipeline (rows of 128 bytes in shared
+// memory, 16-byte chunks XOR-swizzled by row so ldmatrix is conflict-free);
+// 8 warps as 2 × 4, each 64 × 32.
+//
+// FP8 (fine-grained checkpoints): the same tiles in bytes, mma.sync
+// m16n8k32 e4m3 (whose fragments are what the same ldmatrix calls load from
+// 32-byte K steps), and one K step of 128 values is exactly one scale block:
+// its partial sums are folded into the fp32 accumulator times the row's
+// activation scale and the weight block's scale, as the block-scaled GEMM
+// defines (acc += Σ_g partial_g · s_x[row, g] · S_w[n / 128, g]). The gate_up GEMM gathers its A
+// rows (the tokens) through row_token and interleaves its B rows so that each warp's 32 columns are
+// 16 gate rows and the 16 matching up rows: a thread then holds gate and up of the same output in
+// registers and writes SiLU(gate)·up directly (the [rows, 2I] product never reaches memory). Rows
+// and columns past the tile's end load zeros (cp.async zero-fill) and are not stored.
 #include "kernels/mma_sm80.cuh"
 #include "kernels/moe.cuh"
 #include "kernels/vec_io.cuh"
@@ -33,14 +39,26 @@ using sm80::Mma;
 using sm80::SmemAddr;
 
 constexpr int kBM = kMoeTileRows;
-constexpr int kBN = 128;  // B rows (output columns, or gate + up columns) per block
-constexpr int kBK = 64;
+constexpr int kBN = 128;        // B rows (output columns, or gate + up columns) per block
+constexpr int kRowBytes = 128;  // K step: bytes of one smem row
+constexpr int kChunks = kRowBytes / 16;
 constexpr int kStages = 3;
 constexpr int kThreads = 256;
-constexpr int kLoadRows = kThreads / (kBK / 8);  // rows one pass of 16-byte chunks covers
+constexpr int kLoadRows = kThreads / kChunks;  // rows one pass of 16-byte chunks covers
 constexpr int kLoadsPerThread = kBM / kLoadRows;
-constexpr int kSmemBytes = kStages * (kBM + kBN) * kBK * 2;
+constexpr int kSmemBytes = kStages * (kBM + kBN) * kRowBytes;
 static_assert(kBM == kBN && kBM % kLoadRows == 0, "one load loop covers A and B");
+static_assert(kRowBytes == kMoeFp8Block, "an FP8 K step is one scale block");
+
+// d[0..3] += A·B, m16n8k32, e4m3 in, fp32 accumulate; fragments as Mma's
+// with each 32-bit register holding four e4m3 along K.
+__device__ __forceinline__ void MmaE4m3(float* d, const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 // 16-byte async copy; when !valid the destination is zero-filled and src is
 // not read (it must still be a valid address).
@@ -54,21 +72,28 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
-// Element offset of (row, 16-byte chunk) in a [rows][kBK] stage: chunk c of
-// row r is stored at chunk c ^ (r % 8), so the 8 rows one ldmatrix phase
+// Byte offset of (row, 16-byte chunk) in a [rows][kRowBytes] stage: chunk c
+// of row r is stored at chunk c ^ (r % 8), so the 8 rows one ldmatrix phase
 // reads fall in 8 different bank groups.
 __device__ __forceinline__ int Swizzle(int row, int chunk) {
-  return row * kBK + ((chunk ^ (row & 7)) << 3);
+  return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
 }
 
 enum class Epilogue { kSwiGlu, kPlain };
 
 struct GemmParams {
-  const bf16* a;  // A rows: a + row·a_stride
+  const void* a;  // A rows (bf16 or e4m3): a + row·a_stride elements
   int64_t a_stride;
   const int32_t* a_rows;    // gather: A row of sorted row r is a_rows[r]; null: r itself
-  const bf16* w;            // [E][w_rows][k]
+  const void* w;            // [E][w_rows][k]
   int64_t w_expert_stride;  // w_rows·k
+  // FP8 only: A's scale of (row, K block g) at a_scale[g·a_scale_stride + row]
+  // (row as gathered), and expert e's weight block (nb, g) at
+  // w_scale[e·w_scale_expert_stride + nb·w_scale_stride + g].
+  const float* a_scale = nullptr;
+  int64_t a_scale_stride = 0;
+  const float* w_scale = nullptr;
+  int64_t w_scale_stride = 0, w_scale_expert_stride = 0;
   int64_t k;
   int64_t n;      // output columns: I (SwiGLU) or D (plain)
   int64_t inter;  // SwiGLU: the up rows start at w row `inter`
@@ -78,11 +103,14 @@ struct GemmParams {
   int64_t out_stride;
 };
 
-template <Epilogue kEpilogue>
-__global__ void __launch_bounds__(kThreads, 2) GroupedGemmKernel(GemmParams p) {
+template <Epilogue kEpilogue, bool kFp8>
+__global__ void __launch_bounds__(kThreads, kFp8 ? 1 : 2) GroupedGemmKernel(GemmParams p) {
+  constexpr int kElemBytes = kFp8 ? 1 : 2;
+  constexpr int kBK = kRowBytes / kElemBytes;  // K elements a step
   extern __shared__ __align__(128) unsigned char smem[];
-  bf16* const sa = reinterpret_cast<bf16*>(smem);
-  bf16* const sb = sa + kStages * kBM * kBK;
+  unsigned char* const sa = smem;
+  unsigned char* const sb = sa + kStages * kBM * kRowBytes;
+  const char* const a_base = static_cast<const char*>(p.a);
 
   const int64_t tile = blockIdx.x / p.n_tiles;
   const int n_tile = static_cast<int>(blockIdx.x % p.n_tiles);
@@ -90,14 +118,14 @@ __global__ void __launch_bounds__(kThreads, 2) GroupedGemmKernel(GemmParams p) {
   if (entry.x < 0) return;
   const int64_t row0 = entry.y;
   const int rows = entry.z - entry.y;
-  const bf16* const w = p.w + entry.x * p.w_expert_stride;
+  const char* const w = static_cast<const char*>(p.w) + entry.x * p.w_expert_stride * kElemBytes;
 
   // This thread loads chunk `chunk` of rows load_row + kLoadRows·i of A and B.
   const int tid = threadIdx.x;
-  const int chunk = tid % (kBK / 8);
-  const int load_row = tid / (kBK / 8);
-  const bf16* a_src[kLoadsPerThread];
-  const bf16* b_src[kLoadsPerThread];
+  const int chunk = tid % kChunks;
+  const int load_row = tid / kChunks;
+  const char* a_src[kLoadsPerThread];
+  const char* b_src[kLoadsPerThread];
   bool a_ok[kLoadsPerThread], b_ok[kLoadsPerThread];
 #pragma unroll
   for (int i = 0; i < kLoadsPerThread; ++i) {
@@ -105,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, 2) GroupedGemmKernel(GemmParams p) {
     a_ok[i] = r < rows;
     int64_t src = 0;
     if (a_ok[i]) src = p.a_rows != nullptr ? p.a_rows[row0 + r] : row0 + r;
-    a_src[i] = p.a + src * p.a_stride + chunk * 8;
+    a_src[i] = a_base + (src * p.a_stride) * kElemBytes + chunk * 16;
     int64_t w_row;
     if constexpr (kEpilogue == Epilogue::kSwiGlu) {
       // Smem row r of warp column r / 32: lanes' rows 0-15 gate, 16-31 up.
@@ -116,25 +144,54 @@ __global__ void __launch_bounds__(kThreads, 2) GroupedGemmKernel(GemmParams p) {
       w_row = static_cast<int64_t>(n_tile) * kBN + r;
       b_ok[i] = w_row < p.n;
     }
-    b_src[i] = w + (b_ok[i] ? w_row : 0) * p.k + chunk * 8;
+    b_src[i] = w + ((b_ok[i] ? w_row : 0) * p.k) * kElemBytes + chunk * 16;
   }
   const int k_tiles = static_cast<int>((p.k + kBK - 1) / kBK);
   auto load = [&](int stage, int kt) {
-    const bool k_ok = static_cast<int64_t>(kt) * kBK + chunk * 8 < p.k;
-    bf16* const da = sa + stage * kBM * kBK;
-    bf16* const db = sb + stage * kBN * kBK;
+    const bool k_ok = static_cast<int64_t>(kt) * kBK + chunk * (16 / kElemBytes) < p.k;
+    unsigned char* const da = sa + stage * kBM * kRowBytes;
+    unsigned char* const db = sb + stage * kBN * kRowBytes;
 #pragma unroll
     for (int i = 0; i < kLoadsPerThread; ++i) {
       const int r = load_row + kLoadRows * i;
       const bool av = a_ok[i] && k_ok, bv = b_ok[i] && k_ok;
-      CpAsync16(da + Swizzle(r, chunk), av ? a_src[i] + kt * kBK : p.a, av);
-      CpAsync16(db + Swizzle(r, chunk), bv ? b_src[i] + kt * kBK : p.w, bv);
+      CpAsync16(da + Swizzle(r, chunk), av ? a_src[i] + kt * kRowBytes : p.a, av);
+      CpAsync16(db + Swizzle(r, chunk), bv ? b_src[i] + kt * kRowBytes : p.w, bv);
     }
   };
 
   const int lane = tid % 32, warp = tid / 32;
   const int wm = warp % 2, wn = warp / 2;  // warp tile: rows wm·64, columns wn·32
+  const int g = lane / 4, q = lane % 4;
   float acc[4][4][4] = {};
+  // FP8: this thread's 8 accumulator rows (mi, h) as A's scale rows, and
+  // the weight block rows of its gate / up (or plain) columns.
+  int32_t scale_row[4][2] = {};  // int32: fewer registers beside the two accumulators
+  int32_t w_block[4] = {};
+  const float* w_scale = nullptr;
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = min(wm * 64 + mi * 16 + g + 8 * h, rows - 1);
+        scale_row[mi][h] =
+            static_cast<int32_t>(p.a_rows != nullptr ? p.a_rows[row0 + r] : row0 + r);
+      }
+    }
+    w_scale = p.w_scale + entry.x * p.w_scale_expert_stride;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      int64_t wr;  // a weight row of column group j (one 128-row block holds them all)
+      if constexpr (kEpilogue == Epilogue::kSwiGlu) {
+        const int64_t col = static_cast<int64_t>(n_tile) * (kBN / 2) + wn * 16 + (j % 2) * 8;
+        wr = j < 2 ? col : p.inter + col;
+      } else {
+        wr = static_cast<int64_t>(n_tile) * kBN + wn * 32 + j * 8;
+      }
+      w_block[j] = static_cast<int32_t>((wr / kMoeFp8Block) * p.w_scale_stride);
+    }
+  }
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < k_tiles) load(s, s);
@@ -145,10 +202,11 @@ __global__ void __launch_bounds__(kThreads, 2) GroupedGemmKernel(GemmParams p) {
     __syncthreads();             // everyone's part; stage kt - 1 is free to refill
     if (kt + kStages - 1 < k_tiles) load((kt + kStages - 1) % kStages, kt + kStages - 1);
     CpAsyncCommit();
-    const bf16* const as = sa + (kt % kStages) * kBM * kBK;
-    const bf16* const bs = sb + (kt % kStages) * kBN * kBK;
+    const unsigned char* const as = sa + (kt % kStages) * kBM * kRowBytes;
+    const unsigned char* const bs = sb + (kt % kStages) * kBN * kRowBytes;
+    float part[kFp8 ? 4 : 1][4][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < kBK / 16; ++kk) {
+    for (int kk = 0; kk < kRowBytes / 32; ++kk) {
       uint32_t af[4][4], bfrag[2][4];
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {
@@ -164,7 +222,29 @@ __global__ void __launch_bounds__(kThreads, 2) GroupedGemmKernel(GemmParams p) {
       for (int mi = 0; mi < 4; ++mi) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          Mma(acc[mi][j], af[mi], bfrag[j / 2][(j % 2) * 2], bfrag[j / 2][(j % 2) * 2 + 1]);
+          if constexpr (kFp8) {
+            MmaE4m3(part[mi][j], af[mi], bfrag[j / 2][(j % 2) * 2], bfrag[j / 2][(j % 2) * 2 + 1]);
+          } else {
+            Mma(acc[mi][j], af[mi], bfrag[j / 2][(j % 2) * 2], bfrag[j / 2][(j % 2) * 2 + 1]);
+          }
+        }
+      }
+    }
+    if constexpr (kFp8) {
+      const float* const sx = p.a_scale + static_cast<int64_t>(kt) * p.a_scale_stride;
+      float sw[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) sw[j] = __ldg(w_scale + w_block[j] + kt);
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float s = __ldg(sx + scale_row[mi][h]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            acc[mi][j][2 * h] += part[mi][j][2 * h] * (s * sw[j]);
+            acc[mi][j][2 * h + 1] += part[mi][j][2 * h + 1] * (s * sw[j]);
+          }
         }
       }
     }
@@ -173,7 +253,6 @@ __global__ void __launch_bounds__(kThreads, 2) GroupedGemmKernel(GemmParams p) {
 
   // Accumulator (mi, j) element 2h + c is row wm·64 + mi·16 + g + 8h, column
   // j·8 + 2q + c of the warp tile (g = lane / 4, q = lane % 4).
-  const int g = lane / 4, q = lane % 4;
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi) {
 #pragma unroll
@@ -204,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 2) GroupedGemmKernel(GemmParams p) {
   }
 }
 
-template <Epilogue kEpilogue>
+template <Epilogue kEpilogue, bool kFp8 = false>
 cudaError_t Launch(const GemmParams& p, int num_experts, int64_t num_rows,
                    const MoeRouting& routing, cudaStream_t stream) {
   const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
@@ -212,7 +291,7 @@ cudaError_t Launch(const GemmParams& p, int num_experts, int64_t num_rows,
   const int64_t blocks = tiles * p.n_tiles;
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   if (blocks == 0) return cudaSuccess;
-  const auto kernel = GroupedGemmKernel<kEpilogue>;
+  const auto kernel = GroupedGemmKernel<kEpilogue, kFp8>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -273,6 +352,72 @@ cudaError_t MoeDown(const bf16* act, const bf16* down, int64_t hidden, int64_t i
   p.out = y;
   p.out_stride = hidden;
   return Launch<Epilogue::kPlain>(p, num_experts, num_rows, routing, stream);
+}
+
+namespace {
+// Row stride of a [rows, k] weight's block scales (fp8_gemm_operands.cuh).
+int64_t Fp8Stride(int64_t k) { return ((k + kMoeFp8Block - 1) / kMoeFp8Block + 3) / 4 * 4; }
+bool ValidFp8(int64_t hidden, int64_t inter) {
+  return hidden % kMoeFp8Block == 0 && inter % kMoeFp8Block == 0;
+}
+}  // namespace
+
+cudaError_t MoeGateUpSwiGluFp8(const uint8_t* xq, const float* x_scale, int64_t x_scale_stride,
+                               const uint8_t* gate_up, const float* gate_up_scale, int64_t hidden,
+                               int64_t inter, int num_experts, int64_t num_rows,
+                               const MoeRouting& routing, bf16* act, cudaStream_t stream) {
+  if (!ValidShapes(hidden, inter, num_experts, num_rows) || !ValidFp8(hidden, inter) ||
+      !Aligned16(xq) || !Aligned16(gate_up) || !Aligned16(act)) {
+    return cudaErrorInvalidValue;
+  }
+  GemmParams p;
+  p.a = xq;
+  p.a_stride = hidden;
+  p.a_rows = routing.row_token;
+  p.w = gate_up;
+  p.w_expert_stride = 2 * inter * hidden;
+  p.k = hidden;
+  p.n = inter;
+  p.inter = inter;
+  p.n_tiles = static_cast<int>((inter + kBN / 2 - 1) / (kBN / 2));
+  p.tile_map = reinterpret_cast<const int4*>(routing.tile_map);
+  p.out = act;
+  p.out_stride = inter;
+  p.a_scale = x_scale;
+  p.a_scale_stride = x_scale_stride;
+  p.w_scale = gate_up_scale;
+  p.w_scale_stride = Fp8Stride(hidden);
+  p.w_scale_expert_stride = 2 * inter / kMoeFp8Block * p.w_scale_stride;
+  return Launch<Epilogue::kSwiGlu, true>(p, num_experts, num_rows, routing, stream);
+}
+
+cudaError_t MoeDownFp8(const uint8_t* actq, const float* act_scale, int64_t act_scale_stride,
+                       const uint8_t* down, const float* down_scale, int64_t hidden, int64_t inter,
+                       int num_experts, int64_t num_rows, const MoeRouting& routing, bf16* y,
+                       cudaStream_t stream) {
+  if (!ValidShapes(hidden, inter, num_experts, num_rows) || !ValidFp8(hidden, inter) ||
+      !Aligned16(actq) || !Aligned16(down) || !Aligned16(y)) {
+    return cudaErrorInvalidValue;
+  }
+  GemmParams p;
+  p.a = actq;
+  p.a_stride = inter;
+  p.a_rows = nullptr;
+  p.w = down;
+  p.w_expert_stride = hidden * inter;
+  p.k = inter;
+  p.n = hidden;
+  p.inter = 0;
+  p.n_tiles = static_cast<int>((hidden + kBN - 1) / kBN);
+  p.tile_map = reinterpret_cast<const int4*>(routing.tile_map);
+  p.out = y;
+  p.out_stride = hidden;
+  p.a_scale = act_scale;
+  p.a_scale_stride = act_scale_stride;
+  p.w_scale = down_scale;
+  p.w_scale_stride = Fp8Stride(inter);
+  p.w_scale_expert_stride = hidden / kMoeFp8Block * p.w_scale_stride;
+  return Launch<Epilogue::kPlain, true>(p, num_experts, num_rows, routing, stream);
 }
 
 }  // namespace draftfeed::cuda

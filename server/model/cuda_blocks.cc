@@ -211,15 +211,40 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
     return CudaStatus(cuda::MoePermute(moe.expert_ids, T, experts, k, moe.routing, stream),
                       "MoePermute");
   }));
-  DF_RETURN_IF_ERROR(Timed("expert_gemm", [&] {
-    cudaError_t e = cuda::MoeGateUpSwiGlu(u, D, w.bf(kMoeExpertsGateUp), D, I_moe, experts, T * k,
-                                          moe.routing, moe.act, stream);
-    if (e == cudaSuccess) {
-      e = cuda::MoeDown(moe.act, w.bf(kMoeExpertsDown), D, I_moe, experts, T * k, moe.routing,
-                        moe.y, stream);
-    }
-    return CudaStatus(e, "MoE expert GEMMs");
-  }));
+  if (IsFp8(w, kMoeExpertsGateUp) && IsFp8(w, kMoeExpertsDown)) {
+    // FP8 experts: u quantised per token (gathered by the kernel), and the
+    // SwiGLU activations re-quantised per expert-sorted row for down.
+    DF_RETURN_IF_ERROR(QuantizeForFp8(u, T, D));
+    const Fp8Weight& gu = w.fp8[kMoeExpertsGateUp];
+    const Fp8Weight& dn = w.fp8[kMoeExpertsDown];
+    const int64_t rows = T * k, rows_pad = cuda::Fp8RowsPadded(rows);
+    DF_RETURN_IF_ERROR(Timed("expert_gemm", [&] {
+      return CudaStatus(
+          cuda::MoeGateUpSwiGluFp8(x8, x8_scale, cuda::Fp8RowsPadded(T), gu.q, gu.scale, D, I_moe,
+                                   experts, rows, moe.routing, moe.act, stream),
+          "MoeGateUpSwiGluFp8");
+    }));
+    DF_RETURN_IF_ERROR(Timed("fp8_quant", [&] {
+      return CudaStatus(cuda::QuantizeActivationsFp8(moe.act, I_moe, rows, I_moe, moe_act8,
+                                                     moe_act8_scale, stream),
+                        "QuantizeActivationsFp8");
+    }));
+    DF_RETURN_IF_ERROR(Timed("expert_gemm", [&] {
+      return CudaStatus(cuda::MoeDownFp8(moe_act8, moe_act8_scale, rows_pad, dn.q, dn.scale, D,
+                                         I_moe, experts, rows, moe.routing, moe.y, stream),
+                        "MoeDownFp8");
+    }));
+  } else {
+    DF_RETURN_IF_ERROR(Timed("expert_gemm", [&] {
+      cudaError_t e = cuda::MoeGateUpSwiGlu(u, D, w.bf(kMoeExpertsGateUp), D, I_moe, experts, T * k,
+                                            moe.routing, moe.act, stream);
+      if (e == cudaSuccess) {
+        e = cuda::MoeDown(moe.act, w.bf(kMoeExpertsDown), D, I_moe, experts, T * k, moe.routing,
+                          moe.y, stream);
+      }
+      return CudaStatus(e, "MoE expert GEMMs");
+    }));
+  }
   const bool shared = I_shared > 0;
   if (shared) {
     // Its GEMMs and SwiGLU count under "gemm" and "elementwise" like the

@@ -23,6 +23,10 @@ struct CudaEngineOptions {
   // (one is copied to the host while the next forward fills the other).
   int64_t max_layers = 0;
   bool profile = false;  // time every op family (adds syncs; benchmarks only)
+  // FP8 models: the routed experts through the FP8 grouped GEMMs (the FP8
+  // engine's maths, half the expert memory), or dequantised to bf16 at load
+  // for the bf16 grouped GEMMs (bf16 activations; on the H200 faster today).
+  bool fp8_expert_gemms = true;
 };
 
 struct OpTimes {

@@ -166,6 +166,9 @@ struct CudaEngine::Impl {
   uint8_t* x8 = nullptr;   // [T_pad, fp8_k_max]
   float* x8_scale = nullptr;  // [fp8_k_max / 128, T_pad]
   int64_t fp8_k_max = 0;   // 0: no FP8 weights on the device
+  // FP8 routed experts: the SwiGLU activations re-quantised for the down GEMM.
+  uint8_t* moe_act8 = nullptr;      // [pad4(T·k), I]
+  float* moe_act8_scale = nullptr;  // [I / 128, pad4(T·k)]
   const bf16* x8_source = nullptr;
   int64_t x8_tokens = 0, x8_k = 0;
   // Counts of the FP8 weights by how they run, for the start-up line.

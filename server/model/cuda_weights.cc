@@ -6,8 +6,9 @@
 // buffer whose FP8 members come first, share K (a multiple of 128) and stack
 // on 128-row block edges holds them as e4m3 plus fp32 block scales in the
 // GEMM's layout, and its bf16 members after them (GDN's in_proj_b/a) as a
-// bf16 tail. Anything else FP8 (the routed experts, whose grouped GEMMs take
-// bf16; a buffer that breaks those rules) is dequantised to bf16 at load.
+// bf16 tail; the routed experts stay FP8 for the FP8 grouped GEMMs when their
+// widths are whole blocks. Anything else FP8 (a buffer that breaks those
+// rules) is dequantised to bf16 at load.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -84,7 +85,12 @@ absl::Status CudaEngine::Impl::UploadWeights() {
   // The rows of a buffer's FP8 head kept FP8 on the device (0: all bf16).
   auto fp8_rows = [&](BlockKind kind, size_t buffer, const std::vector<size_t>& idx) -> int64_t {
     if (kind == BlockKind::kMoeMlp && (buffer == kMoeExpertsGateUp || buffer == kMoeExpertsDown)) {
-      return 0;  // the grouped expert GEMMs take bf16
+      // Stacked experts [E, R, K]: the FP8 grouped GEMMs take whole 128 x 128
+      // blocks per expert.
+      if (!options.fp8_expert_gemms || idx.size() != 1 || !is_fp8(idx[0])) return 0;
+      const WeightSpec& spec = specs[idx[0]];
+      const int64_t r = spec.shape[1], k = spec.shape[2];
+      return r % cuda::kFp8Block == 0 && k % cuda::kFp8Block == 0 ? rows_of(idx[0]) : 0;
     }
     size_t head = 0;
     while (head < idx.size() && is_fp8(idx[head])) ++head;

@@ -116,8 +116,12 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   add(T * options.max_layers * D * 2);  // capture, twice
   add(T * options.max_layers * D * 2);
   add(gdn_bytes);
-  add(T * fp8_k_max);                                 // x8
-  add(T * (fp8_k_max / cuda::kFp8Block) * 4);         // x8_scale
+  // FP8 experts re-quantise their [T·k, I] activations.
+  const int64_t moe_rows8 = any_fp8 && any_moe ? cuda::Fp8RowsPadded(T * top_k) : 0;
+  add(moe_rows8 * I_moe);                          // moe_act8
+  add(moe_rows8 * (I_moe / cuda::kFp8Block) * 4);  // moe_act8_scale
+  add(T * fp8_k_max);                              // x8
+  add(T * (fp8_k_max / cuda::kFp8Block) * 4);      // x8_scale
   add(gemm_ws);
   if (absl::Status s = work.Reserve(total); !s.ok()) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate the ", total >> 20,
@@ -148,6 +152,8 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   captures[1] = work.Take<bf16>(T * options.max_layers * D);
   capture = captures[current];
   gdn_ws = work.Take<char>(static_cast<int64_t>(gdn_bytes));
+  moe_act8 = work.Take<uint8_t>(moe_rows8 * I_moe);
+  moe_act8_scale = work.Take<float>(moe_rows8 * (I_moe / cuda::kFp8Block));
   x8 = work.Take<uint8_t>(T * fp8_k_max);
   x8_scale = work.Take<float>(T * (fp8_k_max / cuda::kFp8Block));
   gemm_workspace = work.Take<char>(gemm_ws);

@@ -67,6 +67,8 @@ constexpr double kBf16Unit = 1.0 / 256.0;
 // whose error goldens_test.cc measured at 0.65-1.10x HF-bf16's; the rounding
 // term is the engine's bf16 output.
 constexpr double kEmuFactor = 1.25;
+// MoE only: the rms bar with routing flips in it (see CudaEngineWithinEmulationBar).
+constexpr double kMoeFlipFactor = 1.5;
 constexpr int kThreads = 2;
 
 std::string SourceDir() {
@@ -270,6 +272,22 @@ double Bf16RoundingRms(const std::vector<float>& ref, int64_t h, const std::vect
   std::vector<float> rounded(ref.size());
   for (size_t i = 0; i < ref.size(); ++i) rounded[i] = Bf16ToFloat(FloatToBf16(ref[i]));
   return Compare(rounded, ref, h, keep).rms;
+}
+
+// The median over tokens of each token's rms error against ref: a statistic
+// that routing flips (O(1) errors on a minority of tokens) cannot move.
+double MedianTokenRms(const std::vector<float>& ours, const std::vector<float>& ref, int64_t h) {
+  std::vector<double> per;
+  for (size_t t = 0; t * h < ref.size(); ++t) {
+    double sq = 0;
+    for (int64_t i = 0; i < h; ++i) {
+      const double d = double(ours[t * h + i]) - ref[t * h + i];
+      sq += d * d;
+    }
+    per.push_back(std::sqrt(sq / h));
+  }
+  std::nth_element(per.begin(), per.begin() + per.size() / 2, per.end());
+  return per[per.size() / 2];
 }
 
 std::string Describe(const Err& e) {
@@ -509,7 +527,24 @@ TEST_P(Fp8GoldensTest, CudaEngineWithinEmulationBar) {
                          SlotName(k), ": bar ", absl::StrFormat("%.3e", bar), "\n cuda ",
                          Describe(mine), "\n emu  ", Describe(emu));
         EXPECT_TRUE(mine.finite) << where;
-        EXPECT_LE(mine.rms, bar) << where;
+        if (goldens_.moe.experts == 0) {
+          EXPECT_LE(mine.rms, bar) << where;
+        } else {
+          // MoE: FP8 noise flips the routing of a different random subset of
+          // tokens in the engine and in the emulation (O(1) errors each), so
+          // over a few hundred tokens either rms moves by several % by chance.
+          // The bar holds on the median token, which flips cannot move, and
+          // the rms (flips included) within kMoeFlipFactor of the emulation's.
+          const std::vector<float> mine_slot = Slot(ours, t, k);
+          const std::vector<float> emu_slot = Slot(s.emu, t, k);
+          std::vector<float> rounded(ref.size());
+          for (size_t e = 0; e < ref.size(); ++e) rounded[e] = Bf16ToFloat(FloatToBf16(ref[e]));
+          EXPECT_LE(
+              MedianTokenRms(mine_slot, ref, h_),
+              kEmuFactor * MedianTokenRms(emu_slot, ref, h_) + MedianTokenRms(rounded, ref, h_))
+              << where;
+          EXPECT_LE(mine.rms, kMoeFlipFactor * emu.rms + Bf16RoundingRms(ref, h_, keep)) << where;
+        }
         worst_ratio[k] = std::max(worst_ratio[k], mine.rms / bar);
         cuda_rel[k] = std::max(cuda_rel[k], mine.rms / mine.rms_ref);
         emu_rel[k] = std::max(emu_rel[k], emu.rms / emu.rms_ref);
