@@ -2,8 +2,8 @@
 # Every test: install deps, build everything, run the C++ suites (ctest), the
 # Python tests (pytest, against real target processes on loopback), a brief
 # run of each Google Benchmark program (it must run and report no error; its
-# figures are not measurements) and the layering checks, which also build a
-# trainer's client alone.
+# figures are not measurements), the layering checks, which also build a
+# trainer's client alone, and the install test (cmake --install and pip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -14,3 +14,6 @@ bash scripts/run_micro_benchmarks.sh > build/micro_benchmarks.log 2>&1 ||
   { cat build/micro_benchmarks.log; exit 1; }
 echo "micro-benchmarks: every program ran (log: build/micro_benchmarks.log)"
 bash scripts/check_layering.sh
+# The clients installed as users install them: cmake --install + an external
+# find_package consumer, and pip install into a fresh venv.
+CLIENT_BUILD_DIR=build-client bash tests/install/test_install.sh

@@ -80,6 +80,19 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   }
   fp8_k_max = any_fp8 ? std::max({D, F, Hq * hd, Nv * dv, I_shared}) : 0;
   fp8_k_max = (fp8_k_max + cuda::kFp8Block - 1) / cuda::kFp8Block * cuda::kFp8Block;
+  if (any_fp8) {
+    // cuBLASLt serves 128x128-block FP8 scales on sm_90 only: refuse now
+    // rather than at the first batch.
+    int major = 0, minor = 0;
+    DF_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, opt.device));
+    DF_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, opt.device));
+    if (major != 9) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "this FP8 model needs an sm_90 (Hopper) GPU: its GEMMs are cuBLASLt's block-scaled "
+          "FP8 GEMMs, which exist on sm_90 only; cuda:",
+          opt.device, " is sm_", major, minor, " (serve the bf16 checkpoint there)"));
+    }
+  }
   // The shared expert runs through proj and act as the dense MLP does.
   const int64_t ffn_cols = std::max(F, I_shared);
   const int64_t proj_cols = std::max({p_attn, p_gdn, 2 * ffn_cols});
