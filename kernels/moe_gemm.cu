@@ -308,13 +308,11 @@ bool ValidShapes(int64_t hidden, int64_t inter, int num_experts, int64_t num_row
 
 }  // namespace
 
-cudaError_t MoeGateUpSwiGlu(const bf16* x, int64_t x_stride, const bf16* gate_up, int64_t hidden,
-                            int64_t inter, int num_experts, int64_t num_rows,
-                            const MoeRouting& routing, bf16* act, cudaStream_t stream) {
-  if (!ValidShapes(hidden, inter, num_experts, num_rows) || x_stride < hidden ||
-      x_stride % 8 != 0 || !Aligned16(x) || !Aligned16(gate_up) || !Aligned16(act)) {
-    return cudaErrorInvalidValue;
-  }
+namespace {
+
+// The two GEMMs' operands, whatever the element type (bf16 or e4m3).
+GemmParams GateUpParams(const void* x, int64_t x_stride, const void* gate_up, int64_t hidden,
+                        int64_t inter, const MoeRouting& routing, bf16* act) {
   GemmParams p;
   p.a = x;
   p.a_stride = x_stride;
@@ -328,16 +326,11 @@ cudaError_t MoeGateUpSwiGlu(const bf16* x, int64_t x_stride, const bf16* gate_up
   p.tile_map = reinterpret_cast<const int4*>(routing.tile_map);
   p.out = act;
   p.out_stride = inter;
-  return Launch<Epilogue::kSwiGlu>(p, num_experts, num_rows, routing, stream);
+  return p;
 }
 
-cudaError_t MoeDown(const bf16* act, const bf16* down, int64_t hidden, int64_t inter,
-                    int num_experts, int64_t num_rows, const MoeRouting& routing, bf16* y,
-                    cudaStream_t stream) {
-  if (!ValidShapes(hidden, inter, num_experts, num_rows) || !Aligned16(act) || !Aligned16(down) ||
-      !Aligned16(y)) {
-    return cudaErrorInvalidValue;
-  }
+GemmParams DownParams(const void* act, const void* down, int64_t hidden, int64_t inter,
+                      const MoeRouting& routing, bf16* y) {
   GemmParams p;
   p.a = act;
   p.a_stride = inter;
@@ -351,16 +344,38 @@ cudaError_t MoeDown(const bf16* act, const bf16* down, int64_t hidden, int64_t i
   p.tile_map = reinterpret_cast<const int4*>(routing.tile_map);
   p.out = y;
   p.out_stride = hidden;
-  return Launch<Epilogue::kPlain>(p, num_experts, num_rows, routing, stream);
+  return p;
 }
 
-namespace {
 // Row stride of a [rows, k] weight's block scales (fp8_gemm_operands.cuh).
 int64_t Fp8Stride(int64_t k) { return ((k + kMoeFp8Block - 1) / kMoeFp8Block + 3) / 4 * 4; }
 bool ValidFp8(int64_t hidden, int64_t inter) {
   return hidden % kMoeFp8Block == 0 && inter % kMoeFp8Block == 0;
 }
+
 }  // namespace
+
+cudaError_t MoeGateUpSwiGlu(const bf16* x, int64_t x_stride, const bf16* gate_up, int64_t hidden,
+                            int64_t inter, int num_experts, int64_t num_rows,
+                            const MoeRouting& routing, bf16* act, cudaStream_t stream) {
+  if (!ValidShapes(hidden, inter, num_experts, num_rows) || x_stride < hidden ||
+      x_stride % 8 != 0 || !Aligned16(x) || !Aligned16(gate_up) || !Aligned16(act)) {
+    return cudaErrorInvalidValue;
+  }
+  return Launch<Epilogue::kSwiGlu>(GateUpParams(x, x_stride, gate_up, hidden, inter, routing, act),
+                                   num_experts, num_rows, routing, stream);
+}
+
+cudaError_t MoeDown(const bf16* act, const bf16* down, int64_t hidden, int64_t inter,
+                    int num_experts, int64_t num_rows, const MoeRouting& routing, bf16* y,
+                    cudaStream_t stream) {
+  if (!ValidShapes(hidden, inter, num_experts, num_rows) || !Aligned16(act) || !Aligned16(down) ||
+      !Aligned16(y)) {
+    return cudaErrorInvalidValue;
+  }
+  return Launch<Epilogue::kPlain>(DownParams(act, down, hidden, inter, routing, y), num_experts,
+                                  num_rows, routing, stream);
+}
 
 cudaError_t MoeGateUpSwiGluFp8(const uint8_t* xq, const float* x_scale, int64_t x_scale_stride,
                                const uint8_t* gate_up, const float* gate_up_scale, int64_t hidden,
@@ -370,19 +385,7 @@ cudaError_t MoeGateUpSwiGluFp8(const uint8_t* xq, const float* x_scale, int64_t 
       !Aligned16(xq) || !Aligned16(gate_up) || !Aligned16(act)) {
     return cudaErrorInvalidValue;
   }
-  GemmParams p;
-  p.a = xq;
-  p.a_stride = hidden;
-  p.a_rows = routing.row_token;
-  p.w = gate_up;
-  p.w_expert_stride = 2 * inter * hidden;
-  p.k = hidden;
-  p.n = inter;
-  p.inter = inter;
-  p.n_tiles = static_cast<int>((inter + kBN / 2 - 1) / (kBN / 2));
-  p.tile_map = reinterpret_cast<const int4*>(routing.tile_map);
-  p.out = act;
-  p.out_stride = inter;
+  GemmParams p = GateUpParams(xq, hidden, gate_up, hidden, inter, routing, act);
   p.a_scale = x_scale;
   p.a_scale_stride = x_scale_stride;
   p.w_scale = gate_up_scale;
@@ -399,19 +402,7 @@ cudaError_t MoeDownFp8(const uint8_t* actq, const float* act_scale, int64_t act_
       !Aligned16(actq) || !Aligned16(down) || !Aligned16(y)) {
     return cudaErrorInvalidValue;
   }
-  GemmParams p;
-  p.a = actq;
-  p.a_stride = inter;
-  p.a_rows = nullptr;
-  p.w = down;
-  p.w_expert_stride = hidden * inter;
-  p.k = inter;
-  p.n = hidden;
-  p.inter = 0;
-  p.n_tiles = static_cast<int>((hidden + kBN - 1) / kBN);
-  p.tile_map = reinterpret_cast<const int4*>(routing.tile_map);
-  p.out = y;
-  p.out_stride = hidden;
+  GemmParams p = DownParams(actq, down, hidden, inter, routing, y);
   p.a_scale = act_scale;
   p.a_scale_stride = act_scale_stride;
   p.w_scale = down_scale;

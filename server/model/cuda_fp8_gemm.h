@@ -27,30 +27,8 @@
 
 namespace draftfeed {
 
-class CublasLtFp8Gemm {
+class CublasLtFp8Gemm : public CublasLtPlans {
  public:
-  ~CublasLtFp8Gemm() {
-    for (auto& [key, plan] : plans_) {
-      cublasLtMatmulDescDestroy(plan.desc);
-      cublasLtMatrixLayoutDestroy(plan.a);
-      cublasLtMatrixLayoutDestroy(plan.b);
-      cublasLtMatrixLayoutDestroy(plan.c);
-    }
-    if (pref_) cublasLtMatmulPreferenceDestroy(pref_);
-    if (handle_) cublasLtDestroy(handle_);
-  }
-
-  absl::Status Init(void* workspace, size_t workspace_bytes) {
-    workspace_ = workspace;
-    workspace_bytes_ = workspace_bytes;
-    DF_CUBLAS_OK(cublasLtCreate(&handle_));
-    DF_CUBLAS_OK(cublasLtMatmulPreferenceCreate(&pref_));
-    DF_CUBLAS_OK(cublasLtMatmulPreferenceSetAttribute(pref_,
-                                                      CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                      &workspace_bytes_, sizeof(workspace_bytes_)));
-    return absl::OkStatus();
-  }
-
   // m_pad: a multiple of 4 (Fp8RowsPadded); y has m_pad rows of stride ldy
   // (0: n). A plan (descriptors and the algorithm) is kept per shape; the
   // scale pointers are set on its descriptor at each call (a host-side write).
@@ -89,10 +67,7 @@ class CublasLtFp8Gemm {
       const cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c,
                                                               pref_, 1, &result, &found);
       if (s != CUBLAS_STATUS_SUCCESS || found == 0) {
-        cublasLtMatmulDescDestroy(p.desc);
-        cublasLtMatrixLayoutDestroy(p.a);
-        cublasLtMatrixLayoutDestroy(p.b);
-        cublasLtMatrixLayoutDestroy(p.c);
+        p.Destroy();
         return absl::FailedPreconditionError(absl::StrCat(
             "cuBLASLt offers no block-scaled FP8 GEMM for ", m_pad, "x", n, "x", k,
             " on this GPU (status ", static_cast<int>(s),
@@ -120,17 +95,6 @@ class CublasLtFp8Gemm {
                                                 &x_scale, sizeof x_scale));
     return absl::OkStatus();
   }
-
-  struct Plan {
-    cublasLtMatmulDesc_t desc = nullptr;
-    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-    cublasLtMatmulAlgo_t algo{};
-  };
-  cublasLtHandle_t handle_ = nullptr;
-  cublasLtMatmulPreference_t pref_ = nullptr;
-  void* workspace_ = nullptr;
-  size_t workspace_bytes_ = 0;
-  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, Plan> plans_;
 };
 
 }  // namespace draftfeed

@@ -25,17 +25,16 @@ namespace draftfeed {
     }                                                                               \
   } while (0)
 
-// Y[M, N] = X[M, K]·W[N, K]ᵀ, row-major bf16, fp32 accumulation. In cuBLAS's
-// column-major terms that is Yᵀ[N, M] = (W as K×N)ᵀ · (X as K×M): a "TN" GEMM.
-class CublasLtGemm {
+// What every cuBLASLt GEMM of the engine holds: the handle, the workspace
+// preference and one plan (descriptors + algorithm) per shape, keyed by
+// (M, N, K, Y's row stride); the plans are freed with it.
+class CublasLtPlans {
  public:
-  ~CublasLtGemm() {
-    for (auto& [key, plan] : plans_) {
-      cublasLtMatmulDescDestroy(plan.desc);
-      cublasLtMatrixLayoutDestroy(plan.a);
-      cublasLtMatrixLayoutDestroy(plan.b);
-      cublasLtMatrixLayoutDestroy(plan.c);
-    }
+  CublasLtPlans() = default;
+  CublasLtPlans(const CublasLtPlans&) = delete;
+  CublasLtPlans& operator=(const CublasLtPlans&) = delete;
+  ~CublasLtPlans() {
+    for (auto& [key, plan] : plans_) plan.Destroy();
     if (pref_) cublasLtMatmulPreferenceDestroy(pref_);
     if (handle_) cublasLtDestroy(handle_);
   }
@@ -51,6 +50,31 @@ class CublasLtGemm {
     return absl::OkStatus();
   }
 
+ protected:
+  struct Plan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+    void Destroy() {
+      if (desc) cublasLtMatmulDescDestroy(desc);
+      for (cublasLtMatrixLayout_t l : {a, b, c}) {
+        if (l) cublasLtMatrixLayoutDestroy(l);
+      }
+    }
+  };
+  using PlanKey = std::tuple<int64_t, int64_t, int64_t, int64_t>;
+
+  cublasLtHandle_t handle_ = nullptr;
+  cublasLtMatmulPreference_t pref_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  std::map<PlanKey, Plan> plans_;
+};
+
+// Y[M, N] = X[M, K]·W[N, K]ᵀ, row-major bf16, fp32 accumulation. In cuBLAS's
+// column-major terms that is Yᵀ[N, M] = (W as K×N)ᵀ · (X as K×M): a "TN" GEMM.
+class CublasLtGemm : public CublasLtPlans {
+ public:
   // Time the candidate algorithms of each new shape once and keep the fastest
   // (cuBLASLt's first heuristic pick is often a few % off the best).
   void set_autotune(bool on) { autotune_ = on; }
@@ -84,12 +108,6 @@ class CublasLtGemm {
   }
 
  private:
-  struct Plan {
-    cublasLtMatmulDesc_t desc = nullptr;
-    cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-    cublasLtMatmulAlgo_t algo{};
-  };
-
   // Shapes whose M differs only a little share the tuned algorithm (checked
   // for the exact layout), so a trainer's varying batch sizes tune rarely.
   static int64_t Bucket(int64_t m) { return (m + 2047) / 2048; }
@@ -148,11 +166,6 @@ class CublasLtGemm {
 
   bool autotune_ = true;
   std::map<std::tuple<int64_t, int64_t, int64_t>, cublasLtMatmulAlgo_t> tuned_;
-  cublasLtHandle_t handle_ = nullptr;
-  cublasLtMatmulPreference_t pref_ = nullptr;
-  void* workspace_ = nullptr;
-  size_t workspace_bytes_ = 0;
-  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t>, Plan> plans_;
 };
 
 }  // namespace draftfeed
