@@ -26,6 +26,8 @@
 #include "absl/strings/str_split.h"
 #include "server/model/cpu_engine.h"
 #if DRAFTFEED_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
 #include "server/model/cuda_engine.h"
 #endif
 #include "server/model/fp8_quantize.h"
@@ -34,7 +36,9 @@
 #include "server/model/sharding_plan.h"
 #include "server/model/weight_check.h"
 #include "server/service/auth_tokens.h"
+#include "server/service/metrics_http.h"
 #include "server/service/startup.h"
+#include "server/service/target_metrics.h"
 #include "server/service/target_service.h"
 #include "server/service/tls_options.h"
 #include "server/service/version.h"
@@ -123,6 +127,16 @@ ABSL_FLAG(std::string, fp8_experts, "fp8",
           "FP8 MoE models on CUDA: run the routed experts through FP8 grouped GEMMs (fp8: "
           "the FP8 engine's maths, half the expert memory) or dequantise them to bf16 at load "
           "(bf16: twice the expert memory, faster on the H200 today).");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "host:port to serve Prometheus metrics on, at /metrics over HTTP (e.g. "
+          "0.0.0.0:9400; port 0 picks a free one, logged at start-up). Empty = off.");
+ABSL_FLAG(bool, metrics_per_stream, false,
+          "Also export each open stream's waiting result bytes as its own series (labels "
+          "stream and client): one series per stream ever opened, so off by default; the sum "
+          "and max over streams are always exported.");
+ABSL_FLAG(double, log_every_s, 60,
+          "Every this many seconds, one stderr line with the interval's batches, tokens, "
+          "tok/s and MiB sent, the open streams, credits in use and queue depth. 0 = off.");
 ABSL_FLAG(bool, check_weights, false,
           "At load, scan every weight for NaN and infinities and refuse to start on the first, "
           "naming the tensor (one pass over the weights: seconds for a large checkpoint).");
@@ -202,6 +216,9 @@ absl::Status CheckFlags() {
       !(g >= 0 && g <= static_cast<double>(kMaxHostMemoryCapGib))) {
     return refuse("--host_memory_cap_gib=", g, " must be in [0, ", kMaxHostMemoryCapGib,
                   "] (0 = no cap)");
+  }
+  if (const double t = absl::GetFlag(FLAGS_log_every_s); !(t >= 0 && std::isfinite(t))) {
+    return refuse("--log_every_s=", t, " must be a finite number >= 0 (0 = off)");
   }
   if (const double t = absl::GetFlag(FLAGS_nccl_timeout_s); !(t > 0 && std::isfinite(t))) {
     return refuse("--nccl_timeout_s=", t, " must be a finite number > 0");
@@ -388,11 +405,52 @@ int Run() {
                                             : " (address in use or malformed?)"));
   }
   service.ServeHealth(server.get());
+  AddServiceGauges(&service, absl::GetFlag(FLAGS_metrics_per_stream));
+#if DRAFTFEED_HAVE_CUDA
+  // Device memory as the driver sees it (every allocation, not only ours).
+  for (size_t i = 0; i < gpus.size(); ++i) {
+    const int g = gpus[i];
+    const std::string name = engine_ptrs[i]->device_name();
+    const auto sample = [g, name](bool used) {
+      size_t free_b = 0, total_b = 0;
+      int prev = 0;
+      cudaGetDevice(&prev);
+      cudaSetDevice(g);
+      const bool ok = cudaMemGetInfo(&free_b, &total_b) == cudaSuccess;
+      cudaSetDevice(prev);
+      if (!ok) return std::vector<GaugeSample>{};
+      return std::vector<GaugeSample>{
+          {.labels = {{"device", name}},
+           .value = static_cast<double>(used ? total_b - free_b : total_b)}};
+    };
+    service.metrics().registry().AddGaugeCallback("draftfeed_gpu_memory_used_bytes",
+                                                  "Device memory in use (cudaMemGetInfo), per GPU.",
+                                                  [sample] { return sample(true); });
+    service.metrics().registry().AddGaugeCallback("draftfeed_gpu_memory_total_bytes",
+                                                  "Device memory (cudaMemGetInfo), per GPU.",
+                                                  [sample] { return sample(false); });
+  }
+#endif
+  std::unique_ptr<MetricsHttpServer> metrics_http;
+  if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
+    auto started =
+        MetricsHttpServer::Start(ml, [&service] { return service.metrics().registry().Render(); });
+    if (!started.ok()) {
+      server->Shutdown();
+      service.StopScheduler();
+      return Fail(std::string(started.status().message()));
+    }
+    metrics_http = *std::move(started);
+  }
+  std::unique_ptr<ThroughputLogger> throughput;
+  if (const double every = absl::GetFlag(FLAGS_log_every_s); every > 0) {
+    throughput = std::make_unique<ThroughputLogger>(&service, every);
+  }
   const Model& m = **model;
   std::fprintf(
       stderr,
       "draftfeed-target %s: serving %s (%s, %lld layers, hidden %lld, fingerprint %s) "
-      "on port %d (%s%s), device %s, token budget %lld, loaded in %.2fs\n",
+      "on port %d (%s%s), device %s, token budget %lld, loaded in %.2fs%s\n",
       std::string(kDraftfeedVersion).c_str(), m.id.c_str(),
       std::string(ArchName(m.config.arch)).c_str(), static_cast<long long>(m.config.num_layers),
       static_cast<long long>(m.config.hidden_size), m.fingerprint.c_str(), port,
@@ -401,7 +459,10 @@ int Run() {
       absl::StrJoin(engine_ptrs, ",",
                     [](std::string* out, Engine* e) { out->append(e->device_name()); })
           .c_str(),
-      static_cast<long long>(options.max_batch_tokens), load_s);
+      static_cast<long long>(options.max_batch_tokens), load_s,
+      metrics_http == nullptr
+          ? ""
+          : absl::StrCat(", metrics on http port ", metrics_http->port(), " /metrics").c_str());
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
     if (absl::Status s = WritePortFile(pf, port); !s.ok()) {
       server->Shutdown();
@@ -431,6 +492,7 @@ int Run() {
   }
   std::fprintf(stderr, "draftfeed-target: %s received, finishing accepted batches\n",
                sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  throughput.reset();
   service.BeginDrain();
   const auto deadline =
       std::chrono::system_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s));

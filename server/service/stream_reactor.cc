@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <utility>
 
 #include <grpcpp/support/proto_buffer_reader.h>
@@ -92,6 +93,8 @@ StreamReactor::StreamReactor(TargetService* service, grpc::CallbackServerContext
     : service_(service),
       ctx_(ctx),
       token_name_(std::move(token_name)),
+      peer_(ctx->peer()),
+      started_(std::chrono::steady_clock::now()),
       link_(std::make_shared<ReactorLink>(this)),
       sched_stream_(service->scheduler().AddStream(service->options().max_stream_pending_bytes)),
       last_activity_(std::chrono::steady_clock::now()) {
@@ -150,6 +153,37 @@ void StreamReactor::OnCancel() {
 }
 
 void StreamReactor::OnDone() {
+  {
+    // No callback runs after this one: the members are final.
+    std::lock_guard<std::mutex> lock(mu_);
+    StreamSummary s{
+        .peer = peer_,
+        .client_name = client_name_,
+        .token_name = token_name_,
+        .refused = !opened_ && !broken_ && !finish_status_.ok(),
+        .transport = transport_kind_,
+        .layers = layers_,
+        .encoding = static_cast<v1::Encoding>(encoding_),
+        .batches = batches_served_,
+        .tokens = tokens_served_,
+        .payload_bytes = payload_bytes_,
+        .batch_errors = batch_errors_,
+        .seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count()};
+    if (broken_) {
+      s.status = absl::CancelledError("client went away");
+    } else if (!finish_status_.ok()) {
+      s.status = finish_status_;
+    } else if ((draining_ || service_->draining()) && !reads_done_) {
+      s.status = absl::UnavailableError("target is shutting down");
+    }
+    if (s.refused) {
+      service_->metrics().CountStreamRefused(s.status.code());
+    } else {
+      service_->metrics().CountStreamClosed(s.status.code());
+    }
+    std::fprintf(stderr, "%s\n", StreamClosedLine(s).c_str());
+  }
   {
     std::lock_guard<std::mutex> lock(link_->mu);
     link_->reactor = nullptr;
@@ -263,6 +297,9 @@ void StreamReactor::SendOpened(const TransportOpened& transport) {
   opened->set_transport_note(transport.note);
   Enqueue(Outgoing{.message = std::move(resp)});
   LogStreamOpened(*ctx_, token_name_, req_.open(), *opened);
+  client_name_ = req_.open().client_name();
+  transport_kind_ = transport.transport;
+  service_->metrics().CountStreamOpened();
 }
 
 void StreamReactor::HandleRequest() {
@@ -327,6 +364,8 @@ void StreamReactor::PushError(uint64_t batch_id, const absl::Status& status,
   err->set_batch_id(batch_id);
   err->set_code(static_cast<int32_t>(status.code()));
   err->set_message(std::string(status.message()));
+  ++batch_errors_;
+  service_->metrics().CountBatchError(status.code());
   Enqueue(Outgoing{
       .message = std::move(resp), .releases_credit = true, .pending_bytes = pending_bytes});
 }
@@ -354,10 +393,35 @@ void StreamReactor::NextMessage() {
     outbox_.pop_front();
     return;
   }
-  if (out.payload != nullptr && out.payload->Next(&raw_resp_)) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (out.payload != nullptr && out.payload->Next(&raw_resp_)) {
+    if (!out.first_sent.has_value()) out.first_sent = now;
+    return;
+  }
+  // Every payload message has been written (one write at a time): the batch
+  // is served.
+  const ForwardResult& r = *out.result;
+  const int64_t payload = r.tokens * r.bytes_per_token;
+  const double send_s = transport_kind_ == v1::TRANSPORT_NCCL || !out.first_sent.has_value()
+                            ? r.send_ms / 1e3
+                            : std::chrono::duration<double>(now - *out.first_sent).count();
+  service_->metrics().CountBatchServed(transport_kind_, r.tokens, payload, r.queue_ms / 1e3,
+                                       r.forward_ms / 1e3, send_s);
+  ++batches_served_;
+  tokens_served_ += r.tokens;
+  payload_bytes_ += payload;
   raw_resp_ = Serialize(DoneMessage(out.batch_id, *out.result, out.checksum));
   Settle(out);
   outbox_.pop_front();
+}
+
+StreamLoad StreamReactor::Load() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return StreamLoad{.id = sched_stream_,
+                    .client_name = client_name_,
+                    .credits = opened_ ? credits_ : 0,
+                    .inflight = inflight_,
+                    .pending_bytes = service_->scheduler().pending_bytes(sched_stream_)};
 }
 
 bool StreamReactor::EndIfIdle(std::chrono::steady_clock::time_point now,

@@ -20,6 +20,7 @@
 #include "draftfeed/v1/draftfeed.pb.h"
 #include "server/service/scheduler.h"
 #include "server/service/stream_transport.h"
+#include "server/service/target_metrics.h"
 
 namespace draftfeed {
 
@@ -55,6 +56,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void Cancel() { ctx_->TryCancel(); }
 
   const std::string& token_name() const { return token_name_; }
+  // Its credits and waiting result bytes now, for /metrics.
+  StreamLoad Load();
 
  private:
   friend class ReactorLink;
@@ -72,6 +75,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     // Given back to the scheduler's count of the stream's pending bytes once
     // the last message is written.
     int64_t pending_bytes = 0;
+    // When the payload's first message was handed to gRPC (send time).
+    std::optional<std::chrono::steady_clock::time_point> first_sent;
   };
 
   // From the link (the scheduler's completion thread, the transport's).
@@ -106,6 +111,8 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   TargetService* const service_;
   grpc::CallbackServerContext* const ctx_;
   const std::string token_name_;
+  const std::string peer_;
+  const std::chrono::steady_clock::time_point started_;
   const std::shared_ptr<ReactorLink> link_;
   std::unique_ptr<StreamTransport> transport_;  // from Open on
   bool opening_ = false;                        // the transport is not ready yet: no batch is read
@@ -131,6 +138,13 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool draining_ = false;
   bool broken_ = false;
   bool finished_ = false;
+  // For the closing log line (from Opened on).
+  std::string client_name_;
+  v1::Transport transport_kind_ = v1::TRANSPORT_GRPC;
+  int64_t batches_served_ = 0;
+  int64_t tokens_served_ = 0;
+  int64_t payload_bytes_ = 0;
+  int64_t batch_errors_ = 0;
 };
 
 }  // namespace draftfeed

@@ -1,6 +1,7 @@
 #include "server/service/target_service.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <utility>
 
 #include <grpcpp/security/server_credentials.h>
@@ -138,7 +139,13 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* TargetService::Stre
     grpc::CallbackServerContext* ctx) {
   absl::StatusOr<std::string> who =
       AuthenticateCall(options_.tokens.get(), *ctx, "StreamHiddenStates");
-  if (!who.ok()) return new RefusedStream(ToGrpcStatus(who.status()));
+  if (!who.ok()) {
+    metrics_.CountStreamRefused(who.status().code());
+    std::fprintf(
+        stderr, "%s\n",
+        StreamClosedLine({.peer = ctx->peer(), .refused = true, .status = who.status()}).c_str());
+    return new RefusedStream(ToGrpcStatus(who.status()));
+  }
   return new StreamReactor(this, ctx, *std::move(who));
 }
 
@@ -199,6 +206,15 @@ TransportEnv TargetService::transport_env() const {
                       .chunk_bytes = options_.chunk_bytes,
                       .enable_nccl = options_.enable_nccl,
                       .nccl_timeout_s = options_.nccl_timeout_s};
+}
+
+std::vector<StreamLoad> TargetService::StreamLoads() const {
+  // The order IdleLoop takes the locks in: the service's, then each stream's.
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<StreamLoad> out;
+  out.reserve(streams_.size());
+  for (StreamReactor* r : streams_) out.push_back(r->Load());
+  return out;
 }
 
 int64_t TargetService::open_streams() const {

@@ -21,6 +21,7 @@
 #include "server/service/auth_tokens.h"
 #include "server/service/scheduler.h"
 #include "server/service/stream_transport.h"
+#include "server/service/target_metrics.h"
 
 namespace draftfeed {
 
@@ -109,6 +110,11 @@ class TargetService final
   // The most responses one stream has held queued and not yet written, over
   // the target's life: what the stream's memory holds beyond its payloads.
   int64_t peak_queued_responses() const { return peak_queued_responses_.load(); }
+  // What /metrics and the log count (the streams update it as they serve).
+  TargetMetrics& metrics() { return metrics_; }
+  const TargetMetrics& metrics() const { return metrics_; }
+  // Each open stream's credits and waiting result bytes, now.
+  std::vector<StreamLoad> StreamLoads() const;
 
  private:
   friend class StreamReactor;
@@ -122,6 +128,7 @@ class TargetService final
 
   std::vector<Engine*> engines_;
   const ServiceOptions options_;
+  TargetMetrics metrics_;  // before scheduler_: its threads' results are counted until they stop
   Scheduler scheduler_;
   std::atomic<bool> draining_{false};
   std::atomic<int64_t> peak_queued_responses_{0};
