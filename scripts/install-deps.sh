@@ -7,10 +7,10 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
-  libabsl-dev libssl-dev openssl zlib1g-dev libzstd-dev
+  libabsl-dev libssl-dev openssl zlib1g-dev libzstd-dev libcpp-httplib-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   pybind11-dev python3-dev python3-numpy python3-pytest python3-grpcio python3-matplotlib
-  python3-venv python3-pip python3-setuptools python3-wheel
+  python3-venv python3-pip python3-setuptools python3-wheel python3-tqdm
 )
 # torch is optional for the client (DLPack hand-off); installed when the archive has it.
 OPTIONAL=(python3-torch)
