@@ -14,7 +14,12 @@ alone (solo), then beside --hostile streams of each kind:
 The hostile streams start first and are given --head_start_s to queue their
 batches ahead of the healthy client's, the worst case for first come, first
 served. The hostile clients run in a process of their own at nice 19. Prints
-each rate and its share of solo (goal >= 0.80), the median of --repeats runs.
+each rate and its share of solo (goal >= 0.80), the median of --repeats
+rounds (each round runs every kind once, so load on a shared machine hits
+them alike). "Hostile batches taken" is the target's own count of batches it
+ran or cancelled besides the healthy client's: never-reading streams' queued
+batches are cancelled when they go away, so it counts them whether or not
+they ran.
 A never-reading stream costs the target a bounded amount of work (what fits
 under its pending cap and in its transport window); the share therefore
 grows with --batches, which the report should state.
@@ -236,9 +241,16 @@ def main():
           f"{args.head_start_s:.1f} s head start; target flags: {' '.join(args.target_flag)}",
           flush=True)
 
+    # Repeats outermost: each round measures every kind within a minute or
+    # two, so a load change on a shared machine hits all kinds alike.
+    kinds = ("solo", "never-read", "invalid-flood")
+    all_runs = {kind: [] for kind in kinds}
+    for _ in range(args.repeats):
+        for kind in kinds:
+            all_runs[kind].append(run_once(args, binary, kind))
     rates = {}
-    for kind in ("solo", "never-read", "invalid-flood"):
-        runs = [run_once(args, binary, kind) for _ in range(args.repeats)]
+    for kind in kinds:
+        runs = all_runs[kind]
         rates[kind] = statistics.median(r for r, _ in runs)
         print(f"hostile_neighbour: {kind:>13}: {rates[kind]:>10,.0f} tokens/s "
               f"(runs: {', '.join(f'{r:,.0f}' for r, _ in runs)}; hostile batches taken, run or "
