@@ -106,8 +106,12 @@ int64_t Scheduler::pending_bytes(uint64_t stream) const {
 
 bool Scheduler::Eligible(const StreamQueue& s) const {
   // Stopping drains everything queued: nobody will read those streams again.
+  // Two of the stream's batches always fit, however large: one being written
+  // while the next computes is the pipeline end-to-end speed relies on (a
+  // 49,152-token bf16 capture of 5 layers at the 27B shape is 2.4 GB, more
+  // than the default cap alone).
   return stopping_ || s.removed || s.max_pending_bytes <= 0 ||
-         s.pending_bytes < s.max_pending_bytes;
+         s.pending_bytes < std::max(s.max_pending_bytes, 2 * s.largest_result_bytes);
 }
 
 bool Scheduler::TakeLocked(Entry& out) {
@@ -134,6 +138,7 @@ bool Scheduler::TakeLocked(Entry& out) {
   s.vtime = best_tag + static_cast<int64_t>(out.item.token_ids.size());
   s.last_taken = ++taken_;
   s.pending_bytes += out.item.result_bytes;
+  s.largest_result_bytes = std::max(s.largest_result_bytes, out.item.result_bytes);
   if (s.removed && s.queue.empty()) streams_.erase(best);
   return true;
 }

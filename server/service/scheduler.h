@@ -143,8 +143,9 @@ class Scheduler {
   struct StreamQueue {
     int64_t max_pending_bytes = 0;  // 0: no cap
     int64_t pending_bytes = 0;
-    int64_t vtime = 0;        // tokens taken for it, in virtual time
-    uint64_t last_taken = 0;  // sequence number of its last batch taken (breaks ties)
+    int64_t largest_result_bytes = 0;  // of the batches taken so far
+    int64_t vtime = 0;                 // tokens taken for it, in virtual time
+    uint64_t last_taken = 0;           // sequence number of its last batch taken (breaks ties)
     std::deque<Entry> queue;
     bool removed = false;
   };

@@ -457,5 +457,27 @@ TEST(SchedulerTest, APendingCapHoldsBackOnlyItsStream) {
   EXPECT_EQ(sched.pending_bytes(capped), 0);
 }
 
+// A batch larger than the cap does not stop the stream's pipeline: two of
+// its batches are always let in flight (one written while the next
+// computes), never a third. Before, a 49,152-token bf16 capture (2.4 GB at
+// the 27B shape) under the default 2 GiB cap ran one batch at a time.
+TEST(SchedulerTest, TwoBatchesLargerThanTheCapStillOverlap) {
+  GateEngine engine;
+  Recorder rec;
+  Scheduler sched({&engine}, 256);
+  const uint64_t s = sched.AddStream(/*max_pending_bytes=*/100);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(sched.Submit(ForStream(rec, s, 500 + i, 64, /*result_bytes=*/300)).ok());
+  }
+  ASSERT_EQ(rec.WaitFor(2).size(), 2u);
+  EXPECT_EQ(rec.WaitFor(3, milliseconds(300)).size(), 2u) << "a third batch ran past the cap";
+  EXPECT_EQ(sched.pending_bytes(s), 600);
+  sched.ReleasePending(s, 300);  // the first written: the third may compute
+  ASSERT_EQ(rec.WaitFor(3).size(), 3u);
+  EXPECT_EQ(rec.WaitFor(4, milliseconds(300)).size(), 3u);
+  sched.RemoveStream(s);
+  EXPECT_EQ(rec.WaitFor(4).size(), 4u);
+}
+
 }  // namespace
 }  // namespace draftfeed
