@@ -78,7 +78,8 @@ ABSL_FLAG(int64_t, max_queued_batches, 256, "Scheduler queue bound across all st
 ABSL_FLAG(int64_t, max_stream_pending_mib, 2048,
           "Per stream: MiB of results taken for the forward and not yet written to the client "
           "(captures, and unsent BatchErrors); at this much the stream's batches wait while "
-          "other streams run on (a batch larger than this still runs alone). The default holds "
+          "other streams run on (two of a stream's batches always fit, whatever their size, so "
+          "that one computes while the last is written). The default holds "
           "2-3 batches at the Qwen3.6-27B shape (16,384 tokens x 5 layers x 5,120 x 2 B = 800 "
           "MiB a batch; 1,280 MiB at 8 layers) where 32 credits could pin 25 GiB; 64 streams "
           "of 2 GiB still add up: cap the total with --host_memory_cap_gib. 0 = no cap.");
