@@ -218,6 +218,9 @@ absl::Status CheckFlags() {
     return refuse("--host_memory_cap_gib=", g, " must be in [0, ", kMaxHostMemoryCapGib,
                   "] (0 = no cap)");
   }
+  if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
+    DF_RETURN_IF_ERROR(MetricsHttpServer::ParseListen(ml).status());
+  }
   if (const double t = absl::GetFlag(FLAGS_log_every_s); !(t >= 0 && std::isfinite(t))) {
     return refuse("--log_every_s=", t, " must be a finite number >= 0 (0 = off)");
   }

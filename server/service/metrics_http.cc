@@ -1,6 +1,7 @@
 #include "server/service/metrics_http.h"
 
 #include <httplib.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <chrono>
@@ -11,8 +12,8 @@
 
 namespace draftfeed {
 
-absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& listen, std::function<std::string()> render) {
+absl::StatusOr<std::pair<std::string, int>> MetricsHttpServer::ParseListen(
+    const std::string& listen) {
   const size_t colon = listen.rfind(':');
   int port = -1;
   if (colon == std::string::npos || colon == 0 ||
@@ -24,12 +25,27 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
     host = host.substr(1, host.size() - 2);
   }
+  return std::make_pair(host, port);
+}
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
+    const std::string& listen, std::function<std::string()> render) {
+  auto parsed = ParseListen(listen);
+  if (!parsed.ok()) return parsed.status();
+  const auto& [host, port] = *parsed;
   std::unique_ptr<MetricsHttpServer> out(new MetricsHttpServer());
   out->server_ = std::make_unique<httplib::Server>();
   out->server_->Get("/metrics",
                     [render = std::move(render)](const httplib::Request&, httplib::Response& res) {
                       res.set_content(render(), "text/plain; version=0.0.4; charset=utf-8");
                     });
+  // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, with which a
+  // second target would bind a port another already serves, and the scrapes
+  // would be split between them.
+  out->server_->set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
   // Prometheus scrapes one request at a time; a few threads keep a slow
   // client from blocking the next scrape without taking the engines' cores.
   out->server_->new_task_queue = [] { return new httplib::ThreadPool(2); };

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "absl/status/statusor.h"
 
@@ -28,6 +29,10 @@ class MetricsHttpServer {
   MetricsHttpServer& operator=(const MetricsHttpServer&) = delete;
 
   int port() const { return port_; }
+
+  // The host and port of a --metrics_listen value, or INVALID_ARGUMENT
+  // naming the flag: checked before the model loads.
+  static absl::StatusOr<std::pair<std::string, int>> ParseListen(const std::string& listen);
 
  private:
   MetricsHttpServer() = default;

@@ -1,0 +1,158 @@
+"""The target's /metrics endpoint and its log lines, against a real draftfeed-target process:
+the counters scraped during and after a run must equal what the Python client received."""
+
+import re
+import subprocess
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import draftfeed
+from conftest import TARGET_BIN, TargetProcess
+
+
+def metrics_port(t):
+    m = re.search(r"metrics on http port (\d+) /metrics", t.output())
+    assert m, t.output()
+    return int(m.group(1))
+
+
+def scrape(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        return r.read().decode()
+
+
+def samples(text):
+    """{'name{labels}': value} of every sample line; checks each family has HELP and TYPE."""
+    out, typed = {}, set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            typed.add(line.split()[2])
+            continue
+        if line.startswith("#") or not line:
+            continue
+        key, value = line.rsplit(" ", 1)
+        name = key.split("{")[0]
+        assert any(name == f or name.startswith(f + "_") for f in typed), line
+        out[key] = float(value)
+    return out
+
+
+def tokens(n, seed):
+    return np.random.default_rng(seed).integers(0, 4096, size=n, dtype=np.int32)
+
+
+@pytest.fixture
+def metered():
+    t = TargetProcess(extra=["--metrics_listen=127.0.0.1:0", "--metrics_per_stream",
+                             "--log_every_s=0.2"])
+    yield t
+    t.kill()
+
+
+def test_counters_match_what_the_client_received(metered):
+    port = metrics_port(metered)
+    before = samples(scrape(port))
+    assert before["draftfeed_batches_served_total"] == 0
+    assert before["draftfeed_open_streams"] == 0
+    assert before["draftfeed_resident_bytes"] > 1 << 20
+    info = [k for k in before if k.startswith("draftfeed_target_info{")]
+    assert len(info) == 1 and 'model="tiny-random:0"' in info[0]
+
+    lens = [[5], [1, 2, 3], [64, 65], [200], [17, 1]]
+    batches = [(tokens(sum(l), i), l) for i, l in enumerate(lens)]
+    with draftfeed.Feed(targets=[metered.address], layers=[1, -1], prefetch=2,
+                        client_name="scraper") as feed:
+        results = []
+        for r in feed.map(batches[:3]):
+            results.append(r)
+        # The stream is open now: the gauges see it, with its client name.
+        during = samples(scrape(port))
+        assert during["draftfeed_open_streams"] == 1
+        assert during["draftfeed_credits_granted"] == 4  # the client's credits_per_target
+        per_stream = [k for k in during if k.startswith("draftfeed_stream_pending_result_bytes{")]
+        assert len(per_stream) == 1 and 'client="scraper"' in per_stream[0]
+        assert during["draftfeed_batches_served_total"] == 3
+        results += list(feed.map(batches[3:]))
+        stats = feed.stats()
+    after = samples(scrape(port))
+    assert stats["delivered"] == len(results) == 5
+    assert after["draftfeed_batches_served_total"] == stats["delivered"]
+    assert after["draftfeed_tokens_served_total"] == stats["tokens_delivered"] == sum(map(sum, lens))
+    assert after['draftfeed_payload_bytes_total{transport="grpc"}'] == stats["bytes_received"]
+    assert stats["bytes_received"] == sum(r.num_tokens * r.bytes_per_token for r in results)
+    assert after['draftfeed_payload_bytes_total{transport="nccl"}'] == 0
+    for h in ("queue", "forward", "send"):
+        assert after[f"draftfeed_{h}_seconds_count"] == 5
+        assert after[f'draftfeed_{h}_seconds_bucket{{le="+Inf"}}'] == 5
+    assert after["draftfeed_streams_opened_total"] == 1
+    # The stream has closed (close() waits for it): the gauges are back to zero.
+    deadline = time.time() + 10
+    while after["draftfeed_open_streams"] != 0 and time.time() < deadline:
+        time.sleep(0.05)
+        after = samples(scrape(port))
+    assert after["draftfeed_open_streams"] == 0
+    assert after['draftfeed_streams_closed_total{code="OK"}'] == 1
+    assert after["draftfeed_credits_in_use"] == 0
+    assert after["draftfeed_pending_result_bytes_sum"] == 0
+
+
+def test_batch_errors_and_refusals_are_counted_and_logged(metered):
+    port = metrics_port(metered)
+    with draftfeed.Feed(targets=[metered.address], layers=[0]) as feed:
+        feed.submit(np.array([1, 2, 3], dtype=np.int32), np.array([2], dtype=np.int32))
+        with pytest.raises(draftfeed.DraftfeedError):
+            feed.next()
+    # A layer the model lacks: the stream is refused before its Opened.
+    with pytest.raises(draftfeed.DraftfeedError):
+        draftfeed.Feed(targets=[metered.address], layers=[99], connect_timeout_s=5)
+    s = samples(scrape(port))
+    assert s['draftfeed_batch_errors_total{code="INVALID_ARGUMENT"}'] == 1
+    assert s['draftfeed_streams_refused_total{code="INVALID_ARGUMENT"}'] >= 1
+    log = metered.output()
+    assert re.search(r"stream refused from ipv4:127\.0\.0\.1:\d+: INVALID_ARGUMENT: .*99", log), log
+    assert re.search(r"stream closed from \S+: transport grpc, layers 0, bf16: 0 batches, "
+                     r"0 tokens, 0\.0 MiB in [\d.]+ s, 1 batch errors: OK", log), log
+
+
+def test_stream_lines_and_the_throughput_line(metered):
+    with draftfeed.Feed(targets=[metered.address], layers=[2, 3], client_name="logline") as feed:
+        list(feed.map([(tokens(40, 1), [40]), (tokens(24, 2), [24])]))
+    deadline = time.time() + 10
+    while "stream closed" not in metered.output() and time.time() < deadline:
+        time.sleep(0.05)
+    log = metered.output()
+    assert re.search(r"stream opened from \S+ client 'logline': layers 2,3, bf16, transport grpc",
+                     log), log
+    bpt = 2 * 128 * 2
+    mib = 64 * bpt / (1 << 20)
+    assert re.search(r"stream closed from \S+ client 'logline': transport grpc, layers 2,3, bf16: "
+                     rf"2 batches, 64 tokens, {mib:.1f} MiB in [\d.]+ s, 0 batch errors: OK",
+                     log), log
+    # --log_every_s=0.2: the interval lines add up to what was served.
+    time.sleep(0.5)
+    lines = re.findall(r"last [\d.]+ s: (\d+) batches, (\d+) tokens \([\d.]+ tok/s\), [\d.]+ MiB "
+                       r"sent; (\d+) streams open", metered.output())
+    assert len(lines) >= 2
+    assert sum(int(b) for b, _, _ in lines) == 2
+    assert sum(int(t) for _, t, _ in lines) == 64
+
+
+def test_bad_metrics_flags_fail_start_up():
+    for args, want in [(["--metrics_listen=nonsense"], "--metrics_listen=nonsense is not host:port"),
+                       (["--log_every_s=-1"], "--log_every_s=-1 must be")]:
+        p = subprocess.run([str(TARGET_BIN), "--model=tiny-random", "--listen=127.0.0.1:0",
+                            *args], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 1 and want in p.stderr, p.stderr
+
+
+def test_metrics_port_in_use_fails_start_up(metered):
+    port = metrics_port(metered)
+    p = subprocess.run([str(TARGET_BIN), "--model=tiny-random", "--listen=127.0.0.1:0",
+                        f"--metrics_listen=127.0.0.1:{port}"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and f"--metrics_listen=127.0.0.1:{port}: cannot listen" in p.stderr
