@@ -17,6 +17,7 @@ and scales (`Result.values`, `Result.scales`, `Result.fp8()`).
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Iterable, Iterator, Optional, Sequence, Tuple
 
@@ -27,6 +28,7 @@ from ._native import load as _load_native
 _draftfeed = _load_native()  # or an ImportError naming the Python it was built for
 
 from . import layers  # noqa: E402  draftfeed.layers.dflash(L), .eagle3(L)
+from .stats import ProgressBar, RateWindow, flatten as _flatten_stats  # noqa: E402
 from .tls import Tls, _native_tls, _native_token  # noqa: E402
 
 __all__ = ["Feed", "Result", "DraftfeedError", "describe_target", "FINAL_LAYER", "Tls",
@@ -299,6 +301,10 @@ class Feed:
       unavailable_timeout_s: with no live target this long, calls raise
         UNAVAILABLE instead of waiting forever.
       progress_every_s: when > 0, `map` prints a progress line this often.
+      progress: show a tqdm progress bar (batches, tokens/s over `stats_window_s`, queue)
+        while results come back; without tqdm installed, `map` prints a progress line every
+        10 s instead (unless progress_every_s says otherwise).
+      stats_window_s: the recent window of `stats()`' window_* rates, seconds.
       transport: "grpc" (default; results in host memory), "nccl" (results land
         GPU to GPU in `cuda_device`'s memory; the targets must run on this host,
         each on one GPU other than `cuda_device`) or "auto" (NCCL with the
@@ -327,7 +333,8 @@ class Feed:
                  batch_timeout_s: float = 120.0, unavailable_timeout_s: float = 60.0,
                  client_name: str = "", progress_every_s: float = 0.0,
                  transport: str = "grpc", cuda_device: int = -1, encoding: str = "bf16",
-                 fp8_raw: bool = False, tls=None, token: Optional[str] = None, **advanced):
+                 fp8_raw: bool = False, tls=None, token: Optional[str] = None,
+                 progress: bool = False, stats_window_s: float = 30.0, **advanced):
         if isinstance(targets, str):
             targets = [targets]
         opts = dict(prefetch=int(prefetch), prefetch_bytes=int(prefetch_bytes),
@@ -349,6 +356,13 @@ class Feed:
         self.progress_every_s = float(progress_every_s)
         self._outstanding = 0
         self._last_progress = 0.0
+        # What next() returned, the base of the window rates.
+        self._returned = {"batches": 0, "tokens": 0, "bytes": 0}
+        self._window = RateWindow(stats_window_s, start=time.monotonic(), zero=self._returned)
+        self._final = None  # (native stats, time) taken at close()
+        self._bar = ProgressBar.make() if progress else None
+        if progress and self._bar is None and self.progress_every_s <= 0:
+            self.progress_every_s = 10.0
 
     @property
     def target(self) -> dict:
@@ -374,7 +388,17 @@ class Feed:
         usable) or when no target has been reachable for unavailable_timeout_s.
         """
         self._outstanding -= 1
-        return Result(_check(self._feed.next()))
+        r = Result(_check(self._feed.next()))
+        n = self._returned
+        n["batches"] += 1
+        n["tokens"] += r.num_tokens
+        n["bytes"] += r.num_tokens * r.bytes_per_token
+        now = time.monotonic()
+        self._window.record(now, n)
+        if self._bar is not None:
+            rates, _ = self._window.rates(now, n)
+            self._bar.update(rates["tokens"], self._outstanding)
+        return r
 
     def map(self, batches: Iterable[Batch]) -> Iterator[Result]:
         """Keeps `prefetch` batches in flight; yields their results.
@@ -420,12 +444,31 @@ class Feed:
         self._outstanding -= n
         return n
 
-    def stats(self) -> dict:
-        """Counters for dashboards (wandb, tensorboard): see README "Feed statistics"."""
-        s = self._feed.stats()
-        s["tokens_per_s"] = s["tokens_delivered"] / s["elapsed_s"] if s["elapsed_s"] > 0 else 0.0
+    def stats(self, flat: bool = False) -> dict:
+        """Counters for dashboards (wandb, tensorboard): see README "Feed statistics".
+
+        Since start: tokens_per_s, batches_per_s, bytes_per_s. Over the last stats_window_s
+        seconds of results returned by next()/map(): window_tokens_per_s,
+        window_batches_per_s, window_bytes_per_s, and window_s (the seconds they span).
+        After close(), the numbers as close() left them. flat=True: one level of numeric
+        keys ("tokens_per_s", "target.<address>.delivered_batches", ...).
+        """
+        if self._feed is not None:
+            s, now = self._feed.stats(), time.monotonic()
+        else:
+            s, now = copy.deepcopy(self._final[0]), self._final[1]
+        elapsed = s["elapsed_s"]
+        s["tokens_per_s"] = s["tokens_delivered"] / elapsed if elapsed > 0 else 0.0
+        s["batches_per_s"] = s["delivered"] / elapsed if elapsed > 0 else 0.0
+        s["bytes_per_s"] = s["bytes_received"] / elapsed if elapsed > 0 else 0.0
         s["queue_depth"] = s["outstanding"]
-        return s
+        rates, span = self._window.rates(now, self._returned)
+        s["window_s"] = span
+        s["window_tokens_per_s"] = rates["tokens"]
+        s["window_batches_per_s"] = rates["batches"]
+        s["window_bytes_per_s"] = rates["bytes"]
+        s["closed"] = self._feed is None
+        return _flatten_stats(s) if flat else s
 
     def progress_line(self) -> str:
         """One line: delivered batches and tokens, tokens/s, queue, per-target state."""
@@ -441,8 +484,16 @@ class Feed:
 
     def close(self) -> None:
         if self._feed is not None:
-            feed, self._feed = self._feed, None
-            _check(feed.close())
+            feed = self._feed
+            try:
+                _check(feed.close())
+            finally:
+                # stats() after close() returns these final numbers.
+                self._final = (feed.stats(), time.monotonic())
+                self._feed = None
+                if self._bar is not None:
+                    self._bar.close()
+                    self._bar = None
 
     def __enter__(self):
         return self
