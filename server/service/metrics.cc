@@ -118,6 +118,11 @@ Histogram* MetricsRegistry::GetHistogram(absl::string_view name, absl::string_vi
   return slot.second.get();
 }
 
+void MetricsRegistry::DeclareCounter(absl::string_view name, absl::string_view help) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FamilyLocked(name, help, Type::kCounter);
+}
+
 void MetricsRegistry::AddGaugeCallback(absl::string_view name, absl::string_view help,
                                        std::function<std::vector<GaugeSample>()> sample) {
   std::lock_guard<std::mutex> lock(mu_);

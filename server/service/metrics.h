@@ -83,6 +83,10 @@ class MetricsRegistry {
   Gauge* GetGauge(absl::string_view name, absl::string_view help, const MetricLabels& labels = {});
   Histogram* GetHistogram(absl::string_view name, absl::string_view help,
                           const std::vector<double>& upper_bounds, const MetricLabels& labels = {});
+  // A counter family whose series are made later (by label, as events
+  // happen): its HELP and TYPE are exported from the start, so dashboards
+  // and alerts see the name before the first event.
+  void DeclareCounter(absl::string_view name, absl::string_view help);
   // A gauge whose samples `sample` returns at each Render (called under the
   // registry's lock: it must not call back into the registry).
   void AddGaugeCallback(absl::string_view name, absl::string_view help,

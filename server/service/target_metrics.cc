@@ -54,7 +54,15 @@ TargetMetrics::TargetMetrics()
           "draftfeed_send_seconds",
           "Time to send a batch's payload: gRPC, from its first chunk handed to gRPC to the "
           "last written; NCCL, the send on the device.",
-          LatencyBucketsSeconds())) {}
+          LatencyBucketsSeconds())) {
+  registry_.DeclareCounter("draftfeed_batch_errors_total", "BatchErrors sent, by status code.");
+  registry_.DeclareCounter(
+      "draftfeed_streams_closed_total",
+      "Streams that ended (other than refused), by the status they ended with.");
+  registry_.DeclareCounter(
+      "draftfeed_streams_refused_total",
+      "Streams ended before their Opened (token, --max_streams, a bad Open), by status code.");
+}
 
 void TargetMetrics::CountBatchServed(v1::Transport transport, int64_t tokens, int64_t payload_bytes,
                                      double queue_s, double forward_s, double send_s) {
@@ -68,25 +76,19 @@ void TargetMetrics::CountBatchServed(v1::Transport transport, int64_t tokens, in
 
 void TargetMetrics::CountBatchError(absl::StatusCode code) {
   registry_
-      .GetCounter("draftfeed_batch_errors_total", "BatchErrors sent, by status code.",
-                  {{"code", absl::StatusCodeToString(code)}})
+      .GetCounter("draftfeed_batch_errors_total", "", {{"code", absl::StatusCodeToString(code)}})
       ->Add();
 }
 
 void TargetMetrics::CountStreamClosed(absl::StatusCode code) {
   registry_
-      .GetCounter("draftfeed_streams_closed_total",
-                  "Streams that ended (other than refused), by the status they ended with.",
-                  {{"code", absl::StatusCodeToString(code)}})
+      .GetCounter("draftfeed_streams_closed_total", "", {{"code", absl::StatusCodeToString(code)}})
       ->Add();
 }
 
 void TargetMetrics::CountStreamRefused(absl::StatusCode code) {
   registry_
-      .GetCounter("draftfeed_streams_refused_total",
-                  "Streams ended before their Opened (token, --max_streams, a bad Open), by "
-                  "status code.",
-                  {{"code", absl::StatusCodeToString(code)}})
+      .GetCounter("draftfeed_streams_refused_total", "", {{"code", absl::StatusCodeToString(code)}})
       ->Add();
 }
 

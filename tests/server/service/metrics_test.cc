@@ -35,6 +35,16 @@ TEST(MetricsRegistry, RendersCountersGaugesAndCallbacksInNameOrder) {
             "# HELP c_now Cs.\n# TYPE c_now gauge\nc_now{dev=\"cuda:0\"} 7\n");
 }
 
+TEST(MetricsRegistry, ADeclaredFamilyIsExportedBeforeItsFirstSeries) {
+  MetricsRegistry r;
+  r.DeclareCounter("errors_total", "Errors by code.");
+  EXPECT_EQ(r.Render(), "# HELP errors_total Errors by code.\n# TYPE errors_total counter\n");
+  r.GetCounter("errors_total", "", {{"code", "INTERNAL"}})->Add();
+  EXPECT_EQ(r.Render(),
+            "# HELP errors_total Errors by code.\n# TYPE errors_total counter\n"
+            "errors_total{code=\"INTERNAL\"} 1\n");
+}
+
 TEST(MetricsRegistry, TheSameNameAndLabelsIsTheSameSeries) {
   MetricsRegistry r;
   Counter* a = r.GetCounter("x_total", "X.", {{"t", "grpc"}});

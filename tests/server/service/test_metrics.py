@@ -156,3 +156,18 @@ def test_metrics_port_in_use_fails_start_up(metered):
                         f"--metrics_listen=127.0.0.1:{port}"], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 1 and f"--metrics_listen=127.0.0.1:{port}: cannot listen" in p.stderr
+
+
+def test_the_dashboard_queries_only_metrics_the_target_exports(metered):
+    import json
+    from conftest import REPO
+    dash = json.loads((REPO / "deploy/grafana/draftfeed-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    names = {re.sub(r"_bucket$", "", n)
+             for e in exprs for n in re.findall(r"\b(draftfeed_[a-z0-9_]+)", e)}
+    text = scrape(metrics_port(metered))
+    families = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+    # GPU memory is exported by CUDA targets only (one series per GPU).
+    cuda_only = {"draftfeed_gpu_memory_used_bytes", "draftfeed_gpu_memory_total_bytes"}
+    assert names - cuda_only <= families, sorted(names - cuda_only - families)
+    assert len(names) >= 15
