@@ -133,8 +133,9 @@ ABSL_FLAG(std::string, metrics_listen, "",
           "0.0.0.0:9400; port 0 picks a free one, logged at start-up). Empty = off.");
 ABSL_FLAG(bool, metrics_per_stream, false,
           "Also export each open stream's waiting result bytes as its own series (labels "
-          "stream and client): one series per stream ever opened, so off by default; the sum "
-          "and max over streams are always exported.");
+          "stream and client): a series lives while its stream is open, but every stream "
+          "opened adds one to Prometheus, so off by default; the sum and max over streams are "
+          "always exported.");
 ABSL_FLAG(double, log_every_s, 60,
           "Every this many seconds, one stderr line with the interval's batches, tokens, "
           "tok/s and MiB sent, the open streams, credits in use and queue depth. 0 = off.");
