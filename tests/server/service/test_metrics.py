@@ -133,10 +133,18 @@ def test_stream_lines_and_the_throughput_line(metered):
     assert re.search(r"stream closed from \S+ client 'logline': transport grpc, layers 2,3, bf16: "
                      rf"2 batches, 64 tokens, {mib:.1f} MiB in [\d.]+ s, 0 batch errors: OK",
                      log), log
-    # --log_every_s=0.2: the interval lines add up to what was served.
-    time.sleep(0.5)
-    lines = re.findall(r"last [\d.]+ s: (\d+) batches, (\d+) tokens \([\d.]+ tok/s\), [\d.]+ MiB "
-                       r"sent; (\d+) streams open", metered.output())
+    # --log_every_s=0.2: the interval lines add up to what was served, once a line after the
+    # stream's last batch is out.
+    def interval_lines():
+        return re.findall(r"last [\d.]+ s: (\d+) batches, (\d+) tokens \([\d.]+ tok/s\), "
+                          r"[\d.]+ MiB sent; (\d+) streams open", metered.output())
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        lines = interval_lines()
+        if len(lines) >= 2 and sum(int(b) for b, _, _ in lines) >= 2:
+            break
+        time.sleep(0.1)
+    lines = interval_lines()
     assert len(lines) >= 2
     assert sum(int(b) for b, _, _ in lines) == 2
     assert sum(int(t) for _, t, _ in lines) == 64
