@@ -82,7 +82,8 @@ def test_counters_match_what_the_client_received(metered):
     after = samples(scrape(port))
     assert stats["delivered"] == len(results) == 5
     assert after["draftfeed_batches_served_total"] == stats["delivered"]
-    assert after["draftfeed_tokens_served_total"] == stats["tokens_delivered"] == sum(map(sum, lens))
+    n_tokens = sum(map(sum, lens))
+    assert after["draftfeed_tokens_served_total"] == stats["tokens_delivered"] == n_tokens
     assert after['draftfeed_payload_bytes_total{transport="grpc"}'] == stats["bytes_received"]
     assert stats["bytes_received"] == sum(r.num_tokens * r.bytes_per_token for r in results)
     assert after['draftfeed_payload_bytes_total{transport="nccl"}'] == 0
@@ -151,8 +152,9 @@ def test_stream_lines_and_the_throughput_line(metered):
 
 
 def test_bad_metrics_flags_fail_start_up():
-    for args, want in [(["--metrics_listen=nonsense"], "--metrics_listen=nonsense is not host:port"),
-                       (["--log_every_s=-1"], "--log_every_s=-1 must be")]:
+    for args, want in [
+            (["--metrics_listen=nonsense"], "--metrics_listen=nonsense is not host:port"),
+            (["--log_every_s=-1"], "--log_every_s=-1 must be")]:
         p = subprocess.run([str(TARGET_BIN), "--model=tiny-random", "--listen=127.0.0.1:0",
                             *args], capture_output=True, text=True, timeout=60)
         assert p.returncode == 1 and want in p.stderr, p.stderr
