@@ -212,6 +212,11 @@ absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
     add_scales(items.back());
   }
   bf16_modules.insert(bf16_modules.begin(), "lm_head");
+  // Multimodal naming: transformers builds the vision tower this file does
+  // not hold and initialises it; left to its FP8 conversion, that init fails
+  // on e4m3 ("normal_kernel_cuda not implemented for Float8_e4m3fn", seen with
+  // transformers 5.17). Keeping it bf16 lets the checkpoint load.
+  if (options.multimodal_naming) bf16_modules.push_back("model.visual");
   config.quantization =
       any_fp8 ? Fp8Quantization{.enabled = true, .modules_to_not_convert = bf16_modules}
               : Fp8Quantization{};
