@@ -14,6 +14,15 @@ PACKAGES=(
 )
 # torch is optional for the client (DLPack hand-off); installed when the archive has it.
 OPTIONAL=(python3-torch)
+# DRAFTFEED_DEPS=target: only what building draftfeed-target needs (the container's build stage).
+if [[ "${DRAFTFEED_DEPS:-all}" == target ]]; then
+  PACKAGES=(
+    build-essential cmake ninja-build pkg-config
+    libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
+    libabsl-dev libssl-dev zlib1g-dev libzstd-dev libcpp-httplib-dev
+  )
+  OPTIONAL=()
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
