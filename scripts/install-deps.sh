@@ -11,6 +11,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   pybind11-dev python3-dev python3-numpy python3-pytest python3-grpcio python3-matplotlib
   python3-venv python3-pip python3-setuptools python3-wheel python3-tqdm
+  python3-yaml slurm-wlm munge  # tests/deploy: the manifests' checks and the local Slurm
 )
 # torch is optional for the client (DLPack hand-off); installed when the archive has it.
 OPTIONAL=(python3-torch)
