@@ -3,7 +3,8 @@
 # Python tests (pytest, against real target processes on loopback), a brief
 # run of each Google Benchmark program (it must run and report no error; its
 # figures are not measurements), the layering checks, which also build a
-# trainer's client alone, and the install test (cmake --install and pip).
+# trainer's client alone, the install test (cmake --install and pip) and a
+# short run of every fuzzer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
@@ -17,3 +18,6 @@ bash scripts/check_layering.sh
 # The clients installed as users install them: cmake --install + an external
 # find_package consumer, and pip install into a fresh venv.
 CLIENT_BUILD_DIR=build-client bash tests/install/test_install.sh
+# Each libFuzzer target for 15 s over its committed corpus (a clang ASan+UBSan
+# build of the parsers, the service's request checks and the chunk decoder).
+bash scripts/run_fuzzers.sh 15
