@@ -64,6 +64,10 @@ def test_hetjob_targets_and_trainer(cluster, tmp_path):
     addresses = m.group(1).split(",")
     assert len(addresses) == 2 and len(set(addresses)) == 2, addresses
     assert all(re.fullmatch(r"[\w.-]+:\d+", a) for a in addresses), addresses
+    # --gpus-per-task binds one GPU to each target task (its cuda:0); the two nodes share a host
+    # name, so which node each ran on is not visible here, only that each has one GPU of two.
+    gpus = re.findall(r"draftfeed-hetjob: target \d on \S+, CUDA_VISIBLE_DEVICES=(\S+)", log)
+    assert len(gpus) == 2 and set(gpus) <= {"0", "1"}, log
     assert f"checksum {MAIN_JOB_CHECKSUM}" in log, log
     assert "draftfeed-hetjob: trainers exited 0, targets exited 0" in log, log
     # Both targets drained on SIGTERM (not killed) and between them computed every batch.
