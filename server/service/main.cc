@@ -86,6 +86,10 @@ ABSL_FLAG(int64_t, max_stream_pending_mib, 2048,
 ABSL_FLAG(int32_t, max_streams, 64,
           "Open streams this target serves at once; the next is refused with "
           "RESOURCE_EXHAUSTED until one closes.");
+ABSL_FLAG(double, max_rejects_per_s, 100,
+          "Per stream: refused batches (invalid, or sent while draining) past a burst of 32 are "
+          "read at most this many a second, so a client flooding invalid batches cannot take "
+          "the target's cores from the others (0 = no limit).");
 ABSL_FLAG(double, stream_idle_timeout_s, 300,
           "End a stream (DEADLINE_EXCEEDED) that for this long has sent no message, taken no "
           "write and had no batch running (a stream waiting for its own batches, or reading a "
@@ -197,6 +201,9 @@ absl::Status CheckFlags() {
   }
   if (const int32_t m = absl::GetFlag(FLAGS_max_streams); !(m >= 1)) {
     return refuse("--max_streams=", m, " must be >= 1");
+  }
+  if (const double r = absl::GetFlag(FLAGS_max_rejects_per_s); !(r >= 0 && std::isfinite(r))) {
+    return refuse("--max_rejects_per_s=", r, " must be a finite number >= 0 (0 = no limit)");
   }
   if (const double t = absl::GetFlag(FLAGS_stream_idle_timeout_s); !(t >= 0 && std::isfinite(t))) {
     return refuse("--stream_idle_timeout_s=", t, " must be a finite number >= 0 (0 = never)");
@@ -376,6 +383,7 @@ int Run() {
   options.max_stream_pending_bytes = absl::GetFlag(FLAGS_max_stream_pending_mib) << 20;
   options.max_streams = absl::GetFlag(FLAGS_max_streams);
   options.stream_idle_timeout_s = absl::GetFlag(FLAGS_stream_idle_timeout_s);
+  options.max_rejects_per_s = absl::GetFlag(FLAGS_max_rejects_per_s);
   options.throttle_tokens_per_s = absl::GetFlag(FLAGS_throttle_tokens_per_s);
 #if DRAFTFEED_HAVE_CUDA
   // Pinned capture buffers: the engines copy into them at full bandwidth

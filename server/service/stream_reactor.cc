@@ -352,6 +352,14 @@ void StreamReactor::RejectBatch(uint64_t batch_id, const absl::Status& status) {
   // and queue errors without bound.
   // Its bytes count against the stream's pending cap too, as a result would.
   ++inflight_;
+  if (service_->options().max_rejects_per_s > 0) {
+    RefillRejects(std::chrono::steady_clock::now());
+    reject_tokens_ -= 1;
+    if (reject_tokens_ < 1 && !reject_paused_) {
+      reject_paused_ = true;  // Pump reads no further until ResumeIfThrottled
+      ++reject_pauses_;
+    }
+  }
   const int64_t bytes = static_cast<int64_t>(sizeof(StreamResponse)) + status.message().size();
   service_->scheduler().ChargePending(sched_stream_, bytes);
   PushError(batch_id, status, bytes);
@@ -421,7 +429,24 @@ StreamLoad StreamReactor::Load() {
                     .client_name = client_name_,
                     .credits = opened_ ? credits_ : 0,
                     .inflight = inflight_,
-                    .pending_bytes = service_->scheduler().pending_bytes(sched_stream_)};
+                    .pending_bytes = service_->scheduler().pending_bytes(sched_stream_),
+                    .reject_pauses = reject_pauses_};
+}
+
+void StreamReactor::RefillRejects(std::chrono::steady_clock::time_point now) {
+  const double rate = service_->options().max_rejects_per_s;
+  const double elapsed = std::chrono::duration<double>(now - reject_refilled_at_).count();
+  reject_tokens_ = std::min(kRejectBurst, reject_tokens_ + elapsed * rate);
+  reject_refilled_at_ = now;
+}
+
+void StreamReactor::ResumeIfThrottled(std::chrono::steady_clock::time_point now) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!reject_paused_ || finished_) return;
+  RefillRejects(now);
+  if (reject_tokens_ < 1) return;
+  reject_paused_ = false;
+  Pump();
 }
 
 bool StreamReactor::EndIfIdle(std::chrono::steady_clock::time_point now,
@@ -466,7 +491,7 @@ void StreamReactor::Pump() {
     StartWrite(&raw_resp_);
   }
   const bool draining = draining_ || service_->draining();
-  if (!read_pending_ && !reads_done_ && !draining && !opening_ &&
+  if (!read_pending_ && !reads_done_ && !draining && !opening_ && !reject_paused_ &&
       (!opened_ || inflight_ < credits_)) {
     read_pending_ = true;
     StartRead(&raw_req_);

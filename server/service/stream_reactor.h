@@ -58,6 +58,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   const std::string& token_name() const { return token_name_; }
   // Its credits and waiting result bytes now, for /metrics.
   StreamLoad Load();
+  // Resumes reading a stream whose refused batches were throttled, once its
+  // budget has refilled. Called by the service's housekeeping thread.
+  void ResumeIfThrottled(std::chrono::steady_clock::time_point now);
+  static constexpr double kRejectBurst = 32;
 
  private:
   friend class ReactorLink;
@@ -130,6 +134,14 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   int64_t scheduled_ = 0;  // batches in the scheduler whose result has not come back
   uint64_t sched_stream_ = 0;  // this stream's queue in the scheduler
   std::chrono::steady_clock::time_point last_activity_;
+  // Refused batches: a token bucket of kRejectBurst refilled at
+  // max_rejects_per_s; empty, the stream is not read until the service's
+  // housekeeping thread finds it refilled (ResumeIfThrottled).
+  double reject_tokens_ = kRejectBurst;
+  std::chrono::steady_clock::time_point reject_refilled_at_ = std::chrono::steady_clock::now();
+  bool reject_paused_ = false;
+  int64_t reject_pauses_ = 0;
+  void RefillRejects(std::chrono::steady_clock::time_point now);
   std::optional<std::chrono::steady_clock::time_point> idle_ended_at_;
   bool opened_ = false;
   bool read_pending_ = false;

@@ -28,6 +28,7 @@ struct StreamLoad {
   int32_t credits = 0;        // batches it may have in flight (0 before its Opened)
   int64_t inflight = 0;       // credits in use: batches whose last message is not written
   int64_t pending_bytes = 0;  // result bytes taken for the forward and not yet written
+  int64_t reject_pauses = 0;  // times its reads paused for refusing too many batches a second
 };
 
 class TargetMetrics {

@@ -24,7 +24,7 @@ TargetService::TargetService(std::vector<Engine*> engines, ServiceOptions option
       scheduler_(engines_, options.max_queued_batches, options.throttle_tokens_per_s,
                  options.host_pool_bytes, options.host_allocator) {
   scheduler_.set_host_memory_cap(options.host_memory_cap_bytes);
-  if (options_.stream_idle_timeout_s > 0) {
+  if (options_.stream_idle_timeout_s > 0 || options_.max_rejects_per_s > 0) {
     idle_thread_ = std::thread([this] {
       NameThisThread("df-idle");
       IdleLoop();
@@ -45,16 +45,20 @@ TargetService::~TargetService() {
 }
 
 void TargetService::IdleLoop() {
+  const bool idle_check = options_.stream_idle_timeout_s > 0;
   const auto timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-      std::chrono::duration<double>(options_.stream_idle_timeout_s));
-  const auto period =
-      std::min<std::chrono::steady_clock::duration>(timeout / 4, std::chrono::seconds(1));
+      std::chrono::duration<double>(idle_check ? options_.stream_idle_timeout_s : 1.0));
+  auto period = std::min<std::chrono::steady_clock::duration>(timeout / 4, std::chrono::seconds(1));
+  if (options_.max_rejects_per_s > 0) {
+    period = std::min<std::chrono::steady_clock::duration>(period, std::chrono::milliseconds(20));
+  }
   std::unique_lock<std::mutex> lock(mu_);
   while (!idle_cv_.wait_for(lock, period, [this] { return stopping_idle_; })) {
     // mu_ keeps every registered stream alive (OnDone unregisters first).
     const auto now = std::chrono::steady_clock::now();
     for (StreamReactor* r : streams_) {
-      if (r->EndIfIdle(now, timeout)) r->Cancel();
+      r->ResumeIfThrottled(now);
+      if (idle_check && r->EndIfIdle(now, timeout)) r->Cancel();
     }
   }
 }

@@ -40,6 +40,11 @@ struct ServiceOptions {
   int64_t max_stream_pending_bytes = int64_t{2048} << 20;
   int32_t max_streams = 64;            // open streams; the next is RESOURCE_EXHAUSTED
   double stream_idle_timeout_s = 300;  // a stream idle this long is ended; 0 = never
+  // Per stream: batches refused (invalid, or sent while draining) beyond a
+  // burst of kRejectBurst are read at most this many a second; a flood of
+  // invalid batches costs the target reads and parses that no credit or
+  // fair queue accounts for. 0 = unlimited.
+  double max_rejects_per_s = 100;
   // Capture buffers' memory: pinned (PinnedHostAllocator) for GPU engines.
   HostAllocator host_allocator = HostAllocator::Heap();
   bool enable_nccl = true;        // offer TRANSPORT_NCCL (one GPU engine, NCCL built in)
@@ -123,7 +128,9 @@ class TargetService final
   absl::Status Register(StreamReactor* r);
   void Unregister(StreamReactor* r);
   void NoteQueuedResponses(int64_t queued);
-  // Every stream_idle_timeout_s / 4 (at most 1 s), ends the idle streams.
+  // Every stream_idle_timeout_s / 4 (at most 1 s), ends the idle streams;
+  // with max_rejects_per_s, every 20 ms resumes the reads of streams whose
+  // refused batches were throttled.
   void IdleLoop();
 
   std::vector<Engine*> engines_;
@@ -137,7 +144,7 @@ class TargetService final
   grpc::HealthCheckServiceInterface* health_ = nullptr;  // owned by the server; guarded by mu_
   std::condition_variable idle_cv_;
   bool stopping_idle_ = false;  // guarded by mu_
-  std::thread idle_thread_;     // when stream_idle_timeout_s > 0
+  std::thread idle_thread_;     // when stream_idle_timeout_s > 0 or max_rejects_per_s > 0
 };
 
 }  // namespace draftfeed

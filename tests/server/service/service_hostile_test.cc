@@ -48,7 +48,9 @@ void WaitUntilStill(const std::atomic<int>& count, int goal, std::chrono::millis
 // batches would queue thousands of them. The bound: the stream's credits
 // (unsent errors count against the window) plus the Opened message.
 TEST(HostileClientTest, UnreadErrorsOfInvalidBatchesStayWithinTheCredits) {
-  Server server;
+  ServiceOptions options;
+  options.max_rejects_per_s = 0;  // the credits alone bound it (the rate has its own test)
+  Server server(options);
   constexpr int kCredits = 4, kBatches = 10000;
   auto stub = v1::TargetService::NewStub(SmallWindowChannel(server.address()));
   grpc::ClientContext ctx;
@@ -115,6 +117,51 @@ TEST(HostileClientTest, UnreadErrorsOfInvalidBatchesStayWithinTheCredits) {
   EXPECT_EQ(r.done().tokens(), 12);
   EXPECT_EQ(payload, 12 * server.model().config.hidden_size * 2);
   EXPECT_TRUE(good->Finish().ok());
+}
+
+// A stream that floods invalid batches and reads every error: the credits do
+// not hold it back (each error is written at once), so without a rate the
+// target would read and refuse as fast as the client sends, a core's worth
+// of work that no fair queue sees. Past a burst the stream's reads pause;
+// every error still arrives, in order, and a well-behaved stream is served.
+TEST(HostileClientTest, AFloodOfInvalidBatchesIsReadAtTheRejectRate) {
+  ServiceOptions options;
+  options.max_rejects_per_s = 400;
+  Server server(options);
+  constexpr int kBatches = 200;  // 32 at once, then 168 at 400/s: ~0.4 s
+  auto stub = v1::TargetService::NewStub(
+      grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  std::unique_ptr<Stream> stream = stub->StreamHiddenStates(&ctx);
+  v1::StreamRequest open;
+  *open.mutable_open() = OpenFor({0, -1});
+  open.mutable_open()->set_max_inflight_batches(32);
+  ASSERT_TRUE(stream->Write(open));
+  std::thread writer([&] {
+    for (int id = 1; id <= kBatches; ++id) {
+      v1::StreamRequest req;
+      req.mutable_batch()->set_batch_id(static_cast<uint64_t>(id));  // no tokens: invalid
+      if (!stream->Write(req)) return;
+    }
+    stream->WritesDone();
+  });
+  v1::StreamResponse r;
+  ASSERT_TRUE(stream->Read(&r));
+  ASSERT_TRUE(r.has_opened());
+  for (int id = 1; id <= kBatches; ++id) {
+    ASSERT_TRUE(stream->Read(&r)) << "batch " << id;
+    ASSERT_TRUE(r.has_error()) << "batch " << id;
+    ASSERT_EQ(r.error().batch_id(), static_cast<uint64_t>(id));
+    if (id == kBatches / 2) {
+      // Mid-flood: the stream has paused at least once.
+      int64_t pauses = 0;
+      for (const StreamLoad& l : server.service().StreamLoads()) pauses += l.reject_pauses;
+      EXPECT_GT(pauses, 0) << "the reads of a flooding stream never paused";
+    }
+  }
+  writer.join();
+  EXPECT_FALSE(stream->Read(&r));
+  EXPECT_TRUE(stream->Finish().ok());
 }
 
 }  // namespace
