@@ -1,6 +1,6 @@
-// Gated DeltaNet prefill: causal depthwise conv + SiLU, and the chunked gated
-// delta rule (transformers' torch_chunk_gated_delta_rule, 64-token chunks per
-// sequence) in two kernels.
+// Gated DeltaNet prefill: the chunked gated delta rule (transformers'
+// torch_chunk_gated_delta_rule, 64-token chunks per sequence) in two kernels.
+// (The family's first stage, the causal conv + SiLU, is gdn_conv.cu.)
 //
 // GdnPrepKernel, one block per (chunk, value head), all chunks at once: gates,
 // γ = cumsum(g), the L2 norms, the Gram matrices kkᵀ and qkᵀ on the tensor
@@ -30,9 +30,8 @@
 // One file past the ~600 lines a file usually holds, because it is one op
 // family behind gdn.cuh: the prep and scan kernels share the chunk constants,
 // the workspace that one writes and the other reads (Workspace, Layout,
-// kFactorFloats), GdnParams, the ldmatrix lane maps and the cp.async helpers,
-// and the conv is the family's first stage, on the same launcher header.
-// Apart, those would become a header of internals that only these kernels read.
+// kFactorFloats), GdnParams and the ldmatrix lane maps; apart, those would
+// become a header of internals that only these two kernels read.
 #include "kernels/gdn.cuh"
 
 #include <cstring>
@@ -51,23 +50,14 @@ constexpr int kFactorFloats = 2 * kChunk + 4;
 // ---------------------------------------------------------------------------
 // PTX helpers.
 
+using sm80::CpAsync16;
+using sm80::CpAsyncCommit;
+using sm80::CpAsyncWait;
 using sm80::LdMatrixX4;
 using sm80::LdMatrixX4Trans;
 using sm80::Mma;
 using sm80::PackBf16;
 using sm80::SmemAddr;
-
-// 16-byte async copy; when !valid the destination is zero-filled and src is
-// not read (it must still be a valid address).
-__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
 
 __device__ __forceinline__ float2 UnpackBf16(uint32_t u) {
   __nv_bfloat162 v;
@@ -95,161 +85,6 @@ __device__ __forceinline__ int LdsmBNRow(int lane) { return (lane & 7) + (lane >
 __device__ __forceinline__ int LdsmBNCol(int lane) { return ((lane >> 3) & 1) * 8; }
 __device__ __forceinline__ int LdsmBTRow(int lane) { return (lane & 7) + ((lane >> 3) & 1) * 8; }
 __device__ __forceinline__ int LdsmBTCol(int lane) { return (lane >> 4) * 8; }
-
-// ---------------------------------------------------------------------------
-// Causal depthwise conv + SiLU.
-
-constexpr int kConvThreads = 128;
-constexpr int kConvTokens = 32;  // consecutive tokens per thread, sliding window in registers
-
-template <int kVec>
-struct BfVec {
-  float v[kVec];
-  __device__ __forceinline__ void Load(const bf16* p) {
-    if constexpr (kVec == 8) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(p);
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = UnpackBf16(w[i]);
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kVec; ++i) v[i] = __bfloat162float(p[i]);
-    }
-  }
-  __device__ __forceinline__ void Zero() {
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) v[i] = 0.0f;
-  }
-};
-
-// Block = (kConvTokens tokens, kConvThreads·kVec channels). Each thread owns
-// kVec consecutive channels over the block's tokens, keeping the last
-// kTaps − 1 inputs in registers; a sequence start inside the tile clears them.
-template <int kTaps, int kVec>
-__global__ void __launch_bounds__(kConvThreads)
-    CausalConvSiluKernel(const bf16* __restrict__ x, int64_t x_stride, const bf16* __restrict__ w,
-                         int64_t num_tokens, int64_t channels, const int32_t* __restrict__ cu,
-                         int32_t num_seqs, bf16* __restrict__ y) {
-  const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x) * kVec;
-  if (c0 >= channels) return;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kConvTokens;
-  const int64_t t1 = min(num_tokens, t0 + kConvTokens);
-
-  // The thread's weights are kVec·kTaps contiguous bf16: 16-byte loads on the
-  // vector path.
-  float wt[kTaps][kVec];
-  if constexpr (kVec == 8) {
-    const uint4* wv = reinterpret_cast<const uint4*>(w + c0 * kTaps);
-#pragma unroll
-    for (int j = 0; j < kTaps; ++j) {
-      const uint4 raw = wv[j];
-      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {
-        const float2 f = UnpackBf16(words[h]);
-        const int e = 8 * j + 2 * h;  // element e is channel e / kTaps, tap e % kTaps
-        wt[e % kTaps][e / kTaps] = f.x;
-        wt[(e + 1) % kTaps][(e + 1) / kTaps] = f.y;
-      }
-    }
-  } else {
-#pragma unroll
-    for (int v = 0; v < kVec; ++v) {
-#pragma unroll
-      for (int i = 0; i < kTaps; ++i) wt[i][v] = __bfloat162float(w[(c0 + v) * kTaps + i]);
-    }
-  }
-  // Sequence of t0: the last s with cu[s] <= t0 (cu[num_seqs] = T > t0).
-  int lo = 0, hi = num_seqs;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (cu[mid] <= t0)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  int seq = lo;
-  int64_t seq_begin = cu[seq], seq_end = cu[seq + 1];
-
-  BfVec<kVec> win[kTaps > 1 ? kTaps - 1 : 1];  // win[i] = x[t − (kTaps−1) + i]
-#pragma unroll
-  for (int i = 0; i < kTaps - 1; ++i) {
-    const int64_t src = t0 - (kTaps - 1) + i;
-    if (src >= seq_begin)
-      win[i].Load(x + src * x_stride + c0);
-    else
-      win[i].Zero();
-  }
-  // Four tokens' loads in flight before their use.
-  constexpr int kGroup = 4;
-#pragma unroll 1
-  for (int64_t tg = t0; tg < t1; tg += kGroup) {
-    BfVec<kVec> cur[kGroup];
-#pragma unroll
-    for (int u = 0; u < kGroup; ++u) {
-      if (tg + u < t1) cur[u].Load(x + (tg + u) * x_stride + c0);
-    }
-#pragma unroll
-    for (int u = 0; u < kGroup; ++u) {
-      const int64_t t = tg + u;
-      if (t >= t1) break;
-      if (t >= seq_end) {  // a new sequence starts at t: earlier inputs read 0
-        while (cu[seq + 1] <= t) ++seq;
-        seq_begin = cu[seq];
-        seq_end = cu[seq + 1];
-#pragma unroll
-        for (int i = 0; i < kTaps - 1; ++i) win[i].Zero();
-      }
-      float acc[kVec];
-#pragma unroll
-      for (int v = 0; v < kVec; ++v) {
-        float a = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kTaps - 1; ++i) a += wt[i][v] * win[i].v[v];
-        acc[v] = vec::Silu(a + wt[kTaps - 1][v] * cur[u].v[v]);
-      }
-      bf16* yt = y + t * channels + c0;
-      if constexpr (kVec == 8) {
-        uint4 out;
-        out.x = PackBf16(acc[0], acc[1]);
-        out.y = PackBf16(acc[2], acc[3]);
-        out.z = PackBf16(acc[4], acc[5]);
-        out.w = PackBf16(acc[6], acc[7]);
-        *reinterpret_cast<uint4*>(yt) = out;
-      } else {
-#pragma unroll
-        for (int v = 0; v < kVec; ++v) yt[v] = __float2bfloat16(acc[v]);
-      }
-#pragma unroll
-      for (int i = 0; i + 1 < kTaps - 1; ++i) win[i] = win[i + 1];
-      if constexpr (kTaps > 1) win[kTaps - 2] = cur[u];
-    }
-  }
-}
-
-template <int kTaps>
-cudaError_t LaunchConv(const bf16* x, int64_t x_stride, const bf16* w, int64_t num_tokens,
-                       int64_t channels, const int32_t* cu, int32_t num_seqs, bf16* y,
-                       cudaStream_t stream) {
-  const bool vec =
-      channels % 8 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(y) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
-  const int per_block = kConvThreads * (vec ? 8 : 1);
-  const dim3 grid(static_cast<unsigned>((num_tokens + kConvTokens - 1) / kConvTokens),
-                  static_cast<unsigned>((channels + per_block - 1) / per_block));
-  if (vec) {
-    CausalConvSiluKernel<kTaps, 8>
-        <<<grid, kConvThreads, 0, stream>>>(x, x_stride, w, num_tokens, channels, cu, num_seqs, y);
-  } else {
-    CausalConvSiluKernel<kTaps, 1>
-        <<<grid, kConvThreads, 0, stream>>>(x, x_stride, w, num_tokens, channels, cu, num_seqs, y);
-  }
-  return cudaGetLastError();
-}
 
 // ---------------------------------------------------------------------------
 // Gated delta rule: workspace.
@@ -469,10 +304,10 @@ __global__ void __launch_bounds__(kPrepThreads, 4) GdnPrepKernel(GdnParams p) {
     float ss = 0.0f;
 #pragma unroll
     for (int c = 0; c < kDk; c += 8) {
-      BfVec<8> v;
-      v.Load(row + c);
+      float v[vec::kVec];
+      vec::LoadBf16x8(row + c, v);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) ss += v.v[i] * v.v[i];
+      for (int i = 0; i < vec::kVec; ++i) ss += v[i] * v[i];
     }
     const float inv = 1.0f / sqrtf(ss + kL2Eps);
     const float gam = s_gam[r], gam_last = s_gam[kChunk - 1];
@@ -917,35 +752,6 @@ cudaError_t DispatchDv(const GdnArgs& a, const GdnParams& p, int64_t slots, cuda
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
-
-cudaError_t CausalConv1dSilu(const bf16* x, int64_t x_stride, const bf16* w, int64_t num_tokens,
-                             int64_t channels, int64_t kernel, const int32_t* cu_seqlens,
-                             int32_t num_seqs, bf16* y, cudaStream_t stream) {
-  if (num_tokens < 0 || channels <= 0 || num_seqs <= 0 || x_stride < channels) {
-    return cudaErrorInvalidValue;
-  }
-  if (num_tokens == 0) return cudaSuccess;
-  switch (kernel) {
-    case 1:
-      return LaunchConv<1>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 2:
-      return LaunchConv<2>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 3:
-      return LaunchConv<3>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 4:
-      return LaunchConv<4>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 5:
-      return LaunchConv<5>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 6:
-      return LaunchConv<6>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 7:
-      return LaunchConv<7>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    case 8:
-      return LaunchConv<8>(x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
-}
 
 size_t GdnWorkspaceBytes(const GdnArgs& args) { return Layout(args).total; }
 

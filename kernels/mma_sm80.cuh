@@ -1,5 +1,6 @@
 // Warp-level tensor-core helpers (sm_80+: ldmatrix, mma.sync m16n8k16 with
-// bf16 inputs and fp32 accumulators) shared by the GDN and attention kernels.
+// bf16 inputs and fp32 accumulators, cp.async) shared by the GDN, attention
+// and MoE grouped-GEMM kernels.
 // Internal to kernels/: device helpers only, no launchers.
 #pragma once
 
@@ -12,6 +13,18 @@ namespace draftfeed::cuda::sm80 {
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy global -> shared; when !valid the destination is
+// zero-filled and src is not read (it must still be a valid address).
+__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 // ldmatrix.x4 (four 8x8 b16 tiles) at shared address `addr`. kMemoryClobber

@@ -34,6 +34,9 @@
 namespace draftfeed::cuda {
 namespace {
 
+using sm80::CpAsync16;
+using sm80::CpAsyncCommit;
+using sm80::CpAsyncWait;
 using sm80::LdMatrixX4;
 using sm80::Mma;
 using sm80::SmemAddr;
@@ -58,18 +61,6 @@ __device__ __forceinline__ void MmaE4m3(float* d, const uint32_t (&a)[4], uint32
       "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// 16-byte async copy; when !valid the destination is zero-filled and src is
-// not read (it must still be a valid address).
-__device__ __forceinline__ void CpAsync16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 // Byte offset of (row, 16-byte chunk) in a [rows][kRowBytes] stage: chunk c

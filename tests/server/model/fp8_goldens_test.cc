@@ -37,6 +37,7 @@
 #include "server/model/tensor.h"
 #include "server/model/weight_layout.h"
 #include "tests/server/model/golden_moe_routing.h"
+#include "tests/test_data_dir.h"
 #if DRAFTFEED_HAVE_CUDA
 #include "server/model/cuda_engine.h"
 #endif
@@ -71,14 +72,7 @@ constexpr double kEmuFactor = 1.25;
 constexpr double kMoeFlipFactor = 1.5;
 constexpr int kThreads = 2;
 
-std::string SourceDir() {
-  if (const char* env = std::getenv("DRAFTFEED_SOURCE_DIR"); env != nullptr && *env != '\0') {
-    return env;
-  }
-  return (fs::path(__FILE__).parent_path() / ".." / ".." / "..").lexically_normal().string();
-}
-
-fs::path DataDir() { return fs::path(SourceDir()) / "tests" / "data"; }
+fs::path DataDir() { return testing::TestDataDir(); }
 
 std::string GoldensFile(const std::string& model) {
   return absl::StrCat("goldens_", model, "_fp8.safetensors");

@@ -35,6 +35,7 @@
 #include "server/model/safetensors.h"
 #include "server/model/weight_layout.h"
 #include "tests/server/model/golden_moe_routing.h"
+#include "tests/test_data_dir.h"
 #if DRAFTFEED_HAVE_CUDA
 #include "server/model/cuda_engine.h"
 #endif
@@ -76,14 +77,7 @@ constexpr double kBf16Unit = 1.0 / 256.0;
 constexpr double kMinCosine = 0.999;
 constexpr int kThreads = 2;
 
-std::string SourceDir() {
-  if (const char* env = std::getenv("DRAFTFEED_SOURCE_DIR"); env != nullptr && *env != '\0') {
-    return env;
-  }
-  return (fs::path(__FILE__).parent_path() / ".." / ".." / "..").lexically_normal().string();
-}
-
-fs::path DataDir() { return fs::path(SourceDir()) / "tests" / "data"; }
+fs::path DataDir() { return testing::TestDataDir(); }
 
 // A [T, K, H] capture (ours) or a golden [T, N, H] / [T, H] viewed as one
 // [T, H] layer; contiguous copy of layer `k` of `k_total`.

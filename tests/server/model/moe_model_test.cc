@@ -23,6 +23,8 @@
 #include "server/model/safetensors.h"
 #include "server/model/weight_layout.h"
 
+#include "tests/test_data_dir.h"
+
 namespace draftfeed {
 namespace {
 
@@ -527,10 +529,7 @@ namespace draftfeed {
 namespace {
 
 std::string GoldensPath(const std::string& model) {
-  return (std::filesystem::path(__FILE__).parent_path() / ".." / ".." / "data" /
-          absl::StrCat("goldens_", model, ".safetensors"))
-      .lexically_normal()
-      .string();
+  return (testing::TestDataDir() / absl::StrCat("goldens_", model, ".safetensors")).string();
 }
 
 template <typename T>
