@@ -21,7 +21,7 @@ bins=($b/bin/draftfeed-target $b/bin/draftfeed-bench $b/bin/draftfeed-bench-kern
       $b/tests/kernels/cuda/fp8_gemm_cuda_test $b/tests/server/model/cuda_fp8_engine_test
       $b/tests/kernels/cuda/moe_fp8_cuda_test $b/tests/server/model/fp8_goldens_test
       $b/tests/kernels/cuda/capture_fp8_cuda_test $b/tests/server/model/cuda_engine_fp8_test
-      $b/tests/server/model/fp8_model_test)
+      $b/tests/server/model/fp8_model_test $b/tests/kernels/cuda/moe_cublas_cuda_test)
 if [[ ${1:-} == bundle ]]; then
   rm -rf .bundle
   bash scripts/make-bundle.sh .bundle "${bins[@]}"
@@ -63,12 +63,13 @@ elif [[ $PART == fp8 ]]; then
     done
   done
 elif [[ $PART == moe ]]; then
-  for t in moe_cuda_test cuda_moe_engine_test; do
+  for t in moe_cuda_test moe_cublas_cuda_test cuda_moe_engine_test; do
     echo "== $t"; timeout 240 .bundle/bin/$t 2>&1 | summary
   done
   echo "== goldens_test *Moe*"
   timeout 240 .bundle/bin/goldens_test --gtest_filter='*Moe*' 2>&1 | summary
-  timeout 120 .bundle/bin/draftfeed-bench-kernels --benchmark_filter='Moe|DenseCeiling' \
+  # The MoE kernels, the dense ceiling and cuBLAS's grouped GEMM (BM_MoeVsCublas*).
+  timeout 240 .bundle/bin/draftfeed-bench-kernels --benchmark_filter='Moe|DenseCeiling' \
     --benchmark_min_time=0.1 2>&1 | grep -v WARNING
   for m in ${MOE_MODELS:-qwen3.6-35b-a3b qwen3-30b-a3b}; do
     out=$(timeout 300 .bundle/bin/draftfeed-bench engine --model "random:$m" --tokens 49152 \
