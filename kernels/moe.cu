@@ -393,6 +393,24 @@ cudaError_t MoePermute(const int32_t* expert_ids, int64_t num_tokens, int num_ex
   return cudaGetLastError();
 }
 
+namespace {
+__global__ void KeepLocalExpertsKernel(int32_t* ids, int64_t n, int begin, int count) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= n) return;
+  const int32_t local = ids[i] - begin;
+  ids[i] = local >= 0 && local < count ? local : -1;
+}
+}  // namespace
+
+cudaError_t MoeKeepLocalExperts(int32_t* expert_ids, int64_t n, int begin, int count,
+                                cudaStream_t stream) {
+  if (n < 0 || begin < 0 || count < 1) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  KeepLocalExpertsKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(expert_ids, n,
+                                                                                     begin, count);
+  return cudaGetLastError();
+}
+
 cudaError_t MoeCombine(const bf16* y, const int32_t* pair_row, const float* weights,
                        int64_t num_tokens, int top_k, int64_t hidden, const bf16* shared,
                        int64_t shared_stride, const bf16* shared_gate, int64_t gate_stride,

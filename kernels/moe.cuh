@@ -79,6 +79,13 @@ MoeBuffers CarveMoeWorkspace(void* base, int64_t max_tokens, int num_experts, in
 cudaError_t MoePermute(const int32_t* expert_ids, int64_t num_tokens, int num_experts, int top_k,
                        const MoeRouting& routing, cudaStream_t stream);
 
+// Expert parallelism: a rank that holds experts [begin, begin + count) maps
+// each of the n routed ids to its local index (id - begin), and every other
+// id to -1, which MoePermute drops, so the rank's grouped GEMMs and combine
+// see only the pairs routed to its experts.
+cudaError_t MoeKeepLocalExperts(int32_t* expert_ids, int64_t n, int begin, int count,
+                                cudaStream_t stream);
+
 // The grouped GEMMs run over the num_rows = T·k rows MoePermute sorted, one
 // block per (tile, column tile) of MoeMaxTiles(num_rows, E) tiles; blocks
 // of tiles past the routing's last exit at once.

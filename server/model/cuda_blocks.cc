@@ -14,11 +14,21 @@
 #include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/gdn.cuh"
 #include "kernels/moe.cuh"
+#include "kernels/rank_sum.cuh"
 #include "kernels/rmsnorm.cuh"
 #include "kernels/rope.cuh"
 #include "server/model/cuda_engine_impl.h"
+#include "server/model/device_all_reduce.h"
 
 namespace draftfeed {
+
+absl::Status CudaEngine::Impl::AllReduce(void* buffer, int64_t count, bool bf16_elements) {
+  DeviceAllReduce* reduce = options.rank.all_reduce;
+  if (reduce == nullptr) return absl::OkStatus();
+  return Timed("all_reduce", [&] {
+    return reduce->Sum(options.rank.rank, buffer, count, bf16_elements, stream);
+  });
+}
 
 absl::Status CudaEngine::Impl::QuantizeForFp8(const bf16* x, int64_t T, int64_t K) {
   if (x == x8_source && T == x8_tokens && K == x8_k) return absl::OkStatus();
@@ -52,13 +62,19 @@ absl::Status CudaEngine::Impl::Project(const DeviceBlock& b, int i, const bf16* 
 absl::Status CudaEngine::Impl::Block(const DeviceBlock& b, int64_t T, int32_t nseq,
                                      int32_t max_len) {
   x8_source = nullptr;  // the block's inputs are new: nothing quantised is current
+  // A tensor-parallel rank's mixer or dense MLP output is a partial sum
+  // (its output projection is cut along K): summed here, before the residual
+  // add. The MoE block sums its own partial (MoeMlp).
   switch (b.kind) {
     case BlockKind::kAttention:
-      return Attention(b, T, nseq, max_len);
+      DF_RETURN_IF_ERROR(Attention(b, T, nseq, max_len));
+      return AllReduce(mix, T * D, /*bf16_elements=*/true);
     case BlockKind::kGatedDeltaNet:
-      return GatedDeltaNet(b, T, nseq);
+      DF_RETURN_IF_ERROR(GatedDeltaNet(b, T, nseq));
+      return AllReduce(mix, T * D, /*bf16_elements=*/true);
     case BlockKind::kDenseMlp:
-      return DenseMlp(b, T);
+      DF_RETURN_IF_ERROR(DenseMlp(b, T));
+      return AllReduce(mix, T * D, /*bf16_elements=*/true);
     case BlockKind::kMoeMlp:
       return MoeMlp(b, T);
     case BlockKind::kNorms:
@@ -207,8 +223,18 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
                                     moe.weights, stream),
                       "MoeTopK");
   }));
+  // An expert-parallel rank keeps the pairs routed to its own experts, by
+  // local index; the grouped GEMMs below run over those experts only.
+  const int local = static_cast<int>(E_local);
+  if (local != experts) {
+    DF_RETURN_IF_ERROR(Timed("permute", [&] {
+      return CudaStatus(cuda::MoeKeepLocalExperts(moe.expert_ids, T * k,
+                                                  static_cast<int>(expert_begin), local, stream),
+                        "MoeKeepLocalExperts");
+    }));
+  }
   DF_RETURN_IF_ERROR(Timed("permute", [&] {
-    return CudaStatus(cuda::MoePermute(moe.expert_ids, T, experts, k, moe.routing, stream),
+    return CudaStatus(cuda::MoePermute(moe.expert_ids, T, local, k, moe.routing, stream),
                       "MoePermute");
   }));
   if (IsFp8(w, kMoeExpertsGateUp) && IsFp8(w, kMoeExpertsDown)) {
@@ -221,7 +247,7 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
     DF_RETURN_IF_ERROR(Timed("expert_gemm", [&] {
       return CudaStatus(
           cuda::MoeGateUpSwiGluFp8(x8, x8_scale, cuda::Fp8RowsPadded(T), gu.q, gu.scale, D, I_moe,
-                                   experts, rows, moe.routing, moe.act, stream),
+                                   local, rows, moe.routing, moe.act, stream),
           "MoeGateUpSwiGluFp8");
     }));
     DF_RETURN_IF_ERROR(Timed("fp8_quant", [&] {
@@ -231,15 +257,15 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
     }));
     DF_RETURN_IF_ERROR(Timed("expert_gemm", [&] {
       return CudaStatus(cuda::MoeDownFp8(moe_act8, moe_act8_scale, rows_pad, dn.q, dn.scale, D,
-                                         I_moe, experts, rows, moe.routing, moe.y, stream),
+                                         I_moe, local, rows, moe.routing, moe.y, stream),
                         "MoeDownFp8");
     }));
   } else {
     DF_RETURN_IF_ERROR(Timed("expert_gemm", [&] {
-      cudaError_t e = cuda::MoeGateUpSwiGlu(u, D, w.bf(kMoeExpertsGateUp), D, I_moe, experts, T * k,
+      cudaError_t e = cuda::MoeGateUpSwiGlu(u, D, w.bf(kMoeExpertsGateUp), D, I_moe, local, T * k,
                                             moe.routing, moe.act, stream);
       if (e == cudaSuccess) {
-        e = cuda::MoeDown(moe.act, w.bf(kMoeExpertsDown), D, I_moe, experts, T * k, moe.routing,
+        e = cuda::MoeDown(moe.act, w.bf(kMoeExpertsDown), D, I_moe, local, T * k, moe.routing,
                           moe.y, stream);
       }
       return CudaStatus(e, "MoE expert GEMMs");
@@ -255,11 +281,23 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
       return gemm.Run(u, w.bf(kMoeSharedGate), shared_logit, T, 1, D, stream);
     }));
   }
-  return Timed("moe_combine", [&] {
+  // A tensor-parallel rank's sum (its experts, its slice of the shared
+  // expert) is partial: it goes to moe_delta, is summed over the ranks in
+  // fp32 and then joins the residual.
+  float* target = moe_delta != nullptr ? moe_delta : residual;
+  DF_RETURN_IF_ERROR(Timed("moe_combine", [&]() -> absl::Status {
+    if (target == moe_delta) {
+      DF_CUDA(cudaMemsetAsync(moe_delta, 0, static_cast<size_t>(T * D) * 4, stream));
+    }
     return CudaStatus(
         cuda::MoeCombine(moe.y, moe.routing.pair_row, moe.weights, T, k, D, shared ? mix : nullptr,
-                         D, shared ? shared_logit : nullptr, 1, residual, stream),
+                         D, shared ? shared_logit : nullptr, 1, target, stream),
         "MoeCombine");
+  }));
+  if (target == residual) return absl::OkStatus();
+  DF_RETURN_IF_ERROR(AllReduce(moe_delta, T * D, /*bf16_elements=*/false));
+  return Timed("moe_combine", [&] {
+    return CudaStatus(cuda::AddF32(residual, moe_delta, T * D, stream), "AddF32");
   });
 }
 
@@ -339,14 +377,14 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
                                                         norm_kind, u, stream),
                         "AddRmsNormF32");
     }));
-    if (slot_of[l] >= 0) {
+    if (slot_of[l] >= 0 && options.rank.capture) {
       DF_RETURN_IF_ERROR(Timed("capture", [&] {
         return CudaStatus(cuda::CaptureResidual(residual, T, D, capture, K, slot_of[l], stream),
                           "CaptureResidual");
       }));
     }
   }
-  if (final_slot >= 0) {
+  if (final_slot >= 0 && options.rank.capture) {
     DF_RETURN_IF_ERROR(Timed("capture", [&] {
       return CudaStatus(cuda::RmsNormF32(residual, D, final_norm, T, D, eps, norm_kind,
                                          capture + final_slot * D, K * D, stream),

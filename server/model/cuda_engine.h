@@ -11,8 +11,33 @@
 #include "absl/status/statusor.h"
 #include "common/host_buffer_pool.h"
 #include "server/model/engine.h"
+#include "server/model/weight_layout.h"
 
 namespace draftfeed {
+
+class DeviceAllReduce;  // server/model/device_all_reduce.h
+
+// One rank of a tensor-parallel group (TensorParallelCudaEngine): the engine's
+// model then holds the rank's slices, with ShardingPlan::rank_config as its
+// config. The defaults are a whole model on one GPU.
+struct CudaRankOptions {
+  int rank = 0;
+  // Sums the ranks' partial block outputs after every mixer and MLP (the
+  // plan's all_reduces); null for a single rank.
+  DeviceAllReduce* all_reduce = nullptr;
+  // The routed experts this rank evaluates, [expert_begin, expert_begin +
+  // num_local_experts) of the config's num_experts (the router still scores
+  // all of them); 0 = all.
+  int64_t expert_begin = 0;
+  int64_t num_local_experts = 0;
+  // The rank's tensor shapes in DecoderWeightSpecs order (an expert-parallel
+  // rank's experts are fewer than its config says); empty = the config's.
+  std::vector<WeightSpec> specs;
+  // Whether this rank writes the capture. The group's other ranks reserve no
+  // capture buffers and skip the capture writes.
+  bool capture = true;
+};
+
 
 struct CudaEngineOptions {
   int device = 0;
@@ -27,6 +52,7 @@ struct CudaEngineOptions {
   // engine's maths, half the expert memory), or dequantised to bf16 at load
   // for the bf16 grouped GEMMs (bf16 activations; on the H200 faster today).
   bool fp8_expert_gemms = true;
+  CudaRankOptions rank;
 };
 
 struct OpTimes {

@@ -105,6 +105,9 @@ struct CudaEngine::Impl {
   // shared expert's width (0: none).
   int64_t E = 0, top_k = 0, I_moe = 0, I_shared = 0;
   bool renormalize = true;  // config.norm_topk_prob
+  // The experts this device evaluates: all E, or an expert-parallel rank's
+  // [expert_begin, expert_begin + E_local).
+  int64_t E_local = 0, expert_begin = 0;
 
   // Workspace.
   int32_t* d_ids = nullptr;
@@ -124,6 +127,9 @@ struct CudaEngine::Impl {
   bf16* router_logits = nullptr;  // [T, E]
   bf16* shared_logit = nullptr;   // [T] the shared expert's gate
   cuda::MoeBuffers moe;           // routing, activations and outputs of the routed experts
+  // A sharded MoE block's partial output [T, D], summed over the ranks
+  // before it joins the residual (null for a single rank).
+  float* moe_delta = nullptr;
   // Double-buffered capture: ForwardAsync copies one buffer to the host on
   // copy_stream while the next forward writes the other. `capture` is the
   // buffer of the current (or last) forward.
@@ -163,9 +169,9 @@ struct CudaEngine::Impl {
   void* gdn_ws = nullptr;
   // FP8 GEMM inputs: the activation quantised per token and 128 group, and
   // which activation it holds (reset at each block, whose inputs are fresh).
-  uint8_t* x8 = nullptr;   // [T_pad, fp8_k_max]
+  uint8_t* x8 = nullptr;      // [T_pad, fp8_k_max]
   float* x8_scale = nullptr;  // [fp8_k_max / 128, T_pad]
-  int64_t fp8_k_max = 0;   // 0: no FP8 weights on the device
+  int64_t fp8_k_max = 0;      // 0: no FP8 weights on the device
   // FP8 routed experts: the SwiGLU activations re-quantised for the down GEMM.
   uint8_t* moe_act8 = nullptr;      // [pad4(T·k), I]
   float* moe_act8_scale = nullptr;  // [I / 128, pad4(T·k)]
@@ -204,6 +210,13 @@ struct CudaEngine::Impl {
   }
 
   absl::Status Init(const Model* m, const CudaEngineOptions& opt);
+  // The device's tensors: the rank's shapes, else the config's.
+  std::vector<WeightSpec> Specs() const {
+    return options.rank.specs.empty() ? DecoderWeightSpecs(model->config) : options.rank.specs;
+  }
+  // Sums a block's partial output over the tensor-parallel ranks, in place
+  // (nothing for a single rank).
+  absl::Status AllReduce(void* buffer, int64_t count, bool bf16_elements);
   int TakeBuffer();
   // Hands `job` to the copy thread; its buffer stays busy until it retires.
   void Queue(PendingCopy job);

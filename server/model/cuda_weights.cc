@@ -61,7 +61,7 @@ std::vector<float> PaddedScales(const Tensor& t, int64_t stride) {
 
 absl::Status CudaEngine::Impl::UploadWeights() {
   const ModelWeights& mw = model->weights;
-  const std::vector<WeightSpec> specs = DecoderWeightSpecs(model->config);
+  const std::vector<WeightSpec> specs = Specs();
   // Where each tensor (by its index in `specs`) goes on the device: a
   // block's device buffer stacks its tensors row after row.
   std::vector<char*> dst(specs.size(), nullptr);

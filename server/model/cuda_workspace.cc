@@ -48,6 +48,13 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
     I_moe = c.moe_intermediate_size;
     I_shared = c.features.mlp == MlpKind::kMoeSharedExpert ? c.shared_expert_intermediate_size : 0;
     renormalize = c.norm_topk_prob;
+    expert_begin = opt.rank.expert_begin;
+    E_local = opt.rank.num_local_experts > 0 ? opt.rank.num_local_experts : E;
+    if (expert_begin < 0 || expert_begin + E_local > E) {
+      return absl::InvalidArgumentError(absl::StrCat("rank experts [", expert_begin, ", ",
+                                                     expert_begin + E_local, ") outside the ", E,
+                                                     " experts"));
+    }
     // The kernels' limits, checked once here rather than failing a forward.
     if (E > cuda::kMoeMaxExperts || top_k > cuda::kMoeMaxTopK || D % 8 != 0 || I_moe % 8 != 0) {
       return absl::InvalidArgumentError(
@@ -75,7 +82,7 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   const int64_t T = cuda::Fp8RowsPadded(options.max_tokens);
   // FP8 weights quantise each GEMM's input first: room for the widest.
   bool any_fp8 = false;
-  for (const WeightSpec& spec : DecoderWeightSpecs(c)) {
+  for (const WeightSpec& spec : Specs()) {
     any_fp8 |= spec.layer >= 0 && WeightSlot(m->weights, spec).fp8();
   }
   fp8_k_max = any_fp8 ? std::max({D, F, Hq * hd, Nv * dv, I_shared}) : 0;
@@ -97,9 +104,12 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   const int64_t ffn_cols = std::max(F, I_shared);
   const int64_t proj_cols = std::max({p_attn, p_gdn, 2 * ffn_cols});
   // Every routing of T tokens fits (MoeWorkspaceBytes is the worst case).
-  const size_t moe_bytes =
-      any_moe ? cuda::MoeWorkspaceBytes(T, static_cast<int>(E), static_cast<int>(top_k), D, I_moe)
-              : 0;
+  const size_t moe_bytes = any_moe ? cuda::MoeWorkspaceBytes(T, static_cast<int>(E_local),
+                                                             static_cast<int>(top_k), D, I_moe)
+                                   : 0;
+  // Only the capturing rank of a group holds capture buffers.
+  const int64_t capture_layers = options.rank.capture ? options.max_layers : 0;
+  const bool sharded_moe = any_moe && options.rank.all_reduce != nullptr;
   cuda::GdnArgs probe;
   probe.num_tokens = T;
   probe.num_k_heads = Nk;
@@ -126,8 +136,9 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   add(T * E * 2);                              // router logits
   add(T * 2);                                  // shared expert gate logit
   add(moe_bytes);
-  add(T * options.max_layers * D * 2);  // capture, twice
-  add(T * options.max_layers * D * 2);
+  add(sharded_moe ? T * D * 4 : 0);  // moe_delta
+  add(T * capture_layers * D * 2);   // capture, twice
+  add(T * capture_layers * D * 2);
   add(gdn_bytes);
   // FP8 experts re-quantise their [T·k, I] activations.
   const int64_t moe_rows8 = any_fp8 && any_moe ? cuda::Fp8RowsPadded(T * top_k) : 0;
@@ -158,11 +169,12 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   shared_logit = work.Take<bf16>(T);
   void* moe_base = work.Take<char>(static_cast<int64_t>(moe_bytes));
   if (any_moe && moe_base != nullptr) {
-    moe = cuda::CarveMoeWorkspace(moe_base, T, static_cast<int>(E), static_cast<int>(top_k), D,
-                                  I_moe);
+    moe = cuda::CarveMoeWorkspace(moe_base, T, static_cast<int>(E_local), static_cast<int>(top_k),
+                                  D, I_moe);
   }
-  captures[0] = work.Take<bf16>(T * options.max_layers * D);
-  captures[1] = work.Take<bf16>(T * options.max_layers * D);
+  if (sharded_moe) moe_delta = work.Take<float>(T * D);
+  captures[0] = work.Take<bf16>(T * capture_layers * D);
+  captures[1] = work.Take<bf16>(T * capture_layers * D);
   capture = captures[current];
   gdn_ws = work.Take<char>(static_cast<int64_t>(gdn_bytes));
   moe_act8 = work.Take<uint8_t>(moe_rows8 * I_moe);

@@ -29,6 +29,7 @@
 #include <cuda_runtime_api.h>
 
 #include "server/model/cuda_engine.h"
+#include "server/model/tensor_parallel_cuda_engine.h"
 #endif
 #include "server/model/fp8_quantize.h"
 #include "server/model/model.h"
@@ -57,8 +58,9 @@ ABSL_FLAG(int32_t, threads, 0, "CPU engine threads (0 = all cores; split over th
 ABSL_FLAG(int32_t, tp, 1,
           "Tensor-parallel ranks holding one model instance: heads, FFN columns and experts are "
           "split over them and their partial outputs summed after every mixer and MLP. With "
-          "--device cpu the ranks are threads. CUDA tensor parallelism needs two GPUs and is "
-          "not in this build yet.");
+          "--device cpu the ranks are threads; with --devices, every tp consecutive GPUs form "
+          "one instance summed through NCCL (--devices 0,1,2,3 --tp 2: two instances of two "
+          "GPUs). Ranks may share a GPU (--devices 0,0 --tp 2) to prove a plan on one GPU.");
 ABSL_FLAG(std::string, moe_parallel, "ep",
           "MoE models at --tp > 1: ep (each rank holds num_experts/tp whole experts) or split "
           "(each rank holds 1/tp of every expert's moe_intermediate_size).");
@@ -281,11 +283,12 @@ int Run() {
     std::printf("%s: %s", (*model)->id.c_str(), DescribePlan(*plan, model->get()).c_str());
     return 0;
   }
-  if (!gpus.empty() && tp > 1) {
-    return Fail(absl::StrCat("--tp ", tp,
-                             " with a CUDA device: CUDA tensor parallelism needs two GPUs and is "
-                             "not in this build yet; --device cpu --tp ",
-                             tp, " runs the same plan on CPU threads, --devices serves replicas"));
+  if (!gpus.empty() && gpus.size() % static_cast<size_t>(tp) != 0) {
+    return Fail(absl::StrCat("--tp ", tp, " groups every ", tp,
+                             " GPUs of --devices into one "
+                             "model instance; ",
+                             gpus.size(), " GPU(s) given (", absl::StrJoin(gpus, ","),
+                             ") is not a multiple of ", tp));
   }
   // Where it will serve and report, checked before the model loads (minutes
   // for a large checkpoint), each with one message instead of gRPC's log.
@@ -349,16 +352,39 @@ int Run() {
     engines.push_back(*std::move(engine));
   }
 #if DRAFTFEED_HAVE_CUDA
-  for (int g : gpus) {
-    CudaEngineOptions copt;
-    copt.device = g;
-    copt.max_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
-    copt.max_seqs = std::min<int64_t>(copt.max_tokens, 4096);
-    copt.max_layers = absl::GetFlag(FLAGS_max_capture_layers);
-    copt.fp8_expert_gemms = absl::GetFlag(FLAGS_fp8_experts) == "fp8";
-    auto engine = CudaEngine::Create(model->get(), copt);
-    if (!engine.ok()) {
-      return Fail(absl::StrCat("cuda:", g, ": ", std::string(engine.status().message())));
+  CudaEngineOptions copt;
+  copt.max_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  copt.max_seqs = std::min<int64_t>(copt.max_tokens, 4096);
+  copt.max_layers = absl::GetFlag(FLAGS_max_capture_layers);
+  copt.fp8_expert_gemms = absl::GetFlag(FLAGS_fp8_experts) == "fp8";
+  copt.load_threads = absl::GetFlag(FLAGS_load_threads);
+  // One instance per tp consecutive GPUs: a replica of one GPU, or a
+  // tensor-parallel group.
+  for (size_t first = 0; first < gpus.size(); first += static_cast<size_t>(tp)) {
+    if (tp == 1) {
+      copt.device = gpus[first];
+      auto engine = CudaEngine::Create(model->get(), copt);
+      if (!engine.ok()) {
+        return Fail(
+            absl::StrCat("cuda:", gpus[first], ": ", std::string(engine.status().message())));
+      }
+      engines.push_back(*std::move(engine));
+      continue;
+    }
+    const std::vector<int> group(gpus.begin() + static_cast<std::ptrdiff_t>(first),
+                                 gpus.begin() + static_cast<std::ptrdiff_t>(first + tp));
+    auto engine = TensorParallelCudaEngine::Create(model->get(), *plan, group, copt);
+    if (!engine.ok()) return Fail(std::string(engine.status().message()));
+    for (int r = 0; r < tp; ++r) {
+      const CudaEngine& rank = (*engine)->rank(r);
+      std::fprintf(
+          stderr,
+          "draftfeed-target: %s rank %d on cuda:%d: %.2f GiB weights + %.2f GiB "
+          "workspace%s\n",
+          (*engine)->device_name().c_str(), r, group[static_cast<size_t>(r)],
+          static_cast<double>(rank.weight_bytes()) / (1 << 30),
+          static_cast<double>(rank.workspace_bytes()) / (1 << 30),
+          r == 0 ? absl::StrCat(", partial sums by ", (*engine)->all_reduce_kind()).c_str() : "");
     }
     engines.push_back(*std::move(engine));
   }

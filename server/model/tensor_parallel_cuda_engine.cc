@@ -1,0 +1,218 @@
+#include "server/model/tensor_parallel_cuda_engine.h"
+
+#include <algorithm>
+#include <limits>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/status_macros.h"
+#include "server/model/device_all_reduce.h"
+#include "server/model/weight_layout.h"
+
+namespace draftfeed {
+namespace {
+
+// A rank's tensors of a real-size random model: shapes and dtypes, no host
+// data (the rank's CudaEngine draws them on its GPU).
+ModelWeights RandomRankWeights(const ShardingPlan& plan, const Model& model) {
+  ModelWeights w;
+  w.layers.resize(model.weights.layers.size());
+  for (size_t l = 0; l < w.layers.size(); ++l) w.layers[l].kind = model.weights.layers[l].kind;
+  for (const TensorSlicing& t : plan.tensors) {
+    Tensor part = WeightSlot(model.weights, t.spec);
+    part.data = nullptr;
+    part.shape = t.RankShape(plan.tp);
+    WeightSlot(w, t.spec) = part;
+  }
+  return w;
+}
+
+}  // namespace
+
+struct TensorParallelCudaEngine::Impl {
+  const Model* model = nullptr;
+  ShardingPlan plan;
+  std::vector<int> devices;
+  std::unique_ptr<DeviceAllReduce> all_reduce;
+  // Per rank: its slices (gathered parts owned here), the Model its engine
+  // reads them through, and the engine. Destroyed engines first.
+  std::vector<RankWeights> slices;
+  std::vector<std::unique_ptr<Model>> rank_models;
+  std::vector<std::unique_ptr<CudaEngine>> engines;
+
+  CudaEngine& capturer() { return *engines[static_cast<size_t>(plan.capture_rank)]; }
+
+  // Runs `capture_rank_work` on the capture rank and the forward alone on
+  // every other rank, each on its own thread, and returns the first error
+  // (the capture rank's first). The input is validated before any rank
+  // starts: a rank that refused it while the others waited in an all-reduce
+  // would hang the group.
+  template <typename Fn>
+  absl::Status RunAll(const ForwardInput& in, Fn&& capture_rank_work) {
+    DF_RETURN_IF_ERROR(
+        ValidateForwardInput(model->config, in, std::numeric_limits<int64_t>::max()));
+    const int tp = plan.tp;
+    std::vector<absl::Status> status(static_cast<size_t>(tp));
+    std::vector<std::thread> threads;
+    threads.reserve(static_cast<size_t>(tp));
+    for (int r = 0; r < tp; ++r) {
+      if (r == plan.capture_rank) continue;
+      threads.emplace_back([&, r] {
+        status[static_cast<size_t>(r)] = engines[static_cast<size_t>(r)]->ForwardOnDevice(in);
+      });
+    }
+    status[static_cast<size_t>(plan.capture_rank)] = capture_rank_work();
+    for (std::thread& t : threads) t.join();
+    if (!status[static_cast<size_t>(plan.capture_rank)].ok()) {
+      return status[static_cast<size_t>(plan.capture_rank)];
+    }
+    for (int r = 0; r < tp; ++r) {
+      if (!status[static_cast<size_t>(r)].ok()) {
+        return absl::Status(
+            status[static_cast<size_t>(r)].code(),
+            absl::StrCat("tp rank ", r, ": ", status[static_cast<size_t>(r)].message()));
+      }
+    }
+    return absl::OkStatus();
+  }
+};
+
+TensorParallelCudaEngine::TensorParallelCudaEngine(std::unique_ptr<Impl> impl)
+    : impl_(std::move(impl)) {}
+TensorParallelCudaEngine::~TensorParallelCudaEngine() {
+  // The engines (their copy threads, their device memory) go before the
+  // communicators and the host slices they read.
+  if (impl_) impl_->engines.clear();
+}
+
+absl::StatusOr<std::unique_ptr<TensorParallelCudaEngine>> TensorParallelCudaEngine::Create(
+    const Model* model, ShardingPlan plan, const std::vector<int>& devices,
+    const CudaEngineOptions& options) {
+  if (model == nullptr) {
+    return absl::InvalidArgumentError("TensorParallelCudaEngine::Create: model is null");
+  }
+  if (static_cast<int>(devices.size()) != plan.tp) {
+    return absl::InvalidArgumentError(absl::StrCat("--tp ", plan.tp, " needs ", plan.tp,
+                                                   " devices per group; got ", devices.size()));
+  }
+  for (const WeightSpec& spec : DecoderWeightSpecs(model->config)) {
+    if (WeightSlot(model->weights, spec).fp8() && plan.tp > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "model ", model->id, " has FP8 weights (", spec.name,
+          "); tensor parallelism slices BF16, F16 and F32 weights only: serve it with --tp 1"));
+    }
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->model = model;
+  impl->devices = devices;
+  DF_ASSIGN_OR_RETURN(impl->all_reduce, MakeDeviceAllReduce(devices));
+  const bool moe_ep = plan.experts_per_rank > 0 && plan.experts_per_rank < plan.config.num_experts;
+  for (int r = 0; r < plan.tp; ++r) {
+    auto rank_model = std::make_unique<Model>();
+    rank_model->id = plan.tp > 1 ? absl::StrCat(model->id, " (tp rank ", r, ")") : model->id;
+    rank_model->config = plan.rank_config;
+    rank_model->fingerprint = model->fingerprint;
+    rank_model->storage = model->storage;
+    rank_model->weights_on_device_random = model->weights_on_device_random;
+    // Every rank draws its own slices: seeded per rank so that ranks do not
+    // hold copies of one another's values.
+    rank_model->device_random_seed = model->device_random_seed + static_cast<uint64_t>(r);
+    std::vector<WeightSpec> specs;
+    if (model->weights_on_device_random) {
+      rank_model->weights = RandomRankWeights(plan, *model);
+      for (const TensorSlicing& t : plan.tensors) {
+        WeightSpec s = t.spec;
+        s.shape = t.RankShape(plan.tp);
+        specs.push_back(std::move(s));
+      }
+      impl->slices.emplace_back();
+    } else {
+      absl::StatusOr<RankWeights> w = SliceForRank(plan, *model, r);
+      if (!w.ok()) {
+        return absl::Status(w.status().code(),
+                            absl::StrCat("model ", model->id, ": ", w.status().message()));
+      }
+      rank_model->weights = w->weights;
+      specs = w->specs;
+      impl->slices.push_back(*std::move(w));
+    }
+    CudaEngineOptions o = options;
+    o.device = devices[static_cast<size_t>(r)];
+    o.rank.rank = r;
+    o.rank.all_reduce = impl->all_reduce.get();
+    o.rank.capture = r == plan.capture_rank;
+    o.rank.specs = std::move(specs);
+    if (moe_ep) {
+      o.rank.expert_begin = plan.ExpertBegin(r);
+      o.rank.num_local_experts = plan.experts_per_rank;
+    }
+    absl::StatusOr<std::unique_ptr<CudaEngine>> e = CudaEngine::Create(rank_model.get(), o);
+    if (!e.ok()) {
+      return absl::Status(e.status().code(), absl::StrCat("tp rank ", r, " on cuda:", o.device,
+                                                          ": ", e.status().message()));
+    }
+    impl->rank_models.push_back(std::move(rank_model));
+    impl->engines.push_back(*std::move(e));
+  }
+  impl->plan = std::move(plan);
+  return std::unique_ptr<TensorParallelCudaEngine>(new TensorParallelCudaEngine(std::move(impl)));
+}
+
+const Model& TensorParallelCudaEngine::model() const { return *impl_->model; }
+const ShardingPlan& TensorParallelCudaEngine::plan() const { return impl_->plan; }
+const CudaEngine& TensorParallelCudaEngine::rank(int r) const {
+  return *impl_->engines[static_cast<size_t>(r)];
+}
+std::string TensorParallelCudaEngine::all_reduce_kind() const {
+  return impl_->all_reduce ? impl_->all_reduce->kind() : "none";
+}
+
+std::string TensorParallelCudaEngine::device_name() const {
+  return absl::StrCat("cuda:", absl::StrJoin(impl_->devices, ","), " tp", impl_->plan.tp);
+}
+
+Engine::ParallelLayout TensorParallelCudaEngine::layout() const {
+  ParallelLayout l;
+  l.tp = impl_->plan.tp;
+  if (impl_->plan.config.features.mlp != MlpKind::kDenseSwiGlu && l.tp > 1) {
+    l.moe_parallel = std::string(MoeParallelName(impl_->plan.moe));
+  }
+  int64_t most = 0;
+  for (const auto& e : impl_->engines) most = std::max(most, e->weight_bytes());
+  l.rank_weight_bytes = most;
+  return l;
+}
+
+std::vector<CaptureEncoding> TensorParallelCudaEngine::encodings() const {
+  return rank(impl_->plan.capture_rank).encodings();
+}
+
+int64_t TensorParallelCudaEngine::max_capture_layers() const {
+  return rank(impl_->plan.capture_rank).max_capture_layers();
+}
+
+absl::Status TensorParallelCudaEngine::Forward(const ForwardInput& in, std::span<std::byte> out) {
+  return impl_->RunAll(in, [&] { return impl_->capturer().Forward(in, out); });
+}
+
+absl::Status TensorParallelCudaEngine::ForwardOnDevice(const ForwardInput& in) {
+  return impl_->RunAll(in, [&] { return impl_->capturer().ForwardOnDevice(in); });
+}
+
+absl::Status TensorParallelCudaEngine::ForwardAsync(const ForwardInput& in,
+                                                    std::span<std::byte> out,
+                                                    CopiedCallback on_copied) {
+  return impl_->RunAll(
+      in, [&] { return impl_->capturer().ForwardAsync(in, out, std::move(on_copied)); });
+}
+
+absl::Status TensorParallelCudaEngine::ForwardToDevice(const ForwardInput& in,
+                                                       const DeviceSink& sink,
+                                                       CopiedCallback on_sent) {
+  return impl_->RunAll(
+      in, [&] { return impl_->capturer().ForwardToDevice(in, sink, std::move(on_sent)); });
+}
+
+}  // namespace draftfeed
