@@ -289,6 +289,8 @@ class PyFeed {
         o.reconnect_backoff_max_s = py::cast<double>(value);
       else if (k == "dns_refresh_s")
         o.dns_refresh_s = py::cast<double>(value);
+      else if (k == "stats_window_s")
+        o.stats_window_s = py::cast<double>(value);
       else if (k == "client_name")
         o.client_name = py::cast<std::string>(value);
       else if (k == "tls") {
@@ -385,6 +387,14 @@ class PyFeed {
     d["waiting_dispatch"] = s.waiting_dispatch;
     d["live_targets"] = s.live_targets;
     d["elapsed_s"] = s.elapsed_s;
+    d["batches_per_s"] = s.batches_per_s;
+    d["tokens_per_s"] = s.tokens_per_s;
+    d["bytes_per_s"] = s.bytes_per_s;
+    d["window_s"] = s.window_s;
+    d["window_batches_per_s"] = s.window_batches_per_s;
+    d["window_tokens_per_s"] = s.window_tokens_per_s;
+    d["window_bytes_per_s"] = s.window_bytes_per_s;
+    d["closed"] = s.closed;
     py::list targets;
     for (const TargetStats& t : s.targets) {
       py::dict td;
@@ -398,6 +408,11 @@ class PyFeed {
       td["last_error"] = t.last_error;
       td["transport"] = t.transport;
       td["transport_note"] = t.transport_note;
+      td["batches_per_s"] = t.batches_per_s;
+      td["tokens_per_s"] = t.tokens_per_s;
+      td["window_s"] = t.window_s;
+      td["window_batches_per_s"] = t.window_batches_per_s;
+      td["window_tokens_per_s"] = t.window_tokens_per_s;
       targets.append(td);
     }
     d["targets"] = targets;

@@ -179,6 +179,7 @@ void Feed::Impl::FinishBatch(Target* t, uint64_t id, Pending& p, const v1::Batch
   } else {
     ++t->stats.delivered_batches;
     t->stats.delivered_tokens += T;
+    t->window.Record(SinceOpen(), WindowCounts(t->stats));
     if (d.timings().forward_ms() > 0) {
       const double inst = static_cast<double>(T) / (d.timings().forward_ms() / 1000.0);
       t->rate_tps = t->rate_tps > 0 ? 0.7 * t->rate_tps + 0.3 * inst : inst;

@@ -26,6 +26,8 @@ void Feed::Impl::AddTargetLocked(const std::string& address, const std::string& 
     t->channel = MakeChannel(address, *credentials, dns_name);
     t->stub = v1::TargetService::NewStub(t->channel);
     t->backoff_s = options.reconnect_backoff_min_s;
+    t->joined_s = SinceOpen();
+    t->window = TargetWindow(options.stats_window_s, t->joined_s);
     Target* raw = t.get();
     targets.push_back(std::move(t));
     raw->connector = std::thread([this, raw] {

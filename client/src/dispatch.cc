@@ -83,6 +83,7 @@ void Feed::Impl::SuperviseLoop() {
   while (!closing) {
     const Clock::time_point now = Clock::now();
     Dispatch();
+    RecordWindowsLocked();
     // Hung targets: a batch without progress for batch_timeout_s.
     for (auto& [id, p] : pending) {
       if (p.complete || p.conn == nullptr) continue;

@@ -1,5 +1,6 @@
 // The public Feed: opening (the first target fixes the model), Submit and
 // Next against the batch table, Close, and the statistics.
+#include <cmath>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -60,6 +61,11 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
         absl::StrCat("FeedOptions.encoding is ", static_cast<int>(options.encoding),
                      "; this client reads bf16 (1) and fp8_e4m3 (2)"));
   }
+  if (!(options.stats_window_s > 0 && std::isfinite(options.stats_window_s))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FeedOptions.stats_window_s must be a number of seconds > 0, got ",
+                     options.stats_window_s));
+  }
   if (options.fp8_raw && options.encoding != Encoding::kFp8E4m3) {
     return absl::InvalidArgumentError(
         absl::StrCat("FeedOptions.fp8_raw asks for the fp8 bytes, but FeedOptions.encoding is ",
@@ -67,6 +73,7 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->window = FeedWindow(options.stats_window_s);
   impl->read_handoff = options.read_handoff.value_or(std::thread::hardware_concurrency() >= 4);
   // Idle cap: the prefetch window plus one batch in the trainer's hands. A
   // batch larger than prefetch_bytes is let through alone: two such buffers
@@ -214,6 +221,7 @@ absl::StatusOr<HiddenBatch> Feed::Next() {
   if (!p.error.ok()) return p.error;
   ++m.stats.delivered;
   m.stats.tokens_delivered += p.result.num_tokens;
+  m.window.Record(m.SinceOpen(), WindowCounts(m.stats));
   lock.unlock();
   if (p.result.encoding == Encoding::kFp8E4m3 && p.result.device < 0 && !m.options.fp8_raw) {
     DF_RETURN_IF_ERROR(DequantiseToBf16(*m.pool, p.result));
@@ -305,6 +313,9 @@ absl::Status Feed::Close() {
   for (auto& c : dead) {
     if (c->reader.joinable()) c->reader.join();
   }
+  std::lock_guard<std::mutex> lock(m.mu);
+  m.final_stats = m.StatsLocked();
+  m.final_stats->closed = true;
   return absl::OkStatus();
 }
 
@@ -315,33 +326,46 @@ const TargetDescription& Feed::target() const {
   return impl_->targets.front()->info;
 }
 
-FeedStats Feed::Stats() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  FeedStats s = impl_->stats;
-  s.elapsed_s = std::chrono::duration<double>(Clock::now() - impl_->opened_at).count();
-  s.outstanding_bytes = impl_->outstanding_bytes;
-  s.waiting_dispatch = static_cast<int64_t>(impl_->unassigned.size());
-  s.buffer_allocations = impl_->pool->allocations() + impl_->transports->allocations();
-  for (const auto& t : impl_->targets) {
+void Feed::Impl::RecordWindowsLocked() {
+  const double now = SinceOpen();
+  window.Record(now, WindowCounts(stats));
+  for (const auto& t : targets) t->window.Record(now, WindowCounts(t->stats));
+}
+
+FeedStats Feed::Impl::StatsLocked() {
+  FeedStats s = stats;
+  const double now = SinceOpen();
+  SetRates(now, window, s);
+  s.outstanding_bytes = outstanding_bytes;
+  s.waiting_dispatch = static_cast<int64_t>(unassigned.size());
+  s.buffer_allocations = pool->allocations() + transports->allocations();
+  for (const auto& t : targets) {
     TargetStats ts = t->stats;
+    SetRates(now, t->joined_s, t->window, ts);
     switch (t->state) {
-      case Impl::State::kConnecting:
+      case State::kConnecting:
         ts.state = "connecting";
         break;
-      case Impl::State::kLive:
+      case State::kLive:
         ts.state = "live";
         ++s.live_targets;
         break;
-      case Impl::State::kDown:
+      case State::kDown:
         ts.state = "down";
         break;
-      case Impl::State::kRefused:
+      case State::kRefused:
         ts.state = "refused";
         break;
     }
     s.targets.push_back(std::move(ts));
   }
   return s;
+}
+
+FeedStats Feed::Stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->final_stats.has_value()) return *impl_->final_stats;
+  return impl_->StatsLocked();
 }
 
 }  // namespace draftfeed

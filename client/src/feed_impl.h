@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "client/src/feed_rates.h"
 #include "client/src/grpc_stream.h"
 #include "client/src/transport.h"
 #include "common/capture_encoding.h"
@@ -82,6 +83,8 @@ struct Feed::Impl final : BatchSink {
     absl::Status refusal;  // why it is kRefused
     double rate_tps = 0;   // EWMA of tokens / forward time; 0 = not measured yet
     TargetStats stats;
+    double joined_s = 0;  // SinceOpen() when it joined the feed
+    TargetWindow window;
   };
 
   struct Pending {
@@ -133,12 +136,22 @@ struct Feed::Impl final : BatchSink {
   uint64_t next_id = 1;
   int64_t outstanding_bytes = 0;
   FeedStats stats;
-  absl::Status fatal;  // sticky: no target for unavailable_timeout_s
+  FeedWindow window;                     // of `stats`
+  std::optional<FeedStats> final_stats;  // what Close() left
+  absl::Status fatal;                    // sticky: no target for unavailable_timeout_s
   std::optional<Clock::time_point> no_target_since;
   std::atomic<bool> closing{false};  // set under mu; transports read it without
   std::thread supervisor;
 
   int64_t K() const { return static_cast<int64_t>(options.layers.size()); }
+  double SinceOpen() const {
+    return std::chrono::duration<double>(Clock::now() - opened_at).count();
+  }
+  // Samples the windows (feed.cc): cheap, so done wherever counters move and
+  // by the supervisor, which keeps a window's base near its start when
+  // nothing is delivered for a while.
+  void RecordWindowsLocked();
+  FeedStats StatsLocked();
   // What a token of a batch weighs before a stream says (prefetch_bytes).
   CaptureEncoding RequestedEncoding() const {
     return static_cast<CaptureEncoding>(options.encoding);

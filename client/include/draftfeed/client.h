@@ -128,6 +128,8 @@ struct FeedOptions {
   double reconnect_backoff_max_s = 5.0;
   // "dns:///name:port" targets are re-resolved this often; new addresses join.
   double dns_refresh_s = 10.0;
+  // The recent window of FeedStats' and TargetStats' window_* rates, seconds.
+  double stats_window_s = 30.0;
   std::string client_name;
   // kNccl / kAuto need the GPU that receives (`cuda_device`); results then
   // live in its memory (HiddenBatch::device_buffer) instead of host memory.
@@ -233,6 +235,13 @@ struct TargetStats {
   std::string last_error;
   std::string transport;       // of the live stream: "grpc" or "nccl"
   std::string transport_note;  // why not NCCL, when auto chose gRPC
+  // delivered_batches and delivered_tokens per second since the target joined
+  // the feed (Open or AddTarget), and over the recent window as FeedStats'.
+  double batches_per_s = 0;
+  double tokens_per_s = 0;
+  double window_s = 0;
+  double window_batches_per_s = 0;
+  double window_tokens_per_s = 0;
 };
 
 struct FeedStats {
@@ -253,6 +262,22 @@ struct FeedStats {
   int64_t waiting_dispatch = 0;  // outstanding batches not on any target now
   int64_t live_targets = 0;
   double elapsed_s = 0;  // since Open
+  // Per second since Open: `delivered` and `tokens_delivered` (batches and
+  // tokens Next() returned) and `bytes_received` (what the transports carried,
+  // duplicates included).
+  double batches_per_s = 0;
+  double tokens_per_s = 0;
+  double bytes_per_s = 0;
+  // The same over the last FeedOptions::stats_window_s seconds: the increase
+  // since a sample of the counters taken at or just before the window's start
+  // (samples are 1/64 of the window apart), over `window_s`, the seconds that
+  // spans (less while the feed is younger than the window).
+  double window_s = 0;
+  double window_batches_per_s = 0;
+  double window_tokens_per_s = 0;
+  double window_bytes_per_s = 0;
+  // After Close(): Stats() returns the numbers Close() left, frozen.
+  bool closed = false;
   std::vector<TargetStats> targets;
 };
 
@@ -287,7 +312,7 @@ class Feed {
   // go to the queue again. For a loop left early (Python: `break`).
   int64_t Cancel(const std::vector<uint64_t>& batch_ids = {});
   // Cancels what is outstanding, half-closes the streams and waits for them
-  // to end.
+  // to end. Stats() then returns the final numbers (FeedStats::closed).
   absl::Status Close();
 
   const TargetDescription& target() const;  // the first target's description

@@ -28,7 +28,7 @@ from ._native import load as _load_native
 _draftfeed = _load_native()  # or an ImportError naming the Python it was built for
 
 from . import layers  # noqa: E402  draftfeed.layers.dflash(L), .eagle3(L)
-from .stats import ProgressBar, RateWindow, flatten as _flatten_stats  # noqa: E402
+from .stats import ProgressBar, flatten as _flatten_stats  # noqa: E402
 from .tls import Tls, _native_tls, _native_token  # noqa: E402
 
 __all__ = ["Feed", "Result", "DraftfeedError", "describe_target", "FINAL_LAYER", "Tls",
@@ -346,7 +346,7 @@ class Feed:
                     unavailable_timeout_s=float(unavailable_timeout_s), client_name=client_name,
                     transport=str(transport), cuda_device=int(cuda_device),
                     encoding=str(encoding), fp8_raw=bool(fp8_raw), tls=_native_tls(tls),
-                    token=_native_token(token))
+                    token=_native_token(token), stats_window_s=float(stats_window_s))
         opts.update(advanced)  # reconnect_backoff_min_s, reconnect_backoff_max_s, dns_refresh_s
         self._feed = _check(_draftfeed.Feed.open(list(targets), [int(l) for l in layers], opts))
         self.prefetch = int(prefetch)
@@ -356,10 +356,7 @@ class Feed:
         self.progress_every_s = float(progress_every_s)
         self._outstanding = 0
         self._last_progress = 0.0
-        # What next() returned, the base of the window rates.
-        self._returned = {"batches": 0, "tokens": 0, "bytes": 0}
-        self._window = RateWindow(stats_window_s, start=time.monotonic(), zero=self._returned)
-        self._final = None  # (native stats, time) taken at close()
+        self._final = None  # the native stats close() left
         self._bar = ProgressBar.make() if progress else None
         if progress and self._bar is None and self.progress_every_s <= 0:
             self.progress_every_s = 10.0
@@ -389,15 +386,9 @@ class Feed:
         """
         self._outstanding -= 1
         r = Result(_check(self._feed.next()))
-        n = self._returned
-        n["batches"] += 1
-        n["tokens"] += r.num_tokens
-        n["bytes"] += r.num_tokens * r.bytes_per_token
-        now = time.monotonic()
-        self._window.record(now, n)
         if self._bar is not None:
-            rates, _ = self._window.rates(now, n)
-            self._bar.update(rates["tokens"], self._outstanding)
+            feed = self._feed
+            self._bar.update(self._outstanding, lambda: feed.stats()["window_tokens_per_s"])
         return r
 
     def map(self, batches: Iterable[Batch]) -> Iterator[Result]:
@@ -447,27 +438,15 @@ class Feed:
     def stats(self, flat: bool = False) -> dict:
         """Counters for dashboards (wandb, tensorboard): see README "Feed statistics".
 
-        Since start: tokens_per_s, batches_per_s, bytes_per_s. Over the last stats_window_s
-        seconds of results returned by next()/map(): window_tokens_per_s,
-        window_batches_per_s, window_bytes_per_s, and window_s (the seconds they span).
-        After close(), the numbers as close() left them. flat=True: one level of numeric
+        Since start: tokens_per_s, batches_per_s (of results returned by next()/map()),
+        bytes_per_s (received). Over the last stats_window_s seconds: window_tokens_per_s,
+        window_batches_per_s, window_bytes_per_s, and window_s (the seconds they span); per
+        target the same of its delivered batches and tokens, since it joined. After
+        close(), the numbers close() left (closed: True). flat=True: one level of numeric
         keys ("tokens_per_s", "target.<address>.delivered_batches", ...).
         """
-        if self._feed is not None:
-            s, now = self._feed.stats(), time.monotonic()
-        else:
-            s, now = copy.deepcopy(self._final[0]), self._final[1]
-        elapsed = s["elapsed_s"]
-        s["tokens_per_s"] = s["tokens_delivered"] / elapsed if elapsed > 0 else 0.0
-        s["batches_per_s"] = s["delivered"] / elapsed if elapsed > 0 else 0.0
-        s["bytes_per_s"] = s["bytes_received"] / elapsed if elapsed > 0 else 0.0
+        s = self._feed.stats() if self._feed is not None else copy.deepcopy(self._final)
         s["queue_depth"] = s["outstanding"]
-        rates, span = self._window.rates(now, self._returned)
-        s["window_s"] = span
-        s["window_tokens_per_s"] = rates["tokens"]
-        s["window_batches_per_s"] = rates["batches"]
-        s["window_bytes_per_s"] = rates["bytes"]
-        s["closed"] = self._feed is None
         return _flatten_stats(s) if flat else s
 
     def progress_line(self) -> str:
@@ -489,7 +468,7 @@ class Feed:
                 _check(feed.close())
             finally:
                 # stats() after close() returns these final numbers.
-                self._final = (feed.stats(), time.monotonic())
+                self._final = feed.stats()
                 self._feed = None
                 if self._bar is not None:
                     self._bar.close()

@@ -1,5 +1,6 @@
 """Feed.stats(): since-start and windowed rates, the flat form, the numbers after close(), and
-Feed(progress=True)."""
+Feed(progress=True). The window's arithmetic is the C++ client's (tests/client/feed_rates_test.cc);
+these check that Python hands it out."""
 
 import sys
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 import draftfeed
-from draftfeed.stats import RateWindow, flatten
+from draftfeed.stats import flatten
 
 LENS = [[5], [1, 2, 3], [64, 65], [200], [17, 1]]
 
@@ -15,34 +16,6 @@ LENS = [[5], [1, 2, 3], [64, 65], [200], [17, 1]]
 def batches():
     rng = np.random.default_rng(3)
     return [(rng.integers(0, 4096, size=sum(l), dtype=np.int32), l) for l in LENS]
-
-
-def test_rate_window_takes_its_base_from_the_window_start():
-    w = RateWindow(window_s=10, start=0.0, zero={"n": 0})
-    for t in range(0, 31):  # one count a second for 30 s
-        w.record(float(t), {"n": t})
-    rates, span = w.rates(30.0, {"n": 30})
-    # The base is the newest sample at or before 30 - 10 = 20 s.
-    assert span == pytest.approx(10.0)
-    assert rates["n"] == pytest.approx(1.0)
-    # A burst of 50 in the last second shows in the window rate.
-    rates, span = w.rates(31.0, {"n": 80})
-    assert span == pytest.approx(10.0)
-    assert rates["n"] == pytest.approx((80 - 21) / 10)
-
-
-def test_rate_window_bounds_its_samples():
-    w = RateWindow(window_s=1.0, start=0.0, zero={"n": 0})
-    for i in range(100_000):
-        w.record(i * 1e-4, {"n": i})  # 10 s of a batch every 0.1 ms
-    assert len(w._samples) <= 66
-    with pytest.raises(ValueError, match="window_s=0 must be > 0"):
-        RateWindow(window_s=0)
-
-
-def test_rate_window_before_time_passes_is_zero():
-    w = RateWindow(window_s=5, start=2.0, zero={"n": 0})
-    assert w.rates(2.0, {"n": 4}) == ({"n": 0.0}, 0.0)
 
 
 def test_flatten_keeps_numbers_one_level_deep():
@@ -75,8 +48,15 @@ def test_stats_rates_flat_and_after_close(target):
     assert s["window_bytes_per_s"] * s["window_s"] == pytest.approx(n_bytes)
     assert n_bytes == s["bytes_received"]
 
+    (t,) = s["targets"]
+    assert t["delivered_tokens"] == n_tokens
+    assert t["window_tokens_per_s"] * t["window_s"] == pytest.approx(n_tokens)
+    assert t["tokens_per_s"] == pytest.approx(t["window_tokens_per_s"])  # both since it joined
+    assert 0 < t["window_s"] <= s["elapsed_s"]
+
     flat = feed.stats(flat=True)
     addr = target.address
+    assert flat[f"target.{addr}.window_tokens_per_s"] > 0  # later, so a little lower
     assert flat[f"target.{addr}.delivered_batches"] == 5
     assert flat[f"target.{addr}.delivered_tokens"] == n_tokens
     assert flat[f"target.{addr}.live"] == 1
@@ -93,6 +73,11 @@ def test_stats_rates_flat_and_after_close(target):
     assert again == final
     assert feed.stats(flat=True)[f"target.{addr}.delivered_batches"] == 5
     feed.close()  # a second close is a no-op
+
+
+def test_stats_window_must_be_positive(target):
+    with pytest.raises(draftfeed.DraftfeedError, match="stats_window_s must be a number"):
+        draftfeed.Feed(targets=[target.address], layers=[0], stats_window_s=0)
 
 
 def test_progress_bar_with_tqdm(target, capsys):
