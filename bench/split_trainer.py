@@ -59,6 +59,18 @@ def load_example_drafter():
     return mod
 
 
+def attention_heads(hidden_size):
+    """(head_dim, heads, kv_heads) of the `dflash-full` drafter at width H: 128-wide heads and
+    about one KV head per 5 query heads (Qwen3.6-27B's 40 / 8), rounded down to a divisor of
+    the head count so that K and V repeat evenly: 16 heads at the 35B-A3B's 2,048 get 2."""
+    head_dim = min(128, hidden_size)
+    heads = max(1, hidden_size // head_dim)
+    kv_heads = max(1, heads // 5)
+    while heads % kv_heads:
+        kv_heads -= 1
+    return head_dim, heads, kv_heads
+
+
 def full_drafter(num_layers, hidden_size, draft_vocab, n_layers, block=16):
     """The `dflash-full` model: a DFlash-style drafter as wide as the target (see the module
     docstring). Attention runs inside fixed 16-token blocks, the cost shape of DFlash's draft
@@ -76,9 +88,7 @@ def full_drafter(num_layers, hidden_size, draft_vocab, n_layers, block=16):
         return (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).softmax(-1) @ v
 
     H = hidden_size
-    head_dim = min(128, H)
-    heads = max(1, H // head_dim)
-    kv_heads = max(1, heads // 5)  # Qwen3.6-27B-like grouping; 1 for small widths
+    head_dim, heads, kv_heads = attention_heads(H)
     inter = 256 * max(1, round(3.4 * H / 256))
 
     class Layer(nn.Module):

@@ -45,7 +45,8 @@ invariants), DIR/splits.png (tokens/s per split, measured vs predicted; queue de
 Prediction only (runs nothing): every T-D split of N GPUs from one saved calibration, per
 transport it has rates for, and the best split:
   bench/splits.py --predict 8 --calibration bench/results/splits-h200-2gpu-2026-11-30d/calibration.json
---calibration also takes a splits.json. Or from per-GPU rates measured elsewhere (one target's
+--calibration also takes a splits.json. A one-GPU calibration (--gpus 1, gRPC only) predicts
+NCCL as well: the drafter's own rate without its host copy, no link term. Or from per-GPU rates measured elsewhere (one target's
 tokens/s, e.g. draftfeed-bench engine; one drafter's, split_trainer.py --calibrate):
   bench/splits.py --predict 8 --target-tokens-per-s 11701 --drafter-tokens-per-s 48215 \
       [--link-tokens-per-s R] [--save_calibration FILE]
@@ -55,6 +56,8 @@ only appears with more processes.
 """
 
 import argparse
+import copy
+import importlib.util
 import json
 import os
 import pathlib
@@ -295,6 +298,41 @@ def link_rate(tokens, send_s):
     return tokens / send_s if send_s > 1e-3 else None
 
 
+def dflash_layers(num_layers, k):
+    """draftfeed.layers.dflash, loaded from the source tree: pure Python, so it needs neither
+    the compiled client nor an import path."""
+    path = REPO / "client" / "python" / "draftfeed" / "layers.py"
+    spec = importlib.util.spec_from_file_location("draftfeed_layers_for_splits", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.dflash(num_layers, k)
+
+
+def resolve_layers(text, num_layers, model):
+    """--layers as the comma-separated ids the trainers ask for. "dflash" / "dflash:K": DFlash's
+    K (default 5) layers of this target's depth (1,16,31,46,61 of 64; 1,10,19,28,37 of 40), so
+    one command serves every model. Explicit ids must exist in the target: 0..L-1, or -1 (the
+    final norm); a missing one is refused here rather than by every batch."""
+    if text == "dflash" or text.startswith("dflash:"):
+        k = text.partition(":")[2] or "5"
+        if not k.isdigit() or int(k) < 1:
+            raise SystemExit(f"--layers {text}: dflash:K needs K >= 1")
+        try:
+            return ",".join(str(i) for i in dflash_layers(num_layers, int(k)))
+        except ValueError as e:
+            raise SystemExit(f"--layers {text}: {e}")
+    try:
+        ids = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--layers {text!r}: not comma-separated layer ids (or dflash[:K])")
+    bad = [i for i in ids if not (i == -1 or 0 <= i < num_layers)]
+    if bad:
+        raise SystemExit(f"--layers {text}: {', '.join(map(str, bad))} not a layer of {model} "
+                         f"({num_layers} layers: 0..{num_layers - 1}, -1 the final norm); "
+                         f"--layers dflash:5 picks DFlash's for any depth")
+    return ",".join(map(str, ids))
+
+
 def calibrate(args, pool, workdir, transports):
     """One target streaming to one trainer that only receives (the target's rate from its
     forward_ms, the link's from its send_ms), once per transport; then one drafter alone (timed
@@ -306,6 +344,8 @@ def calibrate(args, pool, workdir, transports):
                 t.address]
     info = json.loads(subprocess.run(info_cmd, check=True, capture_output=True,
                                      text=True).stdout)
+    args.layers = resolve_layers(args.layers, int(info["num_layers"]), args.model)
+    print(f"  layers {args.layers} of the target's {info['num_layers']}", flush=True)
     if args.device == "cuda":
         tokens = args.calibrate_tokens or 4 * args.batch_tokens
     else:
@@ -487,6 +527,20 @@ def load_calibration(path):
     return cal, mode, cpus, doc
 
 
+def with_nccl_from_one_gpu(cal):
+    """The NCCL rates of a one-GPU (shared-mode) calibration, which can only measure gRPC (NCCL
+    refuses two ranks on one device). A trainer's drafter rate over NCCL is the drafter's own
+    rate, the batch arriving on its device with no host copy: the very number a two-GPU
+    calibration records for nccl, since the drafter is timed alone either way. The link is no
+    term: NCCL between two GPUs of one host moved 6.2M tokens/s of 27B states in the 2-GPU
+    calibration of 2026-11-30, 530x one target. A copy; the calibration given is unchanged."""
+    out = copy.deepcopy(cal)
+    out.setdefault("drafter_tokens_per_s_by_transport", {})["nccl"] = out["drafter_tokens_per_s"]
+    out.setdefault("link_by_transport", {})["nccl"] = {
+        "link_tokens_per_s": None, "derived": "one-GPU calibration: NCCL not measured"}
+    return out
+
+
 def calibration_transports(cal):
     """The transports a calibration has rates for, in a stable order; [""] for none."""
     names = set(cal.get("drafter_tokens_per_s_by_transport", {})) | set(
@@ -534,6 +588,9 @@ def predict_main(args):
         raise SystemExit("--predict needs --calibration FILE or --target-tokens-per-s and "
                          "--drafter-tokens-per-s")
     cpu_mode = mode == "cpu-emulated"
+    derived_nccl = mode == "cuda-shared" and "nccl" not in calibration_transports(cal)
+    if derived_nccl:
+        cal = with_nccl_from_one_gpu(cal)
     transports = calibration_transports(cal)
     if args.transport:
         if args.transport not in transports:
@@ -550,6 +607,9 @@ def predict_main(args):
           + ", ".join(f"{v:,.0f} ({tr})" for tr, v in
                       cal.get("drafter_tokens_per_s_by_transport", {}).items())
           + f" tok/s; prediction = min(T x target, D x drafter, min(T, D) x link)", flush=True)
+    if derived_nccl and "nccl" in transports:
+        print("advisor: nccl from a one-GPU calibration (gRPC only there): the drafter's own "
+              "rate, no host copy; the link not measured, no term", flush=True)
     print_predictions(predictions)
     if args.save_calibration:
         save_calibration(args.save_calibration, calibration_doc(cal, mode, source, **meta))
@@ -785,7 +845,9 @@ def main(argv=None):
                         "0: compute-bound only")
     p.add_argument("--target-rate", type=float, default=3000.0,
                    help="CPU mode: each target's --throttle_tokens_per_s (emulated device speed)")
-    p.add_argument("--layers", default="1,2,3", help="layer ids the trainers ask for")
+    p.add_argument("--layers", default="1,2,3",
+                   help="layer ids the trainers ask for, or dflash[:K]: DFlash's K (5) layers "
+                        "of the target's depth")
     p.add_argument("--batch-tokens", type=int, default=0,
                    help="packing token budget (default: 512 on CPU, --max-batch-tokens on cuda)")
     p.add_argument("--max-seq-len", type=int, default=0,

@@ -336,3 +336,136 @@ def test_bad_split_is_refused(tmp_path):
     proc = run_splits(tmp_path, "--gpus", "3", "--splits", "2-2")
     assert proc.returncode != 0
     assert "T + D = --gpus" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- MoE shapes
+
+def test_layers_follow_the_targets_depth():
+    splits = load(SPLITS, "splits_bench")
+    # DFlash's five of the 27B's 64 layers (what the GPU runs always asked for) and of the
+    # 35B-A3B's 40.
+    assert splits.resolve_layers("dflash:5", 64, "m") == "1,16,31,46,61"
+    assert splits.resolve_layers("dflash", 40, "m") == "1,10,19,28,37"
+    assert splits.resolve_layers("dflash:3", 48, "m") == "1,23,45"
+    assert splits.resolve_layers("1,16,-1", 40, "m") == "1,16,-1"
+    # The 27B's ids on a 40-layer target: refused up front, naming the ones that do not exist.
+    with pytest.raises(SystemExit, match="46, 61 not a layer of random:qwen3.6-35b-a3b "
+                                         "\\(40 layers: 0..39"):
+        splits.resolve_layers("1,16,31,46,61", 40, "random:qwen3.6-35b-a3b")
+    with pytest.raises(SystemExit, match="not comma-separated layer ids"):
+        splits.resolve_layers("1;2", 40, "m")
+    with pytest.raises(SystemExit, match="dflash:K needs K >= 1"):
+        splits.resolve_layers("dflash:0", 40, "m")
+    with pytest.raises(SystemExit, match="without repeats"):
+        splits.resolve_layers("dflash:5", 6, "m")
+
+
+def one_gpu_splits_json(path, target, drafter, drafter_grpc, link_grpc):
+    """The advisor section a `--gpus 1` run writes (mode cuda-shared, gRPC only)."""
+    path.write_text(json.dumps({
+        "config": {"mode": "cuda-shared", "gpus": 1, "model": "random:qwen3.6-35b-a3b",
+                   "drafter": "dflash-full", "drafter_layers": 5, "batch_tokens": 49152,
+                   "layers": "1,10,19,28,37", "cpu_count": 16, "started": 1764590000.0},
+        "advisor": {"calibration": {
+            "target_tokens_per_s": target, "drafter_tokens_per_s": drafter,
+            "drafter_tokens_per_s_by_transport": {"grpc": drafter_grpc},
+            "link_by_transport": {"grpc": {"link_tokens_per_s": link_grpc}}}}}))
+
+
+def test_predict_8_gpus_from_a_one_gpu_calibration(tmp_path):
+    splits = load(SPLITS, "splits_bench")
+    cal_json = tmp_path / "splits.json"
+    one_gpu_splits_json(cal_json, 60000.0, 150000.0, 90000.0, 70000.0)
+    saved = tmp_path / "again.json"
+    proc = subprocess.run([sys.executable, str(SPLITS), "--predict", "8", "--calibration",
+                           str(cal_json), "--save_calibration", str(saved)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "nccl from a one-GPU calibration" in out
+    # NCCL: the drafter's own 150,000 tokens/s, no link term; gRPC: its measured terms.
+    assert "6-2/nccl predicted   300,000 tok/s, drafter-bound (target 360,000, drafter 300,000)" \
+        in out, out
+    assert "5-3/nccl predicted   300,000 tok/s, target-bound (target 300,000, drafter 450,000)" \
+        in out, out
+    assert "4-4/nccl predicted   240,000" in out and "3-5/nccl predicted   180,000" in out
+    assert "6-2/grpc predicted   140,000 tok/s, link-bound" in out, out
+    assert "best split over nccl 6-2/nccl at 300,000" in out  # a tie goes to more targets
+    # The derived rates are a copy: the calibration read is unchanged, and what --save wrote
+    # predicts the same again.
+    cal, mode, _, _ = splits.load_calibration(cal_json)
+    assert mode == "cuda-shared" and "nccl" not in cal["drafter_tokens_per_s_by_transport"]
+    derived = splits.with_nccl_from_one_gpu(cal)
+    assert derived["drafter_tokens_per_s_by_transport"] == {"grpc": 90000.0, "nccl": 150000.0}
+    assert derived["link_by_transport"]["nccl"]["link_tokens_per_s"] is None
+    again, mode, _, _ = splits.load_calibration(saved)
+    assert mode == "cuda-shared"
+    for t in (6, 5, 4, 3):
+        assert splits.predict(again, t, 8 - t, False, "nccl") == \
+            splits.predict(derived, t, 8 - t, False, "nccl")
+    # A two-GPU calibration measured NCCL itself: nothing is derived.
+    proc = subprocess.run([sys.executable, str(SPLITS), "--predict", "8", "--calibration",
+                           str(CAL_27B)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "one-GPU calibration" not in proc.stdout
+
+
+def test_drafter_heads_divide_at_every_width():
+    trainer = load(TRAINER, "split_trainer_bench")
+    assert trainer.attention_heads(5120) == (128, 40, 8)  # the 27B drafter, as before
+    assert trainer.attention_heads(2048) == (128, 16, 2)  # 35B-A3B, 30B-A3B: 16 // 5 = 3 does not
+    assert trainer.attention_heads(64) == (64, 1, 1)
+    for h in (256, 1024, 2048, 3072, 4096, 5120):
+        _, heads, kv = trainer.attention_heads(h)
+        assert heads % kv == 0, h
+
+
+def test_full_width_drafter_steps_at_the_moe_width():
+    # The 35B-A3B's width: 16 query heads over 2 KV heads train (K and V had 15 heads after
+    # repeating 3 KV heads 5 times before).
+    pytest.importorskip("torch")
+    proc = subprocess.run(
+        [sys.executable, str(TRAINER), "--calibrate", "--drafter", "dflash-full", "--device",
+         "cpu", "--hidden-size", "2048", "--num-layers", "5", "--batch-tokens", "32",
+         "--vocab", "300", "--draft-vocab", "256", "--drafter-layers", "1", "--calibrate-s", "0"],
+        env=python_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rep["drafter_tokens_per_s"] > 0 and rep["steps"] >= 3
+
+
+def test_run_splits_gpu_smoke_command_for_the_35b_shape(tmp_path):
+    # The device command's arguments, with a stand-in Python and nvidia-smi: the MoE model,
+    # DFlash's layers of whatever depth, 49,152-token batches, the 8-GPU run's 5-layer drafter,
+    # the calibration saved as soon as it is measured, the splits bundle's target.
+    bundle = tmp_path / "bundle"
+    (bundle / "bin").mkdir(parents=True)
+    fake = tmp_path / "fakebin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 0, NVIDIA H200, 143771 MiB\n")
+    (fake / "py").write_text("#!/bin/sh\nprintf '%s\\n' \"$@\"\n")
+    for f in ("nvidia-smi", "py"):
+        (fake / f).chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", PY=str(fake / "py"),
+               BUNDLE=str(bundle), MODEL="random:qwen3.6-35b-a3b", BATCH_TOKENS="49152",
+               DRAFTER_LAYERS="5")
+    proc = subprocess.run(["bash", str(REPO / "bench" / "run_splits_gpu.sh"), "smoke", str(out)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.splitlines()[1:]  # after nvidia-smi's line
+    opts = dict(zip(argv[1::2], argv[2::2]))
+    assert argv[0] == "bench/splits.py"
+    assert opts["--model"] == "random:qwen3.6-35b-a3b" and opts["--layers"] == "dflash:5"
+    assert opts["--gpus"] == "1" and opts["--splits"] == "1-1" and opts["--transport"] == "grpc"
+    assert opts["--max-batch-tokens"] == "49152" and opts["--warmup-tokens"] == "49152"
+    assert opts["--tokens-per-split"] == str(3 * 49152) and opts["--drafter-layers"] == "5"
+    assert opts["--save_calibration"] == f"{out}/calibration.json"
+    assert opts["--binary"] == f"{bundle}/bin/draftfeed-target"
+    # Without the overrides the 27B smoke run is what it was.
+    env.pop("BATCH_TOKENS"), env.pop("DRAFTER_LAYERS"), env.pop("MODEL")
+    proc = subprocess.run(["bash", str(REPO / "bench" / "run_splits_gpu.sh"), "smoke", str(out)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    argv = proc.stdout.splitlines()[1:]
+    opts = dict(zip(argv[1::2], argv[2::2]))
+    assert (opts["--model"], opts["--max-batch-tokens"], opts["--tokens-per-split"],
+            opts["--drafter-layers"]) == ("random:qwen3.6-27b", "16384", "131072", "1")
