@@ -2,10 +2,14 @@
 //
 //   draftfeed-bench engine --model random:qwen3.6-27b --tokens 16384 --iters 5
 //   draftfeed-bench gemm --model random:qwen3.6-27b --tokens 16384
+//   draftfeed-bench write-random --model random:qwen3-8b --out DIR --shards 4
+//   draftfeed-bench load --model DIR --device 0 --repeats 3
 //
 // `engine` prints tokens/s, achieved TFLOP/s (matmul + attention FLOPs),
 // a per-op-family time table from a profiled run, and GPU memory. `gemm`
 // times cuBLASLt alone at the model's projection shapes: the ceiling.
+// `write-random` and `load` (load_bench.h): a cold checkpoint load onto the
+// GPU against reading the same files raw.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,6 +23,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_batches.h"
+#include "bench/load_bench.h"
 #include "server/model/cuda_engine.h"
 #include "server/model/cuda_gemm.h"
 #include "server/model/model.h"
@@ -197,12 +202,20 @@ int GemmProbe() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "draftfeed-bench engine|gemm [flags]: prefill throughput of the CUDA engine, or the "
-      "cuBLASLt GEMM ceiling at the model's shapes.");
+      "draftfeed-bench engine|gemm|write-random|load [flags]: prefill throughput of the CUDA "
+      "engine, the cuBLASLt GEMM ceiling at the model's shapes, a real-size random checkpoint "
+      "written to --out, or a cold load of the --model checkpoint against reading its files "
+      "raw.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   const std::string cmd = args.size() > 1 ? args[1] : "";
   if (cmd == "engine") return draftfeed::RunEngineBench();
   if (cmd == "gemm") return draftfeed::GemmProbe();
-  std::fprintf(stderr, "usage: draftfeed-bench engine|gemm [--model ...] (see --help)\n");
+  if (cmd == "write-random")
+    return draftfeed::bench::WriteRandomCheckpoint(absl::GetFlag(FLAGS_model));
+  if (cmd == "load") {
+    return draftfeed::bench::RunLoadBench(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_device));
+  }
+  std::fprintf(stderr,
+               "usage: draftfeed-bench engine|gemm|write-random|load [--model ...] (see --help)\n");
   return 2;
 }

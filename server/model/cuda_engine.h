@@ -38,7 +38,6 @@ struct CudaRankOptions {
   bool capture = true;
 };
 
-
 struct CudaEngineOptions {
   int device = 0;
   int64_t max_tokens = 16384;  // token budget: sizes the workspace
@@ -52,6 +51,10 @@ struct CudaEngineOptions {
   // engine's maths, half the expert memory), or dequantised to bf16 at load
   // for the bf16 grouped GEMMs (bf16 activations; on the H200 faster today).
   bool fp8_expert_gemms = true;
+  // Weight upload: reader threads (0 = DefaultReadThreads()) filling pinned
+  // chunks of load_chunk_bytes (a multiple of 4096) while earlier chunks copy.
+  int load_threads = 0;
+  size_t load_chunk_bytes = 16 << 20;
   CudaRankOptions rank;
 };
 

@@ -14,9 +14,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/random_init.cuh"
 #include "server/model/cuda_engine_impl.h"
+#include "server/model/cuda_upload.h"
 
 namespace draftfeed {
 namespace {
@@ -54,6 +56,13 @@ std::vector<float> PaddedScales(const Tensor& t, int64_t stride) {
       out[static_cast<size_t>(r * stride + g)] = v;
     }
   }
+  return out;
+}
+
+template <typename T>
+std::vector<std::byte> Bytes(const std::vector<T>& v) {
+  std::vector<std::byte> out(v.size() * sizeof(T));
+  std::memcpy(out.data(), v.data(), out.size());
   return out;
 }
 
@@ -236,6 +245,10 @@ absl::Status CudaEngine::Impl::UploadWeights() {
       for (void* q : p) cudaFree(q);
     }
   } stage_free{{fp8_stage, fp8_stage_q, fp8_stage_scale}};
+  // Host tensors go to the device together at the end, read in parallel into
+  // pinned chunks (UploadToDevice); those that need converting are converted
+  // when their first chunk is read.
+  std::vector<StagedCopy> copies;
   for (size_t i = 0; i < specs.size(); ++i) {
     const WeightSpec& spec = specs[i];
     const int64_t n = spec.numel();
@@ -279,9 +292,11 @@ absl::Status CudaEngine::Impl::UploadWeights() {
     }
     if (dst_q[i] != nullptr) {
       const Tensor& t = WeightSlot(mw, spec);
-      DF_CUDA(cudaMemcpy(dst_q[i], t.data, static_cast<size_t>(n), cudaMemcpyHostToDevice));
-      const std::vector<float> scales = PaddedScales(t, cuda::Fp8ScaleStride(spec.shape.back()));
-      DF_CUDA(cudaMemcpy(dst_scale[i], scales.data(), scales.size() * 4, cudaMemcpyHostToDevice));
+      copies.push_back({.src = t.data, .bytes = static_cast<size_t>(n), .dst = dst_q[i]});
+      const int64_t stride = cuda::Fp8ScaleStride(spec.shape.back());
+      const int64_t scale_rows = t.scale_inv.numel() / t.scale_inv.shape.back();
+      copies.push_back(ComputedCopy(static_cast<size_t>(scale_rows * stride) * 4, dst_scale[i],
+                                    [&t, stride] { return Bytes(PaddedScales(t, stride)); }));
       continue;
     }
     if (random) {
@@ -309,20 +324,28 @@ absl::Status CudaEngine::Impl::UploadWeights() {
     }
     const Tensor& t = WeightSlot(mw, spec);
     if (spec.device_f32) {
-      std::vector<float> f = ToFloat(t);
-      DF_CUDA(cudaMemcpy(dst[i], f.data(), f.size() * 4, cudaMemcpyHostToDevice));
-      continue;
-    }
-    std::vector<uint16_t> host(static_cast<size_t>(n));
-    if (t.dtype == DType::kBF16) {
-      std::memcpy(host.data(), t.data, static_cast<size_t>(n) * 2);
+      copies.push_back(
+          ComputedCopy(static_cast<size_t>(n) * 4, dst[i], [&t] { return Bytes(ToFloat(t)); }));
+    } else if (t.dtype == DType::kBF16) {
+      copies.push_back({.src = t.data, .bytes = static_cast<size_t>(n) * 2, .dst = dst[i]});
     } else {
-      std::vector<float> f = ToFloat(t);
-      for (int64_t k = 0; k < n; ++k) host[k] = FloatToBf16(f[k]);
+      copies.push_back(ComputedCopy(static_cast<size_t>(n) * 2, dst[i], [&t] {
+        const std::vector<float> f = ToFloat(t);
+        std::vector<uint16_t> h(f.size());
+        for (size_t k = 0; k < f.size(); ++k) h[k] = FloatToBf16(f[k]);
+        return Bytes(h);
+      }));
     }
-    DF_CUDA(cudaMemcpy(dst[i], host.data(), static_cast<size_t>(n) * 2, cudaMemcpyHostToDevice));
   }
   DF_CUDA(cudaStreamSynchronize(stream));
+  if (!copies.empty()) {
+    StagedReadOptions read;
+    read.threads = options.load_threads;
+    read.chunk_bytes = options.load_chunk_bytes;
+    DF_RETURN_IF_ERROR(UploadToDevice(copies, model->files, options.device, read,
+                                      absl::StrCat("cuda:", options.device))
+                           .status());
+  }
   return absl::OkStatus();
 }
 

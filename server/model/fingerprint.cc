@@ -5,12 +5,16 @@
 //  - for every decoder tensor, in the canonical order of weight_layout.h: its
 //    name, dtype, shape and bytes. The bytes are hashed whole when the decoder
 //    is under 64 MiB, else as 16 evenly spaced 4 KiB windows per tensor, so a
-//    54 GB checkpoint costs ~54 MB of reads.
+//    54 GB checkpoint costs ~54 MB of reads (their readahead is asked for all
+//    at once, so that a cold page cache serves them in parallel).
 //  - for an FP8 tensor, its block scales too (dtype, shape, bytes), and the
 //    config's quantisation scheme.
 // The raw bytes and the dtype are hashed, so the same values stored as bf16
 // and as f32 fingerprint differently; that is deliberate, since a bf16 and an
 // f32 copy need not give bit-identical states.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <bit>
 #include <cstring>
 
@@ -93,6 +97,11 @@ class Digest {
   uint64_t length_ = 0;
 };
 
+// Where sample window i of a tensor of n bytes starts (n > the windows' total).
+uint64_t WindowOffset(uint64_t n, uint64_t i) {
+  return (n - kSampleWindowBytes) * i / (kSampleWindows - 1);
+}
+
 void HashTensor(Digest& d, std::string_view name, const Tensor& t, bool whole) {
   d.Str(name);
   if (!t.valid()) {
@@ -108,9 +117,24 @@ void HashTensor(Digest& d, std::string_view name, const Tensor& t, bool whole) {
     d.Bytes(t.data, n);
     return;
   }
+  for (uint64_t i = 0; i < kSampleWindows; ++i)
+    d.Bytes(t.data + WindowOffset(n, i), kSampleWindowBytes);
+}
+
+// Asks the kernel to start reading every window HashTensor will sample. From
+// a cold page cache the windows of a large checkpoint are thousands of small
+// reads scattered over every shard; faulted in one by one they cost one disk
+// round trip each (seconds on a network disk), queued at once they overlap.
+// MADV_WILLNEED on a file mapping only schedules readahead, and on any other
+// memory it does nothing harmful.
+void PrefetchWindows(const Tensor& t) {
+  if (!t.valid() || t.nbytes() <= kSampleWindows * kSampleWindowBytes) return;
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   for (uint64_t i = 0; i < kSampleWindows; ++i) {
-    const uint64_t offset = (n - kSampleWindowBytes) * i / (kSampleWindows - 1);
-    d.Bytes(t.data + offset, kSampleWindowBytes);
+    const auto begin = reinterpret_cast<uintptr_t>(t.data + WindowOffset(t.nbytes(), i));
+    const uintptr_t first = begin & ~(page - 1);
+    (void)madvise(reinterpret_cast<void*>(first), begin + kSampleWindowBytes - first,
+                  MADV_WILLNEED);
   }
 }
 
@@ -192,6 +216,11 @@ std::string ComputeFingerprint(const Model& model) {
   const bool whole = total < kWholeHashLimit;
   d.U64(whole ? 1 : 0);
   const Tensor absent;
+  if (!whole) {
+    for (const WeightSpec& s : specs) {
+      if (const Tensor* t = slot(s); t != nullptr) PrefetchWindows(*t);
+    }
+  }
   for (const WeightSpec& s : specs) {
     const Tensor* t = slot(s);
     HashTensorAndScales(d, s.name, t != nullptr ? *t : absent, whole);

@@ -104,6 +104,7 @@ class CheckpointLoader {
   std::map<std::string, Found> decoder_;                          // suffix -> tensor
   std::optional<Found> lm_head_;
   std::shared_ptr<Storage> storage_ = std::make_shared<Storage>();
+  std::vector<std::shared_ptr<const MappedFile>> files_;
 };
 
 absl::Status CheckpointLoader::OpenShards() {
@@ -163,6 +164,7 @@ absl::Status CheckpointLoader::OpenShards() {
 absl::Status CheckpointLoader::IndexTensors() {
   for (size_t s = 0; s < shards_.size(); ++s) {
     storage_->mappings.push_back(shards_[s].storage());
+    files_.push_back(shards_[s].file());
     for (const auto& [name, tensor] : shards_[s].tensors()) {
       auto [it, inserted] = all_.emplace(name, Found{name, &tensor, shard_names_[s]});
       if (!inserted) {
@@ -523,6 +525,7 @@ absl::StatusOr<std::unique_ptr<Model>> CheckpointLoader::Load() {
   }
 
   model->storage = storage_;
+  model->files = files_;
   model->fingerprint = ComputeFingerprint(*model);
   return model;
 }

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/model/config.h"
+#include "server/model/mapped_file.h"
 #include "server/model/tensor.h"
 
 namespace draftfeed {
@@ -62,6 +63,11 @@ struct Model {
   std::string fingerprint;
   // Keeps the mmaps / in-memory buffers behind every Tensor alive.
   std::shared_ptr<const void> storage;
+  // The checkpoint files the Tensors map (empty for in-memory models): an
+  // engine's upload preads the ranges that lie in one instead of faulting the
+  // mapping in. A Model of views into another's files (a tensor-parallel
+  // rank's) should copy them.
+  std::vector<std::shared_ptr<const MappedFile>> files;
   // Real-size random models ("random:qwen3.6-27b"): the Tensors carry shapes
   // and dtypes but no host data; a GPU engine fills them on the device from
   // this seed (a 54 GB host buffer and its upload would dominate start-up).

@@ -1,7 +1,6 @@
 #include "server/model/safetensors.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -37,23 +36,6 @@ constexpr DTypeInfo kDTypes[] = {
     {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1},
     {"U16", 2},  {"I16", 2}, {"F16", 2}, {"BF16", 2},    {"U32", 4},     {"I32", 4},
     {"F32", 4},  {"U64", 8}, {"I64", 8}, {"F64", 8},
-};
-
-// Read-only private mapping of a whole file; unmapped with the last reference.
-class Mapping {
- public:
-  Mapping(void* addr, size_t size) : addr_(addr), size_(size) {}
-  Mapping(const Mapping&) = delete;
-  Mapping& operator=(const Mapping&) = delete;
-  ~Mapping() {
-    if (addr_ != nullptr) munmap(addr_, size_);
-  }
-  const std::byte* data() const { return static_cast<const std::byte*>(addr_); }
-  size_t size() const { return size_; }
-
- private:
-  void* addr_;
-  size_t size_;
 };
 
 absl::Status ErrnoError(int err, absl::string_view what) {
@@ -159,11 +141,9 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     ::close(fd);
     return fail("file is ", file_size, " bytes, too short for the 8-byte header length");
   }
-  void* addr = mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_err = errno;
-  ::close(fd);  // the mapping keeps the file referenced
-  if (addr == MAP_FAILED) return ErrnoError(map_err, absl::StrCat("cannot mmap ", path));
-  auto mapping = std::make_shared<const Mapping>(addr, file_size);
+  // The descriptor stays open with the mapping: bulk readers pread it.
+  DF_ASSIGN_OR_RETURN(std::shared_ptr<const MappedFile> mapping,
+                      MappedFile::Map(fd, path, file_size));
   const std::byte* base = mapping->data();
 
   uint64_t header_len = 0;

@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "server/model/mapped_file.h"
 #include "server/model/tensor.h"
 
 namespace draftfeed {
@@ -49,10 +50,12 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   // Owns the mapping: hold it as long as any `data` pointer is in use.
   std::shared_ptr<const void> storage() const { return mapping_; }
+  // The same mapping, with the descriptor that reads it.
+  const std::shared_ptr<const MappedFile>& file() const { return mapping_; }
 
  private:
   std::string path_;
-  std::shared_ptr<const void> mapping_;
+  std::shared_ptr<const MappedFile> mapping_;
   std::map<std::string, SafetensorsTensor> tensors_;
   std::map<std::string, std::string> metadata_;
 };

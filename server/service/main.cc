@@ -145,6 +145,9 @@ ABSL_FLAG(bool, metrics_per_stream, false,
 ABSL_FLAG(double, log_every_s, 60,
           "Every this many seconds, one stderr line with the interval's batches, tokens, "
           "tok/s and MiB sent, the open streams, credits in use and queue depth. 0 = off.");
+ABSL_FLAG(int32_t, load_threads, 0,
+          "Threads that read a checkpoint's weights into pinned chunks for the GPU upload "
+          "(0 = min(8, cores)); more help a disk that needs many requests in flight.");
 ABSL_FLAG(bool, check_weights, false,
           "At load, scan every weight for NaN and infinities and refuse to start on the first, "
           "naming the tensor (one pass over the weights: seconds for a large checkpoint).");
@@ -212,6 +215,10 @@ absl::Status CheckFlags() {
   }
   if (!(absl::GetFlag(FLAGS_threads) >= 0)) {
     return refuse("--threads=", absl::GetFlag(FLAGS_threads), " must be >= 0 (0 = all cores)");
+  }
+  if (absl::GetFlag(FLAGS_load_threads) < 0) {
+    return refuse("--load_threads=", absl::GetFlag(FLAGS_load_threads),
+                  " must be >= 0 (0 = min(8, cores))");
   }
   if (!(absl::GetFlag(FLAGS_tp) >= 1)) {
     return refuse("--tp=", absl::GetFlag(FLAGS_tp), " must be >= 1 (1 = no tensor parallelism)");
@@ -357,6 +364,7 @@ int Run() {
   copt.max_seqs = std::min<int64_t>(copt.max_tokens, 4096);
   copt.max_layers = absl::GetFlag(FLAGS_max_capture_layers);
   copt.fp8_expert_gemms = absl::GetFlag(FLAGS_fp8_experts) == "fp8";
+  copt.load_threads = absl::GetFlag(FLAGS_load_threads);
   copt.load_threads = absl::GetFlag(FLAGS_load_threads);
   // One instance per tp consecutive GPUs: a replica of one GPU, or a
   // tensor-parallel group.
