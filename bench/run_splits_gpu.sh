@@ -70,7 +70,7 @@ fi
 
 out=${2:?OUT_DIR}
 if [[ ! -d $bundle ]]; then
-  [[ -f $bundle.tar.xz ]] || { echo "no $bundle/ or $bundle.tar.xz: run the bundle mode" >&2; exit 1; }
+  [[ -f $bundle.tar.xz ]] || { echo "no $bundle/ or $bundle.tar.xz: run bundle" >&2; exit 1; }
   tar -xJf "$bundle.tar.xz"
 fi
 bundle=$(cd "$bundle" && pwd)
@@ -104,4 +104,5 @@ case $mode in
           --calibrate-s 5) ;;
   *) echo "run_splits_gpu.sh: unknown mode $mode (bundle, smoke, two, eight)" >&2; exit 2 ;;
 esac
-timeout "${TIMEOUT_S:-580}" "$py" bench/splits.py "${common[@]}" "${args[@]}" 2>&1 | tee -a "$out/log"
+timeout "${TIMEOUT_S:-580}" "$py" bench/splits.py "${common[@]}" "${args[@]}" 2>&1 |
+  tee -a "$out/log"

@@ -46,8 +46,9 @@ Prediction only (runs nothing): every T-D split of N GPUs from one saved calibra
 transport it has rates for, and the best split:
   bench/splits.py --predict 8 --calibration bench/results/splits-h200-2gpu-2026-11-30d/calibration.json
 --calibration also takes a splits.json. A one-GPU calibration (--gpus 1, gRPC only) predicts
-NCCL as well: the drafter's own rate without its host copy, no link term. Or from per-GPU rates measured elsewhere (one target's
-tokens/s, e.g. draftfeed-bench engine; one drafter's, split_trainer.py --calibrate):
+NCCL as well: the drafter's own rate without its host copy, no link term. Or from per-GPU
+rates measured elsewhere (one target's tokens/s, e.g. draftfeed-bench engine; one drafter's,
+split_trainer.py --calibrate):
   bench/splits.py --predict 8 --target-tokens-per-s 11701 --drafter-tokens-per-s 48215 \
       [--link-tokens-per-s R] [--save_calibration FILE]
 The rates of one GPU carry over to N because every target and every trainer has its own GPU
