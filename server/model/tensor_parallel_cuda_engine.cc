@@ -115,6 +115,8 @@ absl::StatusOr<std::unique_ptr<TensorParallelCudaEngine>> TensorParallelCudaEngi
     rank_model->config = plan.rank_config;
     rank_model->fingerprint = model->fingerprint;
     rank_model->storage = model->storage;
+    // A rank's contiguous slices are views into these files: its upload preads them.
+    rank_model->files = model->files;
     rank_model->weights_on_device_random = model->weights_on_device_random;
     // Every rank draws its own slices: seeded per rank so that ranks do not
     // hold copies of one another's values.
