@@ -222,6 +222,7 @@ py::dict DescriptionDict(const TargetDescription& d) {
   r["dtype"] = d.dtype;
   r["transports"] = d.transports;
   r["encodings"] = d.encodings;
+  r["nccl_across_hosts"] = d.nccl_across_hosts;
   r["max_credits"] = d.max_credits;
   r["max_capture_layers"] = d.max_capture_layers;
   py::dict layout;
@@ -301,6 +302,12 @@ class PyFeed {
         o.cuda_device = py::cast<int>(value);
       else if (k == "nccl_timeout_s")
         o.nccl_timeout_s = py::cast<double>(value);
+      else if (k == "nccl_setup_timeout_s")
+        o.nccl_setup_timeout_s = py::cast<double>(value);
+      else if (k == "nccl_across_hosts")
+        o.nccl_across_hosts = py::cast<bool>(value);
+      else if (k == "nccl_socket_ifname")
+        o.nccl_socket_ifname = py::cast<std::string>(value);
       else if (k == "transport") {
         const std::string t = py::cast<std::string>(value);
         if (t == "grpc")

@@ -12,6 +12,8 @@
 #include "client/src/grpc_transport.h"
 #include "common/host_buffer_pool.h"
 #include "common/nccl/nccl_peer.h"
+#include "common/nccl_hosts.h"
+#include "common/status_macros.h"
 #include "common/thread_name.h"
 
 namespace draftfeed {
@@ -168,17 +170,21 @@ class NcclStreamTransport final : public StreamTransport {
 
 class NcclOffer final : public TransportOffer {
  public:
-  NcclOffer(std::string unique_id, int device, double timeout_s, HostBufferPool* host_pool,
-            HostBufferPool* device_pool)
+  NcclOffer(std::string unique_id, int device, double timeout_s, double setup_timeout_s,
+            HostBufferPool* host_pool, HostBufferPool* device_pool)
       : unique_id_(std::move(unique_id)),
         device_(device),
         timeout_s_(timeout_s),
+        setup_timeout_s_(setup_timeout_s),
         host_pool_(host_pool),
         device_pool_(device_pool) {}
 
   // Join as rank 1 now: the target joins as rank 0 before it answers Opened.
+  // Whether it is on this host is known from Opened; until then nothing
+  // here waits.
   absl::Status Sent() override {
-    auto started = NcclPeer::Start(unique_id_, NcclPeer::kReceiverRank, device_);
+    auto started = NcclPeer::Start(unique_id_, NcclPeer::kReceiverRank, device_,
+                                   NcclSetupHint(/*across_hosts=*/false, ""));
     if (!started.ok()) return started.status();
     peer_ = *std::move(started);
     return absl::OkStatus();
@@ -191,11 +197,15 @@ class NcclOffer final : public TransportOffer {
       v1::Open unused;
       return MakeGrpcOffer(host_pool_, &unused)->Accept(opened, std::move(slot));
     }
-    absl::Status joined = peer_->Wait(timeout_s_);
-    if (joined.ok()) joined = peer_->Handshake(timeout_s_);
+    if (opened.nccl_across_hosts()) {
+      peer_->SetTimeoutHint(NcclSetupHint(/*across_hosts=*/true, NcclUniqueIdAddress(unique_id_)));
+    }
+    absl::Status joined = peer_->Wait(setup_timeout_s_);
+    if (joined.ok()) joined = peer_->Handshake(setup_timeout_s_);
     if (!joined.ok()) {
-      return absl::UnavailableError(
-          absl::StrCat("target ", slot.address, ": nccl setup: ", joined.message()));
+      return absl::UnavailableError(absl::StrCat("target ", slot.address, ": nccl setup",
+                                                 opened.nccl_across_hosts() ? " across hosts" : "",
+                                                 ": ", joined.message()));
     }
     // Receives are posted when the target's capture is ready, so the
     // trainer's GPU never holds one through a forward; the highest priority
@@ -216,6 +226,7 @@ class NcclOffer final : public TransportOffer {
   const std::string unique_id_;
   const int device_;
   const double timeout_s_;
+  const double setup_timeout_s_;
   HostBufferPool* const host_pool_;
   HostBufferPool* const device_pool_;
   std::unique_ptr<NcclPeer> peer_;
@@ -226,8 +237,11 @@ class NcclTransports final : public ClientTransports {
   NcclTransports(const FeedOptions& options, HostBufferPool* host_pool,
                  std::unique_ptr<HostBufferPool> device_pool)
       : required_(options.transport == Transport::kNccl),
+        across_hosts_(options.nccl_across_hosts),
         device_(options.cuda_device),
         timeout_s_(options.nccl_timeout_s),
+        setup_timeout_s_(options.nccl_setup_timeout_s),
+        host_(LocalHost()),
         host_pool_(host_pool),
         device_pool_(std::move(device_pool)) {}
 
@@ -240,18 +254,23 @@ class NcclTransports final : public ClientTransports {
     }
     open->set_transport(required_ ? v1::TRANSPORT_NCCL : v1::TRANSPORT_AUTO);
     open->set_nccl_unique_id(*id);
-    open->set_host_id(LocalHostId());
+    open->set_nccl_across_hosts(across_hosts_);
+    open->set_host_id(host_.id);
+    open->set_host_name(host_.name);
     open->set_gpu_uuid(CudaDeviceUuid(device_));
-    return std::make_unique<NcclOffer>(*std::move(id), device_, timeout_s_, host_pool_,
-                                       device_pool_.get());
+    return std::make_unique<NcclOffer>(*std::move(id), device_, timeout_s_, setup_timeout_s_,
+                                       host_pool_, device_pool_.get());
   }
 
   int64_t allocations() const override { return device_pool_->allocations(); }
 
  private:
   const bool required_;
+  const bool across_hosts_;
   const int device_;
   const double timeout_s_;
+  const double setup_timeout_s_;
+  const HostIdentity host_;  // this trainer's, in every Open
   HostBufferPool* const host_pool_;
   std::unique_ptr<HostBufferPool> device_pool_;
 };
@@ -268,6 +287,9 @@ absl::StatusOr<std::unique_ptr<ClientTransports>> MakeNcclTransports(const FeedO
                      " needs FeedOptions.cuda_device, the GPU that receives: got ",
                      options.cuda_device, "; this process sees ", devices, " CUDA device(s)"));
   }
+  // Before this process's first NCCL call, which reads it.
+  DF_RETURN_IF_ERROR(
+      UseNcclSocketIfname(options.nccl_socket_ifname, "FeedOptions.nccl_socket_ifname"));
   const int device = options.cuda_device;
   HostAllocator on_gpu;
   // Buffers are released on whichever thread drops the last reference (the

@@ -48,6 +48,7 @@ TargetDescription Describe(const std::string& address, const v1::TargetInfo& inf
   for (int e : info.encodings()) {
     d.encodings.push_back(WireName(v1::Encoding_Name(static_cast<v1::Encoding>(e)), "ENCODING_"));
   }
+  d.nccl_across_hosts = info.nccl_across_hosts();
   d.max_credits = info.max_credits();
   d.max_capture_layers = info.max_capture_layers();
   if (info.has_layout()) {

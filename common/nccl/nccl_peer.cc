@@ -1,12 +1,9 @@
 #include "common/nccl/nccl_peer.h"
 
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -16,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/cuda_status.h"
+#include "common/nccl_hosts.h"
 #include "common/payload_checksum.h"
 #include "common/status_macros.h"
 #include "kernels/checksum.cuh"
@@ -56,6 +54,7 @@ struct NcclPeer::Impl {
   void* handshake = nullptr;  // device scratch of kHandshakeBytes
   mutable std::mutex mu;      // Abort may come from another thread
   bool aborted = false;
+  std::string timeout_hint;  // under mu
   // One slot per op in flight: its completion event and checksum words.
   cudaEvent_t done[kMaxOps] = {};
   // A send's checksum runs on a stream of its own, beside the send (both
@@ -82,13 +81,15 @@ struct NcclPeer::Impl {
 absl::StatusOr<std::string> NcclPeer::NewUniqueId() {
   ncclUniqueId id;
   if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {
-    return NcclError(r, "ncclGetUniqueId (is there a network interface NCCL can use?)");
+    return NcclError(r, absl::StrCat("ncclGetUniqueId (is there a network interface NCCL can use? ",
+                                     DescribeNcclSocketIfname(), ")")
+                            .c_str());
   }
   return std::string(id.internal, sizeof(id.internal));
 }
 
 absl::StatusOr<std::unique_ptr<NcclPeer>> NcclPeer::Start(const std::string& unique_id, int rank,
-                                                          int device) {
+                                                          int device, std::string timeout_hint) {
   ncclUniqueId id;
   if (unique_id.size() != sizeof(id.internal)) {
     return absl::InvalidArgumentError(absl::StrCat("nccl_unique_id has ", unique_id.size(),
@@ -132,6 +133,7 @@ absl::StatusOr<std::unique_ptr<NcclPeer>> NcclPeer::Start(const std::string& uni
     return CudaError(e, "cudaMalloc");
   }
   impl->rank = rank;
+  impl->timeout_hint = std::move(timeout_hint);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // every wait below polls, so it can time out and abort
   ncclResult_t r = ncclCommInitRankConfig(&impl->comm, 2, id, rank, &config);
@@ -175,6 +177,11 @@ void NcclPeer::Abort() {
   impl_->comm = nullptr;
 }
 
+void NcclPeer::SetTimeoutHint(std::string hint) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->timeout_hint = std::move(hint);
+}
+
 absl::Status NcclPeer::AbortWith(absl::Status why) {
   // A log line: a failed wait means the peer vanished, hung or broke.
   std::fprintf(stderr, "draftfeed: aborting the nccl communicator on cuda:%d: %s\n", device_,
@@ -213,10 +220,15 @@ absl::Status NcclPeer::Poll(const char* what, const std::function<absl::StatusOr
     }
     const auto now = Clock::now();
     if (now > deadline) {
+      std::string hint;
+      {
+        std::lock_guard<std::mutex> lock(impl_->mu);
+        hint = impl_->timeout_hint;
+      }
       return AbortWith(absl::DeadlineExceededError(
-          absl::StrCat("nccl ", what, " did not finish in ", timeout_s,
-                       " s (the other process never joined or stopped: different hosts? firewall? "
-                       "NCCL_SOCKET_IFNAME?); the communicator was aborted")));
+          absl::StrCat("nccl ", what, " timed out after ", timeout_s,
+                       " s: ", hint.empty() ? "the other process never joined or stopped" : hint,
+                       "; the communicator was aborted")));
     }
     // Spin (yielding) for the first 2 ms: a transfer of tens of MiB takes a
     // fraction of that over NVLink, and a sleep's wake-up would dominate.
@@ -408,15 +420,6 @@ absl::StatusOr<uint64_t> NcclPeer::Recv(void* data, size_t bytes, void* stream, 
   auto op = PostRecv(data, bytes, stream, timeout_s, cancelled);
   if (!op.ok()) return op.status();
   return WaitOp(*op, timeout_s, cancelled, gpu_ms);
-}
-
-std::string LocalHostId() {
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  if (f && std::getline(f, id) && !id.empty()) return absl::StrCat("boot:", id);
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  return absl::StrCat("host:", host);
 }
 
 std::string CudaDeviceUuid(int device) {

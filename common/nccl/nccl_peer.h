@@ -24,9 +24,10 @@ class NcclPeer {
   static absl::StatusOr<std::string> NewUniqueId();
 
   // Starts joining the communicator on `device` (the calling thread's device
-  // is set to it) and returns at once; Wait() finishes the join.
+  // is set to it) and returns at once; Wait() finishes the join. A wait that
+  // times out says `timeout_hint` (NcclSetupHint: what to check).
   static absl::StatusOr<std::unique_ptr<NcclPeer>> Start(const std::string& unique_id, int rank,
-                                                         int device);
+                                                         int device, std::string timeout_hint = "");
   ~NcclPeer();  // aborts the communicator (never waits for the other rank)
   NcclPeer(const NcclPeer&) = delete;
   NcclPeer& operator=(const NcclPeer&) = delete;
@@ -84,6 +85,9 @@ class NcclPeer {
   // unusable afterwards.
   void Abort();
   int device() const { return device_; }
+  // Replaces Start's timeout_hint (the trainer learns from Opened whether the
+  // target is on another host only after it started joining).
+  void SetTimeoutHint(std::string hint);
 
  private:
   struct Impl;
@@ -101,9 +105,6 @@ class NcclPeer {
   int device_;
 };
 
-// "host id" used by transport=auto to tell that two processes share a host:
-// the kernel's boot id (same machine, same boot), else the hostname.
-std::string LocalHostId();
 // UUID of a CUDA device ("GPU-…"), empty when unknown.
 std::string CudaDeviceUuid(int device);
 

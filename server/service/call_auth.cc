@@ -72,11 +72,14 @@ void LogStreamOpened(const grpc::CallbackServerContext& ctx, absl::string_view t
   }
   if (!open.client_name().empty()) absl::StrAppend(&who, " client '", open.client_name(), "'");
   std::fprintf(stderr,
-               "draftfeed-target: stream opened from %s%s: layers %s, %s, transport %s, %d "
+               "draftfeed-target: stream opened from %s%s: layers %s, %s, transport %s%s, %d "
                "credits\n",
                ctx.peer().c_str(), who.c_str(), absl::StrJoin(opened.layers(), ",").c_str(),
                ShortName(v1::Encoding_Name(opened.encoding()), "ENCODING_").c_str(),
                ShortName(v1::Transport_Name(opened.transport()), "TRANSPORT_").c_str(),
+               opened.transport_note().empty()
+                   ? ""
+                   : absl::StrCat(" (", opened.transport_note(), ")").c_str(),
                opened.max_inflight_batches());
 }
 

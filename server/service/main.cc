@@ -31,6 +31,7 @@
 #include "server/model/cuda_engine.h"
 #include "server/model/tensor_parallel_cuda_engine.h"
 #endif
+#include "common/nccl_hosts.h"
 #include "server/model/fp8_quantize.h"
 #include "server/model/model.h"
 #include "server/model/sharded_cpu_engine.h"
@@ -42,6 +43,7 @@
 #include "server/service/target_metrics.h"
 #include "server/service/target_service.h"
 #include "server/service/tls_options.h"
+#include "server/service/transport_registry.h"
 #include "server/service/version.h"
 
 ABSL_FLAG(std::string, model, "tiny-random",
@@ -107,11 +109,23 @@ ABSL_FLAG(double, host_memory_cap_gib, 0,
           "kept for reuse), GiB; a forward waits for buffers to come back rather than exceed "
           "it (one batch always runs). 0 = no cap beyond the streams' credits.");
 ABSL_FLAG(bool, nccl, true,
-          "Offer the NCCL transport (trainers on this host with their own GPU receive hidden "
-          "states GPU to GPU). Needs a target with exactly one GPU.");
+          "Offer the NCCL transport (trainers with their own GPU receive hidden states GPU to "
+          "GPU). Needs a target with exactly one GPU.");
 ABSL_FLAG(double, nccl_timeout_s, 120,
-          "An NCCL stream's setup, and each batch's send, must finish within this many "
-          "seconds; otherwise the communicator is aborted and the stream ends.");
+          "Each batch's NCCL send must finish within this many seconds; otherwise the "
+          "communicator is aborted and the stream ends.");
+ABSL_FLAG(double, nccl_setup_timeout_s, 60,
+          "An NCCL stream's set-up (joining the trainer's communicator, the handshake) must "
+          "finish within this many seconds; otherwise the stream ends naming what to check.");
+ABSL_FLAG(bool, nccl_across_hosts, true,
+          "Offer NCCL to trainers on other hosts too (NCCL's network transport: InfiniBand/RoCE, "
+          "else sockets; they ask with transport=nccl, or auto with nccl_across_hosts=True). "
+          "false: NCCL for trainers on this host only, others are refused naming this flag.");
+ABSL_FLAG(std::string, nccl_socket_ifname, "",
+          "The network interface(s) NCCL uses to reach trainers on other hosts, as "
+          "NCCL_SOCKET_IFNAME (e.g. eth0, ^docker,lo); empty: NCCL_SOCKET_IFNAME from the "
+          "environment, else NCCL's own choice. A value other than the environment's is "
+          "refused.");
 ABSL_FLAG(std::string, port_file, "", "If set, the bound port is written there once serving.");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate chain to serve TLS with (with --tls_key). Without TLS, a --listen "
@@ -244,6 +258,12 @@ absl::Status CheckFlags() {
   if (const double t = absl::GetFlag(FLAGS_nccl_timeout_s); !(t > 0 && std::isfinite(t))) {
     return refuse("--nccl_timeout_s=", t, " must be a finite number > 0");
   }
+  if (const double t = absl::GetFlag(FLAGS_nccl_setup_timeout_s); !(t > 0 && std::isfinite(t))) {
+    return refuse("--nccl_setup_timeout_s=", t, " must be a finite number > 0");
+  }
+  // Before anything calls NCCL (a tensor-parallel engine does at load).
+  DF_RETURN_IF_ERROR(
+      UseNcclSocketIfname(absl::GetFlag(FLAGS_nccl_socket_ifname), "--nccl_socket_ifname"));
   return absl::OkStatus();
 }
 
@@ -428,6 +448,8 @@ int Run() {
       static_cast<int64_t>(absl::GetFlag(FLAGS_host_memory_cap_gib) * (int64_t{1} << 30));
   options.enable_nccl = absl::GetFlag(FLAGS_nccl);
   options.nccl_timeout_s = absl::GetFlag(FLAGS_nccl_timeout_s);
+  options.nccl_setup_timeout_s = absl::GetFlag(FLAGS_nccl_setup_timeout_s);
+  options.nccl_across_hosts = absl::GetFlag(FLAGS_nccl_across_hosts);
   options.tokens = tokens;
   TargetService service(engine_ptrs, options);
 
@@ -494,10 +516,11 @@ int Run() {
     throughput = std::make_unique<ThroughputLogger>(&service, every);
   }
   const Model& m = **model;
+  const TransportEnv transports = service.transport_env();
   std::fprintf(
       stderr,
       "draftfeed-target %s: serving %s (%s, %lld layers, hidden %lld, fingerprint %s) "
-      "on port %d (%s%s), device %s, token budget %lld, loaded in %.2fs%s\n",
+      "on port %d (%s%s), device %s, token budget %lld, %s, loaded in %.2fs%s\n",
       std::string(kDraftfeedVersion).c_str(), m.id.c_str(),
       std::string(ArchName(m.config.arch)).c_str(), static_cast<long long>(m.config.num_layers),
       static_cast<long long>(m.config.hidden_size), m.fingerprint.c_str(), port,
@@ -506,10 +529,12 @@ int Run() {
       absl::StrJoin(engine_ptrs, ",",
                     [](std::string* out, Engine* e) { out->append(e->device_name()); })
           .c_str(),
-      static_cast<long long>(options.max_batch_tokens), load_s,
+      static_cast<long long>(options.max_batch_tokens), SummarizeTransports(transports).c_str(),
+      load_s,
       metrics_http == nullptr
           ? ""
           : absl::StrCat(", metrics on http port ", metrics_http->port(), " /metrics").c_str());
+  std::fprintf(stderr, "draftfeed-target: %s\n", DescribeNcclTransport(transports).c_str());
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
     if (absl::Status s = WritePortFile(pf, port); !s.ok()) {
       server->Shutdown();

@@ -8,7 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/nccl/nccl_peer.h"
+#include "common/nccl_hosts.h"
 #include "common/thread_name.h"
+#include "server/service/nccl_hosts_rule.h"
 
 namespace draftfeed {
 
@@ -93,11 +95,14 @@ absl::StatusOr<Engine::DeviceWait> PostSend(const std::shared_ptr<StreamLink>& l
 
 class NcclStreamTransport final : public StreamTransport {
  public:
-  NcclStreamTransport(const TransportEnv& env, std::string unique_id,
+  NcclStreamTransport(const TransportEnv& env, const v1::Open& open,
                       std::shared_ptr<StreamLink> link, std::unique_ptr<StreamTransport> fallback)
       : device_(NcclDevice(env)),
         timeout_s_(env.nccl_timeout_s),
-        unique_id_(std::move(unique_id)),
+        setup_timeout_s_(env.nccl_setup_timeout_s),
+        unique_id_(open.nccl_unique_id()),
+        across_hosts_(NcclAcrossHosts(env, open)),
+        hosts_note_(NcclHostsNote(env, open)),
         link_(std::move(link)),
         fallback_(std::move(fallback)) {}
 
@@ -144,9 +149,10 @@ class NcclStreamTransport final : public StreamTransport {
   void Setup() {
     auto cancelled = [link = link_] { return link->cancelled(); };
     absl::StatusOr<std::unique_ptr<NcclPeer>> peer =
-        NcclPeer::Start(unique_id_, NcclPeer::kSenderRank, device_);
+        NcclPeer::Start(unique_id_, NcclPeer::kSenderRank, device_,
+                        NcclSetupHint(across_hosts_, NcclUniqueIdAddress(unique_id_)));
     absl::Status status = peer.status();
-    if (status.ok()) status = (*peer)->Wait(timeout_s_, cancelled);
+    if (status.ok()) status = (*peer)->Wait(setup_timeout_s_, cancelled);
     if (!status.ok()) {
       if (fallback_ == nullptr) {
         link_->Fail(absl::Status(status.code(),
@@ -162,8 +168,11 @@ class NcclStreamTransport final : public StreamTransport {
     }
     // Set before Opened, as above: batches are posted only after Ready.
     peer_ = *std::move(peer);
-    link_->Opened({.transport = v1::TRANSPORT_NCCL, .note = "", .ready = false});
-    absl::Status shook = peer_->Handshake(timeout_s_, cancelled);
+    link_->Opened({.transport = v1::TRANSPORT_NCCL,
+                   .note = hosts_note_,
+                   .ready = false,
+                   .across_hosts = across_hosts_});
+    absl::Status shook = peer_->Handshake(setup_timeout_s_, cancelled);
     if (shook.ok()) {
       link_->Ready();
     } else {
@@ -174,7 +183,10 @@ class NcclStreamTransport final : public StreamTransport {
 
   const int device_;
   const double timeout_s_;
+  const double setup_timeout_s_;
   const std::string unique_id_;
+  const bool across_hosts_;
+  const std::string hosts_note_;  // Opened.transport_note of a stream across hosts
   const std::shared_ptr<StreamLink> link_;
   const std::unique_ptr<StreamTransport> fallback_;
   std::shared_ptr<NcclPeer> peer_;  // shared with the batches in flight
@@ -196,11 +208,10 @@ std::string NcclUnavailableReason(const TransportEnv& env, const v1::Open* open)
     return absl::StrCat("Open.nccl_unique_id has ", open->nccl_unique_id().size(),
                         " bytes, an ncclUniqueId has 128");
   }
-  if (open->transport() == v1::TRANSPORT_AUTO && open->host_id() != LocalHostId()) {
-    return "the trainer runs on another host (or did not say which)";
-  }
+  if (std::string why = NcclHostsRefusal(env, *open); !why.empty()) return why;
   const int device = NcclDevice(env);
-  if (!open->gpu_uuid().empty() && open->gpu_uuid() == CudaDeviceUuid(device)) {
+  if (!NcclAcrossHosts(env, *open) && !open->gpu_uuid().empty() &&
+      open->gpu_uuid() == CudaDeviceUuid(device)) {
     return absl::StrCat("the trainer uses this target's own GPU (cuda:", device,
                         "); NCCL needs two GPUs");
   }
@@ -210,8 +221,7 @@ std::string NcclUnavailableReason(const TransportEnv& env, const v1::Open* open)
 std::unique_ptr<StreamTransport> MakeNcclStreamTransport(
     const TransportEnv& env, const v1::Open& open, std::shared_ptr<StreamLink> link,
     std::unique_ptr<StreamTransport> fallback) {
-  return std::make_unique<NcclStreamTransport>(env, open.nccl_unique_id(), std::move(link),
-                                               std::move(fallback));
+  return std::make_unique<NcclStreamTransport>(env, open, std::move(link), std::move(fallback));
 }
 
 }  // namespace draftfeed

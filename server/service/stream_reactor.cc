@@ -295,6 +295,7 @@ void StreamReactor::SendOpened(const TransportOpened& transport) {
   opened->set_max_inflight_batches(credits_);
   opened->set_chunk_bytes(opt.chunk_bytes);
   opened->set_transport_note(transport.note);
+  opened->set_nccl_across_hosts(transport.across_hosts);
   Enqueue(Outgoing{.message = std::move(resp)});
   LogStreamOpened(*ctx_, token_name_, req_.open(), *opened);
   client_name_ = req_.open().client_name();

@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/nccl_hosts.h"
 #include "draftfeed/v1/draftfeed.pb.h"
 #include "server/model/engine.h"
 #include "server/service/scheduler.h"
@@ -25,7 +26,8 @@ namespace draftfeed {
 struct TransportOpened {
   v1::Transport transport = v1::TRANSPORT_GRPC;  // Opened.transport
   std::string note;                              // Opened.transport_note
-  bool ready = true;  // false: batches wait until the transport reports Ready
+  bool ready = true;          // false: batches wait until the transport reports Ready
+  bool across_hosts = false;  // Opened.nccl_across_hosts
 };
 
 // How a transport reports to its stream from its own threads (setup, the
@@ -83,7 +85,10 @@ struct TransportEnv {
   std::span<Engine* const> engines;  // replicas of one model
   int64_t chunk_bytes = 4 << 20;     // payload per HiddenChunk (whole tokens)
   bool enable_nccl = true;
-  double nccl_timeout_s = 120.0;
+  double nccl_timeout_s = 120.0;       // each batch's send
+  double nccl_setup_timeout_s = 60.0;  // a stream's NCCL set-up and handshake
+  bool nccl_across_hosts = true;       // NCCL for trainers on other hosts too
+  HostIdentity host;                   // this target's, compared with Open.host_id
 };
 
 }  // namespace draftfeed

@@ -75,7 +75,9 @@ v1::TargetInfo TargetService::Info() const {
   info.set_fingerprint(m.fingerprint);
   for (Engine* e : engines_) info.add_devices(e->device_name());
   info.set_max_batch_tokens(options_.max_batch_tokens);
-  for (v1::Transport t : OfferedTransports(transport_env())) info.add_transports(t);
+  const TransportEnv env = transport_env();
+  for (v1::Transport t : OfferedTransports(env)) info.add_transports(t);
+  info.set_nccl_across_hosts(OffersNcclAcrossHosts(env));
   for (CaptureEncoding e : encodings()) info.add_encodings(static_cast<v1::Encoding>(e));
   info.set_server_version(std::string(kDraftfeedVersion));
   for (LayerKind k : m.config.layer_types) {
@@ -209,7 +211,10 @@ TransportEnv TargetService::transport_env() const {
   return TransportEnv{.engines = engines_,
                       .chunk_bytes = options_.chunk_bytes,
                       .enable_nccl = options_.enable_nccl,
-                      .nccl_timeout_s = options_.nccl_timeout_s};
+                      .nccl_timeout_s = options_.nccl_timeout_s,
+                      .nccl_setup_timeout_s = options_.nccl_setup_timeout_s,
+                      .nccl_across_hosts = options_.nccl_across_hosts,
+                      .host = options_.host.id.empty() ? LocalHost() : options_.host};
 }
 
 std::vector<StreamLoad> TargetService::StreamLoads() const {

@@ -47,8 +47,13 @@ struct ServiceOptions {
   double max_rejects_per_s = 100;
   // Capture buffers' memory: pinned (PinnedHostAllocator) for GPU engines.
   HostAllocator host_allocator = HostAllocator::Heap();
-  bool enable_nccl = true;        // offer TRANSPORT_NCCL (one GPU engine, NCCL built in)
-  double nccl_timeout_s = 120.0;  // NCCL setup, and one batch's send, must finish in this
+  bool enable_nccl = true;             // offer TRANSPORT_NCCL (one GPU engine, NCCL built in)
+  double nccl_timeout_s = 120.0;       // one batch's NCCL send must finish in this
+  double nccl_setup_timeout_s = 60.0;  // a stream's NCCL set-up and handshake, likewise
+  bool nccl_across_hosts = true;       // offer NCCL to trainers on other hosts too
+  // The host trainers' Open.host_id is compared with; empty id: LocalHost().
+  // Tests set it to make one machine's target and trainer look like two hosts.
+  HostIdentity host;
   // Bearer tokens every call but health must carry (--auth_tokens_file);
   // null: none are checked.
   std::shared_ptr<const TokenChecker> tokens;

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/service/grpc_stream_transport.h"
+#include "server/service/nccl_hosts_rule.h"
 #if DRAFTFEED_HAVE_NCCL
 #include "server/service/nccl_stream_transport.h"
 #endif
@@ -29,6 +30,20 @@ std::vector<v1::Transport> OfferedTransports(const TransportEnv& env) {
   std::vector<v1::Transport> offered = {v1::TRANSPORT_GRPC};
   if (WhyNotNccl(env, nullptr).empty()) offered.push_back(v1::TRANSPORT_NCCL);
   return offered;
+}
+
+bool OffersNcclAcrossHosts(const TransportEnv& env) {
+  return env.nccl_across_hosts && WhyNotNccl(env, nullptr).empty();
+}
+
+std::string SummarizeTransports(const TransportEnv& env) {
+  if (!WhyNotNccl(env, nullptr).empty()) return "transport grpc";
+  return env.nccl_across_hosts ? "transports grpc,nccl (nccl across hosts)"
+                               : "transports grpc,nccl (nccl on this host only)";
+}
+
+std::string DescribeNcclTransport(const TransportEnv& env) {
+  return DescribeNcclOffer(env, WhyNotNccl(env, nullptr));
 }
 
 absl::Status CheckTransportKnown(v1::Transport transport) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -16,6 +17,14 @@
 namespace draftfeed {
 
 std::vector<v1::Transport> OfferedTransports(const TransportEnv& env);
+// TargetInfo.nccl_across_hosts: NCCL is offered, to trainers on other hosts too.
+bool OffersNcclAcrossHosts(const TransportEnv& env);
+// The serving line's transports: "transports grpc,nccl (nccl across hosts)",
+// "… (nccl on this host only)" or "transport grpc".
+std::string SummarizeTransports(const TransportEnv& env);
+// The start-up line after it: NCCL offered (to which hosts, on which
+// interface, with which timeouts) or why not.
+std::string DescribeNcclTransport(const TransportEnv& env);
 
 // UNIMPLEMENTED for a transport value this version does not know.
 absl::Status CheckTransportKnown(v1::Transport transport);

@@ -35,7 +35,7 @@ namespace draftfeed {
 
 enum class Transport {
   kGrpc,  // payload in gRPC messages, into host memory
-  kNccl,  // payload by NCCL straight into `cuda_device`'s memory (same host, other GPU)
+  kNccl,  // payload by NCCL straight into `cuda_device`'s memory (another GPU, any host)
   kAuto,  // NCCL with targets where it works, gRPC with the others (each says why)
 };
 
@@ -135,8 +135,22 @@ struct FeedOptions {
   // live in its memory (HiddenBatch::device_buffer) instead of host memory.
   Transport transport = Transport::kGrpc;
   int cuda_device = -1;
-  // NCCL setup with a target, and each batch's receive, must finish in this.
+  // Each batch's NCCL receive must finish in this.
   double nccl_timeout_s = 120.0;
+  // A stream's NCCL set-up with its target (joining the communicator, the
+  // handshake) must finish in this; across hosts a blocked port or a wrong
+  // interface shows here.
+  double nccl_setup_timeout_s = 60.0;
+  // kAuto: NCCL with targets on other hosts too (NCCL's network transport:
+  // InfiniBand/RoCE, else sockets), not only with those on this host; kNccl
+  // crosses hosts unasked. A target started with --nccl_across_hosts=false
+  // refuses it either way.
+  bool nccl_across_hosts = false;
+  // The network interface(s) NCCL uses to reach targets on other hosts
+  // (NCCL_SOCKET_IFNAME's syntax: "eth0", "^docker,lo"); empty: NCCL's own
+  // choice. Process-wide (NCCL reads it once): set it before the process's
+  // first NCCL feed; a different value than the environment's is refused.
+  std::string nccl_socket_ifname;
   TlsOptions tls;
   // Bearer token (the targets' --auth_tokens_file), sent on every call as
   // "authorization: Bearer <token>". Over plaintext it crosses the network
@@ -159,6 +173,7 @@ struct TargetDescription {
   std::string dtype;                    // of the hidden states it computes ("bf16")
   std::vector<std::string> transports;  // offered: "grpc", "nccl"
   std::vector<std::string> encodings;   // offered: "bf16", "fp8_e4m3"
+  bool nccl_across_hosts = false;       // offers NCCL to trainers on other hosts too
   int32_t max_credits = 0;              // most in-flight batches a stream may have
   int32_t max_capture_layers = 0;       // most layer ids a stream may capture; 0 = no limit
   // How one model instance is held (the first engine's; replicas alike).
@@ -233,8 +248,9 @@ struct TargetStats {
   int64_t delivered_tokens = 0;
   int64_t failures = 0;  // streams lost (crash, hang, shutdown)
   std::string last_error;
-  std::string transport;       // of the live stream: "grpc" or "nccl"
-  std::string transport_note;  // why not NCCL, when auto chose gRPC
+  std::string transport;  // of the live stream: "grpc" or "nccl"
+  // Why not NCCL, when auto chose gRPC; for NCCL across hosts, which hosts.
+  std::string transport_note;
   // delivered_batches and delivered_tokens per second since the target joined
   // the feed (Open or AddTarget), and over the recent window as FeedStats'.
   double batches_per_s = 0;

@@ -306,11 +306,16 @@ class Feed:
         10 s instead (unless progress_every_s says otherwise).
       stats_window_s: the recent window of `stats()`' window_* rates, seconds.
       transport: "grpc" (default; results in host memory), "nccl" (results land
-        GPU to GPU in `cuda_device`'s memory; the targets must run on this host,
-        each on one GPU other than `cuda_device`) or "auto" (NCCL with the
-        targets where it works, gRPC with the others; `stats()` says which and
-        why per target).
+        GPU to GPU in `cuda_device`'s memory; each target on one GPU other than
+        `cuda_device`, on this host or, by NCCL's network transport, another)
+        or "auto" (NCCL with the targets where it works, gRPC with the others;
+        `stats()` says which and why per target).
       cuda_device: the GPU index that receives, for "nccl" and "auto".
+      nccl_across_hosts: with transport="auto", use NCCL with targets on other hosts
+        too (InfiniBand/RoCE, else sockets); without it auto takes NCCL on this host
+        only. Advanced keywords: nccl_socket_ifname (NCCL's interface, as
+        NCCL_SOCKET_IFNAME), nccl_setup_timeout_s (set-up and handshake, default 60),
+        nccl_timeout_s (each batch's receive, default 120).
       encoding: what the targets send: "bf16" (default, exact) or "fp8_e4m3" (K*H + 4K bytes a
         token instead of 2*K*H: e4m3 codes with one fp32 scale per token and layer,
         scale = max|x| / 448). fp8 results are bf16 to the trainer: dequantised on the way in
@@ -334,7 +339,8 @@ class Feed:
                  client_name: str = "", progress_every_s: float = 0.0,
                  transport: str = "grpc", cuda_device: int = -1, encoding: str = "bf16",
                  fp8_raw: bool = False, tls=None, token: Optional[str] = None,
-                 progress: bool = False, stats_window_s: float = 30.0, **advanced):
+                 progress: bool = False, stats_window_s: float = 30.0,
+                 nccl_across_hosts: bool = False, **advanced):
         if isinstance(targets, str):
             targets = [targets]
         opts = dict(prefetch=int(prefetch), prefetch_bytes=int(prefetch_bytes),
@@ -345,9 +351,12 @@ class Feed:
                     batch_timeout_s=float(batch_timeout_s),
                     unavailable_timeout_s=float(unavailable_timeout_s), client_name=client_name,
                     transport=str(transport), cuda_device=int(cuda_device),
+                    nccl_across_hosts=bool(nccl_across_hosts),
                     encoding=str(encoding), fp8_raw=bool(fp8_raw), tls=_native_tls(tls),
                     token=_native_token(token), stats_window_s=float(stats_window_s))
-        opts.update(advanced)  # reconnect_backoff_min_s, reconnect_backoff_max_s, dns_refresh_s
+        # reconnect_backoff_min_s, reconnect_backoff_max_s, dns_refresh_s, nccl_socket_ifname,
+        # nccl_setup_timeout_s, nccl_timeout_s
+        opts.update(advanced)
         self._feed = _check(_draftfeed.Feed.open(list(targets), [int(l) for l in layers], opts))
         self.prefetch = int(prefetch)
         self.encoding = str(encoding)
