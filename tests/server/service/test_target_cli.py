@@ -34,6 +34,7 @@ def run_target(*args, timeout=60):
     ("--max_batch_tokens=0", "--max_batch_tokens=0 must be >= 1"),
     ("--max_capture_layers=0", "--max_capture_layers=0 must be >= 1"),
     ("--threads=-2", "--threads=-2 must be >= 0 (0 = all cores)"),
+    ("--load_threads=-1", "--load_threads=-1 must be >= 0 (0 = min(8, cores))"),
     ("--drain_timeout_s=-1", "--drain_timeout_s=-1 must be >= 0"),
     ("--throttle_tokens_per_s=-5", "--throttle_tokens_per_s=-5 must be >= 0 (0 = off)"),
     ("--throttle_tokens_per_s=nan", "--throttle_tokens_per_s=nan must be >= 0"),
