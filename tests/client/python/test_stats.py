@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import draftfeed
-from draftfeed.stats import flatten
+from draftfeed import stats as stats_module
+from draftfeed.stats import ProgressBar, flatten
 
 LENS = [[5], [1, 2, 3], [64, 65], [200], [17, 1]]
 
@@ -78,6 +79,34 @@ def test_stats_rates_flat_and_after_close(target):
 def test_stats_window_must_be_positive(target):
     with pytest.raises(draftfeed.DraftfeedError, match="stats_window_s must be a number"):
         draftfeed.Feed(targets=[target.address], layers=[0], stats_window_s=0)
+
+
+def test_progress_bar_asks_the_rate_only_when_it_redraws(monkeypatch):
+    class FakeBar:
+        def __init__(self):
+            self.n, self.postfix = 0, []
+
+        def update(self, k):
+            self.n += k
+
+        def set_postfix_str(self, text, refresh):
+            self.postfix.append(text)
+
+    now = [100.0]
+    monkeypatch.setattr(stats_module.time, "monotonic", lambda: now[0])
+    asked = []
+
+    def rate():
+        asked.append(now[0])
+        return 1234.4
+
+    bar = ProgressBar(FakeBar())
+    for t in (100.0, 100.2, 100.49, 100.5, 100.7):
+        now[0] = t
+        bar.update(3, rate)
+    assert bar.bar.n == 5
+    assert asked == [100.0, 100.5]  # every 0.5 s, not every batch
+    assert bar.bar.postfix == ["1,234 tok/s, queue 3"] * 2
 
 
 def test_progress_bar_with_tqdm(target, capsys):
