@@ -53,6 +53,12 @@ ABSL_FLAG(int32_t, prefetch, 4, "Trainer prefetch window in batches.");
 ABSL_FLAG(bool, verify, true, "Trainer verifies each batch's checksum (as a trainer should).");
 ABSL_FLAG(std::string, target_bin, "",
           "draftfeed-target to start (default: the one beside this binary).");
+ABSL_FLAG(std::vector<std::string>, target_args, {},
+          "More flags for the target, comma-separated (e.g. --target_args=--tp=2,--moe_parallel=ep "
+          "with --target_devices).");
+ABSL_FLAG(std::string, target_devices, "",
+          "The target's --devices instead of --device (e.g. 0,1 with --target_args=--tp=2: a "
+          "tensor-parallel target beside the one-GPU engine).");
 ABSL_FLAG(double, startup_timeout_s, 600, "Seconds to wait for the target to serve.");
 ABSL_FLAG(double, min_ratio, 0, "Exit 1 when end-to-end / engine-only is below this.");
 ABSL_FLAG(uint64_t, seed, 0, "Sequence-length and token seed.");
@@ -240,12 +246,18 @@ absl::StatusOr<EndToEnd> ThroughTarget(const std::string& device, const std::vec
   std::filesystem::create_directories(dir);
   const std::string port_file = dir + "/port";
   TargetProcess target;
-  absl::Status started = target.Start(
-      {bin, "--model=" + absl::GetFlag(FLAGS_model), "--device=" + device, "--listen=127.0.0.1:0",
-       "--port_file=" + port_file, absl::StrCat("--max_batch_tokens=", absl::GetFlag(FLAGS_tokens)),
-       absl::StrCat("--max_capture_layers=", layers.size()),
-       absl::StrCat("--threads=", absl::GetFlag(FLAGS_threads))},
-      port_file);
+  std::vector<std::string> args = {bin,
+                                   "--model=" + absl::GetFlag(FLAGS_model),
+                                   absl::GetFlag(FLAGS_target_devices).empty()
+                                       ? "--device=" + device
+                                       : "--devices=" + absl::GetFlag(FLAGS_target_devices),
+                                   "--listen=127.0.0.1:0",
+                                   "--port_file=" + port_file,
+                                   absl::StrCat("--max_batch_tokens=", absl::GetFlag(FLAGS_tokens)),
+                                   absl::StrCat("--max_capture_layers=", layers.size()),
+                                   absl::StrCat("--threads=", absl::GetFlag(FLAGS_threads))};
+  for (const std::string& a : absl::GetFlag(FLAGS_target_args)) args.push_back(a);
+  absl::Status started = target.Start(args, port_file);
   std::filesystem::remove_all(dir);
   if (!started.ok()) return started;
 

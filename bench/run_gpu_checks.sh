@@ -7,7 +7,9 @@
 #   PART=speed bash bench/run_gpu_checks.sh     # engine, kernels, gRPC, end to end
 #   PART=moe bash bench/run_gpu_checks.sh       # MoE suites, MoE engines beside transformers
 #   PART=fp8 bash bench/run_gpu_checks.sh       # FP8 suites, FP8 GEMMs, FP8 engines beside bf16
-# BUILD_DIR (default build) names the build tree the bundle is made from.
+#   PART=tp bash bench/run_gpu_checks.sh        # tensor parallelism with the ranks on one GPU
+# BUILD_DIR (default build) names the build tree the bundle is made from; BINS (names
+# under bin/ or tests/) bundles only those, when the whole set is past the carry limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 b=${BUILD_DIR:-build}
@@ -21,7 +23,17 @@ bins=($b/bin/draftfeed-target $b/bin/draftfeed-bench $b/bin/draftfeed-bench-kern
       $b/tests/kernels/cuda/fp8_gemm_cuda_test $b/tests/server/model/cuda_fp8_engine_test
       $b/tests/kernels/cuda/moe_fp8_cuda_test $b/tests/server/model/fp8_goldens_test
       $b/tests/kernels/cuda/capture_fp8_cuda_test $b/tests/server/model/cuda_engine_fp8_test
-      $b/tests/server/model/fp8_model_test $b/tests/kernels/cuda/moe_cublas_cuda_test)
+      $b/tests/server/model/fp8_model_test $b/tests/kernels/cuda/moe_cublas_cuda_test
+      $b/tests/server/model/cuda_tensor_parallel_test $b/bin/draftfeed-tp-bench)
+if [[ -n ${BINS:-} ]]; then
+  picked=()
+  for want in $BINS; do
+    for p in "${bins[@]}" $b/bin/$want; do
+      [[ $(basename "$p") == "$want" && -x $p ]] && { picked+=("$p"); break; }
+    done
+  done
+  bins=("${picked[@]}")
+fi
 if [[ ${1:-} == bundle ]]; then
   rm -rf .bundle
   bash scripts/make-bundle.sh .bundle "${bins[@]}"
@@ -61,6 +73,26 @@ elif [[ $PART == fp8 ]]; then
       timeout 300 .bundle/bin/draftfeed-bench engine --model "random:$v" --tokens 49152 \
         --iters "${ITERS:-5}"
     done
+  done
+elif [[ $PART == tp ]]; then
+  # Every architecture sharded at tp 2 and 4 on one GPU against the unsharded engine.
+  echo "== cuda_tensor_parallel_test"
+  timeout 300 .bundle/bin/cuda_tensor_parallel_test 2>&1 | summary
+  # Which MoE strategy gives a rank less work: both ranks share the GPU, so the time is
+  # about twice one rank's plus the sums.
+  for moe in ep split; do
+    timeout 300 .bundle/bin/draftfeed-tp-bench --model random:qwen3.6-35b-a3b --tokens 49152 \
+      --tp 2 --moe_parallel $moe --devices 0,0 --iters "${ITERS:-3}"
+  done
+  timeout 300 .bundle/bin/draftfeed-tp-bench --model random:qwen3.6-27b --tokens 16384 --tp 2 \
+    --devices 0,0 --iters "${ITERS:-3}"
+  # The service over gRPC from a tensor-parallel target (ranks sharing the GPU).
+  timeout 300 .bundle/bin/draftfeed-e2e-bench --model random:qwen3.6-35b-a3b --device cuda:0 \
+    --tokens 16384 --capture 5 --warmup 1 --batches 4 --repeats 2 --target_devices 0,0 \
+    --target_args=--tp=2 --target_bin .bundle/bin/draftfeed-target
+  echo "e2e (tp 2 target) exit status $?"
+  for tp in 1 2 4 8; do
+    .bundle/bin/draftfeed-target --model random:qwen3.5-122b-a10b --tp $tp --print_plan 2>&1 | head -3
   done
 elif [[ $PART == moe ]]; then
   for t in moe_cuda_test moe_cublas_cuda_test cuda_moe_engine_test; do

@@ -4,6 +4,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <pthread.h>
 #include <signal.h>
+#include <algorithm>
 
 #include <chrono>
 #include <cmath>
@@ -385,7 +386,6 @@ int Run() {
   copt.max_layers = absl::GetFlag(FLAGS_max_capture_layers);
   copt.fp8_expert_gemms = absl::GetFlag(FLAGS_fp8_experts) == "fp8";
   copt.load_threads = absl::GetFlag(FLAGS_load_threads);
-  copt.load_threads = absl::GetFlag(FLAGS_load_threads);
   // One instance per tp consecutive GPUs: a replica of one GPU, or a
   // tensor-parallel group.
   for (size_t first = 0; first < gpus.size(); first += static_cast<size_t>(tp)) {
@@ -477,9 +477,15 @@ int Run() {
   AddServiceGauges(&service, absl::GetFlag(FLAGS_metrics_per_stream));
 #if DRAFTFEED_HAVE_CUDA
   // Device memory as the driver sees it (every allocation, not only ours).
-  for (size_t i = 0; i < gpus.size(); ++i) {
-    const int g = gpus[i];
-    const std::string name = engine_ptrs[i]->device_name();
+  // Once per distinct GPU (a tensor-parallel group's ranks may share one).
+  std::vector<int> distinct_gpus;
+  for (int g : gpus) {
+    if (std::find(distinct_gpus.begin(), distinct_gpus.end(), g) == distinct_gpus.end()) {
+      distinct_gpus.push_back(g);
+    }
+  }
+  for (int g : distinct_gpus) {
+    const std::string name = absl::StrCat("cuda:", g);
     const auto sample = [g, name](bool used) {
       size_t free_b = 0, total_b = 0;
       int prev = 0;
