@@ -17,8 +17,10 @@
 //   issues S(j) with P(j−1)·V(j−1) and runs the softmax of S(j) while that
 //   product is still on the tensor cores. (Making the two warpgroups take
 //   turns, FA3's ping-pong, measured no faster on an H200 and is not done.)
-// - otherwise (the portable compute_90 PTX): mma.sync.m16n8k16 fed by
-//   ldmatrix, 64-row tiles, the same loop done synchronously.
+// - otherwise (sm_100a, sm_120a, the compute_90 PTX, or DRAFTFEED_PORTABLE_KERNELS):
+//   mma.sync.m16n8k16 fed by ldmatrix, 64-row tiles, the same loop done
+//   synchronously; at head dim 256, 32-key tiles where 64-key ones need more
+//   shared memory than the device has (sm_120: kernels/kernel_paths.cuh).
 // Head dims 32/64/96 take SmallHeadAttentionKernel, an exact untuned kernel.
 //
 // One file past the ~600 lines a file usually holds (its wgmma instruction
@@ -36,6 +38,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "kernels/kernel_paths.cuh"
 #include "kernels/mma_sm80.cuh"
 #include "kernels/wgmma_sm90.cuh"
 
@@ -531,17 +534,54 @@ cudaError_t LaunchKernel(const AttentionArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// KV tiles per head dim: wgmma's; the portable kernel's (fewer registers
+// than wgmma's); and the portable kernel's where that one's shared memory is
+// more than the device allows (head dim 256 on sm_120: 161 KB at 64 keys,
+// 97 KB at 32; head dim 128 needs 81 KB at 64 keys, which every GPU has).
+template <int HD>
+struct Tiles;
+template <>
+struct Tiles<128> {
+  static constexpr int kWgmma = 128, kPortable = 64, kSmall = 64;
+};
+template <>
+struct Tiles<256> {
+  static constexpr int kWgmma = 80, kPortable = 64, kSmall = 32;
+};
+
 // The wgmma kernel where the loaded binary has it (sm_90a code on a Hopper
-// GPU: its block size says so), else the portable one. Each with its own KV
-// tile: BN keys for wgmma, kPortableBN for mma.sync (fewer registers).
-template <int HD, int BN, int kPortableBN>
-cudaError_t Launch(const AttentionArgs& a, cudaStream_t stream) {
+// GPU: its block size says so) and HopperKernelsAllowed(), else the portable
+// one with the largest of its tiles that fits.
+template <int HD>
+cudaError_t ChoosePath(AttentionPath* path) {
+  using T = Tiles<HD>;
   cudaFuncAttributes attr;
-  const cudaError_t err = cudaFuncGetAttributes(&attr, AttentionKernel<HD, BN, true>);
+  cudaError_t err = cudaFuncGetAttributes(&attr, AttentionKernel<HD, T::kWgmma, true>);
   if (err != cudaSuccess) return err;
-  if (attr.maxThreadsPerBlock == Layout<true>::kThreads)
-    return LaunchKernel<HD, BN, true>(a, stream);
-  return LaunchKernel<HD, kPortableBN, false>(a, stream);
+  if (HopperKernelsAllowed() && attr.maxThreadsPerBlock == Layout<true>::kThreads) {
+    *path = {true, T::kWgmma, SmemBytes<HD, T::kWgmma, Layout<true>::kBlockM>()};
+    return cudaSuccess;
+  }
+  int limit = 0;
+  if ((err = SmemPerBlockLimit(&limit)) != cudaSuccess) return err;
+  constexpr int kPortableSmem = SmemBytes<HD, T::kPortable, Layout<false>::kBlockM>();
+  if (kPortableSmem <= limit) {
+    *path = {false, T::kPortable, kPortableSmem};
+  } else {
+    *path = {false, T::kSmall, SmemBytes<HD, T::kSmall, Layout<false>::kBlockM>()};
+  }
+  return cudaSuccess;
+}
+
+template <int HD>
+cudaError_t Launch(const AttentionArgs& a, cudaStream_t stream) {
+  using T = Tiles<HD>;
+  AttentionPath path;
+  const cudaError_t err = ChoosePath<HD>(&path);
+  if (err != cudaSuccess) return err;
+  if (path.wgmma) return LaunchKernel<HD, T::kWgmma, true>(a, stream);
+  if (path.kv_tile == T::kPortable) return LaunchKernel<HD, T::kPortable, false>(a, stream);
+  return LaunchKernel<HD, T::kSmall, false>(a, stream);
 }
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -627,9 +667,20 @@ cudaError_t VarlenCausalAttention(const AttentionArgs& a, cudaStream_t stream) {
   }
   switch (a.head_dim) {
     case 128:
-      return Launch<128, 128, 64>(a, stream);
+      return Launch<128>(a, stream);
     case 256:
-      return Launch<256, 80, 64>(a, stream);
+      return Launch<256>(a, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t ChooseAttentionPath(int64_t head_dim, AttentionPath* path) {
+  switch (head_dim) {
+    case 128:
+      return ChoosePath<128>(path);
+    case 256:
+      return ChoosePath<256>(path);
     default:
       return cudaErrorInvalidValue;
   }

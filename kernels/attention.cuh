@@ -35,4 +35,15 @@ struct AttentionArgs {
 // otherwise).
 cudaError_t VarlenCausalAttention(const AttentionArgs& args, cudaStream_t stream);
 
+// The tensor-core kernel VarlenCausalAttention runs at head dim 128 or 256 on
+// the current device (kernels/kernel_paths.cuh says how it is chosen).
+struct AttentionPath {
+  bool wgmma = false;  // else mma.sync
+  int kv_tile = 0;     // keys per KV tile
+  int smem_bytes = 0;  // dynamic shared memory a block
+};
+// cudaErrorInvalidValue for another head dim; cudaErrorNoKernelImageForDevice
+// on a GPU that the built architectures do not cover.
+cudaError_t ChooseAttentionPath(int64_t head_dim, AttentionPath* path);
+
 }  // namespace draftfeed::cuda

@@ -20,7 +20,10 @@
 // and the decays folded into qf = ‖q‖⁻¹dk^−½e^γ and kf = ‖k‖⁻¹e^{γ_last−γ}.
 // Transposing makes the accumulator of one product the A operand of the next
 // without a trip through shared memory. The next chunk's operands stream in
-// by cp.async while the current one computes.
+// by cp.async while the current one computes; where two chunk buffers are
+// more shared memory than the GPU has (dk = 128 on sm_120), one buffer, loaded
+// after the chunk before is done (the same products in the same order, so the
+// same bits).
 //
 // Decays only ever appear as exp(γ_r − γ_s) with s ≤ r, exp(γ) and
 // exp(γ_last − γ), all ≤ 1: γ over a chunk can be hundreds negative, so exp(−γ)
@@ -35,7 +38,9 @@
 #include "kernels/gdn.cuh"
 
 #include <cstring>
+#include <type_traits>
 
+#include "kernels/kernel_paths.cuh"
 #include "kernels/mma_sm80.cuh"
 #include "kernels/vec_io.cuh"
 
@@ -474,7 +479,10 @@ __global__ void __launch_bounds__(kPrepThreads, 4) GdnPrepKernel(GdnParams p) {
 // ---------------------------------------------------------------------------
 // Kernel 2: per (sequence, value head, slice of ≤ 64 state columns).
 
-template <int kDk, int kDv>
+// kStages chunk buffers: 2 overlaps the next chunk's loads with this one's
+// products; 1 (load, then compute) where two do not fit in the device's
+// shared memory (dk = 128 on sm_120: 151 KB against 99 KB).
+template <int kDk, int kDv, int kStageCount>
 struct ScanSmem {
   static constexpr int kSlice = kDv < 64 ? kDv : 64;
   static constexpr int kWarps = kSlice / 16;
@@ -490,15 +498,18 @@ struct ScanSmem {
   static constexpr size_t kU = kM + size_t{kChunk} * kMLd * sizeof(bf16);
   static constexpr size_t kF = kU + size_t{kChunk} * kULd * sizeof(bf16);
   static constexpr size_t kStage = kF + kFactorFloats * sizeof(float);
-  static constexpr int kStages = 2;
+  static constexpr int kStages = kStageCount;
   static constexpr size_t kO = kStages * kStage;  // per-warp output staging [64][kOLd]
   static constexpr size_t kBytes = kO + size_t{kWarps} * kChunk * kOLd * sizeof(bf16);
   static_assert(kStage % 16 == 0, "stages must stay 16-byte aligned");
 };
 
-template <int kDk, int kDv>
-__global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1) GdnScanKernel(GdnParams p) {
-  using L = ScanSmem<kDk, kDv>;
+template <int kDk, int kDv, int kStages>
+__global__ void __launch_bounds__(ScanSmem<kDk, kDv, kStages>::kThreads, 1)
+    GdnScanKernel(GdnParams p) {
+  using L = ScanSmem<kDk, kDv, kStages>;
+  // Chunk c's buffer.
+  const auto stage = [](int c) { return kStages == 2 ? (c & 1) : 0; };
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, q4 = lane & 3;
@@ -512,7 +523,7 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1) GdnScanKernel
   const bf16* k_base = q_base + static_cast<int64_t>(p.num_k_heads) * kDk;
 
   auto load_chunk = [&](int c) {
-    unsigned char* st = smem + (c & 1) * L::kStage;
+    unsigned char* st = smem + stage(c) * L::kStage;
     const int64_t t0 = seq_begin + static_cast<int64_t>(c) * kChunk;
     const int n = static_cast<int>(min(static_cast<int64_t>(kChunk), seq_end - t0));
     const int64_t item = (slot0 + c) * p.num_v_heads + head;
@@ -560,12 +571,16 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1) GdnScanKernel
   if (num_chunks > 0) load_chunk(0);
   CpAsyncCommit();
   for (int c = 0; c < num_chunks; ++c) {
-    if (c + 1 < num_chunks) load_chunk(c + 1);
-    CpAsyncCommit();
-    CpAsyncWait<1>();
+    if constexpr (kStages == 2) {
+      if (c + 1 < num_chunks) load_chunk(c + 1);
+      CpAsyncCommit();
+      CpAsyncWait<1>();
+    } else {
+      CpAsyncWait<0>();
+    }
     __syncthreads();
 
-    const unsigned char* st = smem + (c & 1) * L::kStage;
+    const unsigned char* st = smem + stage(c) * L::kStage;
     const bf16* s_q = reinterpret_cast<const bf16*>(st + L::kQ);
     const bf16* s_k = reinterpret_cast<const bf16*>(st + L::kK);
     const bf16* s_w = reinterpret_cast<const bf16*>(st + L::kW);
@@ -707,30 +722,63 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv>::kThreads, 1) GdnScanKernel
       }
       __syncwarp();
     }
-    __syncthreads();  // this stage is refilled two chunks on
+    __syncthreads();  // this stage is refilled two chunks on (one stage: now)
+    if constexpr (kStages == 1) {
+      if (c + 1 < num_chunks) load_chunk(c + 1);
+      CpAsyncCommit();
+    }
   }
   CpAsyncWait<0>();
+}
+
+// Whether (dk, dv) has a one-stage scan: only where two stages are more than
+// the smallest supported GPU's shared memory (kernels/kernel_paths.cuh).
+template <int kDk, int kDv>
+constexpr bool kHasOneStageScan = ScanSmem<kDk, kDv, 2>::kBytes > kSm120SmemPerBlock;
+
+// Two stages where they fit in the device's shared memory, else one.
+template <int kDk, int kDv>
+cudaError_t ScanStages(int* stages) {
+  int limit = 0;
+  const cudaError_t err = SmemPerBlockLimit(&limit);
+  if (err != cudaSuccess) return err;
+  *stages =
+      ScanSmem<kDk, kDv, 2>::kBytes <= static_cast<size_t>(limit) || !kHasOneStageScan<kDk, kDv>
+          ? 2
+          : 1;
+  return cudaSuccess;
+}
+
+template <int kDk, int kDv, int kStages>
+cudaError_t LaunchScan(const GdnParams& p, cudaStream_t stream) {
+  using LS = ScanSmem<kDk, kDv, kStages>;
+  const auto kernel = GdnScanKernel<kDk, kDv, kStages>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(LS::kBytes));
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_v_heads),
+                  kDv / LS::kSlice);
+  kernel<<<grid, LS::kThreads, LS::kBytes, stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <int kDk, int kDv>
 cudaError_t LaunchGdn(const GdnParams& p, int64_t num_tokens, int64_t num_slots,
                       cudaStream_t stream) {
   using LP = PrepSmem<kDk, kDv>;
-  using LS = ScanSmem<kDk, kDv>;
-  cudaError_t err =
-      cudaFuncSetAttribute(GdnPrepKernel<kDk, kDv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(LP::kBytes));
+  int stages = 2;
+  cudaError_t err = ScanStages<kDk, kDv>(&stages);
   if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(GdnScanKernel<kDk, kDv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(LS::kBytes));
+  err = cudaFuncSetAttribute(GdnPrepKernel<kDk, kDv>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(LP::kBytes));
   if (err != cudaSuccess) return err;
   const dim3 prep_grid(static_cast<unsigned>(num_slots), static_cast<unsigned>(p.num_v_heads));
   GdnPrepKernel<kDk, kDv><<<prep_grid, kPrepThreads, LP::kBytes, stream>>>(p);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  const dim3 scan_grid(static_cast<unsigned>(p.num_seqs), static_cast<unsigned>(p.num_v_heads),
-                       kDv / LS::kSlice);
-  GdnScanKernel<kDk, kDv><<<scan_grid, LS::kThreads, LS::kBytes, stream>>>(p);
-  return cudaGetLastError();
+  if constexpr (kHasOneStageScan<kDk, kDv>) {
+    if (stages == 1) return LaunchScan<kDk, kDv, 1>(p, stream);
+  }
+  return LaunchScan<kDk, kDv, 2>(p, stream);
 }
 
 template <int kDk>
@@ -754,6 +802,36 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }  // namespace
 
 size_t GdnWorkspaceBytes(const GdnArgs& args) { return Layout(args).total; }
+
+cudaError_t GdnScanStages(int64_t key_dim, int64_t value_dim, int* stages) {
+  const auto dv = [&](auto dk) -> cudaError_t {
+    constexpr int kDk = decltype(dk)::value;
+    switch (value_dim) {
+      case 16:
+        return ScanStages<kDk, 16>(stages);
+      case 32:
+        return ScanStages<kDk, 32>(stages);
+      case 64:
+        return ScanStages<kDk, 64>(stages);
+      case 128:
+        return ScanStages<kDk, 128>(stages);
+      default:
+        return cudaErrorInvalidValue;
+    }
+  };
+  switch (key_dim) {
+    case 16:
+      return dv(std::integral_constant<int, 16>{});
+    case 32:
+      return dv(std::integral_constant<int, 32>{});
+    case 64:
+      return dv(std::integral_constant<int, 64>{});
+    case 128:
+      return dv(std::integral_constant<int, 128>{});
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
 
 cudaError_t GatedDeltaRule(const GdnArgs& args, void* workspace, cudaStream_t stream) {
   const GdnArgs& a = args;

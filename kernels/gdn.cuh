@@ -42,4 +42,10 @@ struct GdnArgs {
 size_t GdnWorkspaceBytes(const GdnArgs& args);
 cudaError_t GatedDeltaRule(const GdnArgs& args, void* workspace, cudaStream_t stream);
 
+// Chunk buffers of the scan GatedDeltaRule runs at (key_dim, value_dim) on the
+// current device: 2 (loads overlap the products), or 1 where two are more
+// shared memory than the device has (kernels/kernel_paths.cuh);
+// cudaErrorInvalidValue for dims the kernels do not take.
+cudaError_t GdnScanStages(int64_t key_dim, int64_t value_dim, int* stages);
+
 }  // namespace draftfeed::cuda

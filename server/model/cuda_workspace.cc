@@ -8,6 +8,7 @@
 #include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/gdn.cuh"
 #include "kernels/moe.cuh"
+#include "server/model/cuda_device.h"
 #include "server/model/cuda_engine_impl.h"
 
 namespace draftfeed {
@@ -75,6 +76,7 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
         absl::StrCat("cuda:", opt.device, " does not exist (", count, " devices)"));
   }
   DF_CUDA(cudaSetDevice(opt.device));
+  DF_RETURN_IF_ERROR(CheckCudaDevice(opt.device, c));
   DF_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
   // Workspace, sized once from the token budget, in whole FP8 GEMM row
@@ -90,15 +92,7 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   if (any_fp8) {
     // cuBLASLt serves 128x128-block FP8 scales on sm_90 only: refuse now
     // rather than at the first batch.
-    int major = 0, minor = 0;
-    DF_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, opt.device));
-    DF_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, opt.device));
-    if (major != 9) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "this FP8 model needs an sm_90 (Hopper) GPU: its GEMMs are cuBLASLt's block-scaled "
-          "FP8 GEMMs, which exist on sm_90 only; cuda:",
-          opt.device, " is sm_", major, minor, " (serve the bf16 checkpoint there)"));
-    }
+    DF_RETURN_IF_ERROR(CheckFp8Device(opt.device));
   }
   // The shared expert runs through proj and act as the dense MLP does.
   const int64_t ffn_cols = std::max(F, I_shared);
