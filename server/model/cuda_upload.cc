@@ -25,17 +25,13 @@ class CudaStagingSink final : public StagingSink {
   }
 
   absl::Status Prepare(int workers, int slots, size_t chunk_bytes) override {
+    // The streams and events belong to device_; the caller's current device is left as it was.
+    int caller = 0;
+    DF_CUDA(cudaGetDevice(&caller));
     DF_CUDA(cudaSetDevice(device_));
-    slots_ = slots;
-    chunk_bytes_ = chunk_bytes;
-    DF_CUDA(cudaHostAlloc(&pinned_, static_cast<size_t>(workers * slots) * chunk_bytes,
-                          cudaHostAllocPortable));
-    streams_.assign(static_cast<size_t>(workers), nullptr);
-    events_.assign(static_cast<size_t>(workers * slots), nullptr);
-    used_.assign(static_cast<size_t>(workers * slots), 0);
-    for (cudaStream_t& s : streams_) DF_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    for (cudaEvent_t& e : events_) DF_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return absl::OkStatus();
+    absl::Status s = Allocate(workers, slots, chunk_bytes);
+    DF_CUDA(cudaSetDevice(caller));
+    return s;
   }
   absl::Status StartWorker(int) override { return CudaStatus(cudaSetDevice(device_), "upload"); }
   std::byte* Buffer(int worker, int slot) override {
@@ -63,6 +59,18 @@ class CudaStagingSink final : public StagingSink {
   }
 
  private:
+  absl::Status Allocate(int workers, int slots, size_t chunk_bytes) {
+    slots_ = slots;
+    chunk_bytes_ = chunk_bytes;
+    DF_CUDA(cudaHostAlloc(&pinned_, static_cast<size_t>(workers * slots) * chunk_bytes,
+                          cudaHostAllocPortable));
+    streams_.assign(static_cast<size_t>(workers), nullptr);
+    events_.assign(static_cast<size_t>(workers * slots), nullptr);
+    used_.assign(static_cast<size_t>(workers * slots), 0);
+    for (cudaStream_t& s : streams_) DF_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    for (cudaEvent_t& e : events_) DF_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return absl::OkStatus();
+  }
   int Index(int worker, int slot) const { return worker * slots_ + slot; }
 
   int device_;

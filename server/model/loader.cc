@@ -1,10 +1,12 @@
 // Loads a Hugging Face checkpoint directory: config.json, then one
 // model.safetensors or the shards that model.safetensors.index.json names.
 // Every decoder tensor is checked against the shape the config implies, and
-// the Tensors point straight into the read-only mappings (copied only when a
-// tensor's offset leaves it misaligned for its dtype). Fine-grained FP8
-// checkpoints: a weight is FP8 iff it is F8_E4M3 and has a weight_scale_inv
-// beside it, whose shape is checked against the weight's 128x128 block grid.
+// the Tensors point straight into the read-only mappings, copied only when a
+// tensor's offset leaves it misaligned for its dtype, and for per-expert
+// tensors, stacked into one buffer per layer by parallel reads of the shards.
+// Fine-grained FP8 checkpoints: a weight is FP8 iff it is F8_E4M3 and has a
+// weight_scale_inv beside it, whose shape is checked against the weight's
+// 128x128 block grid.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -26,6 +28,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "server/model/model.h"
 #include "server/model/safetensors.h"
+#include "server/model/staged_read.h"
 #include "server/model/weight_layout.h"
 
 namespace draftfeed {
@@ -105,6 +108,9 @@ class CheckpointLoader {
   std::optional<Found> lm_head_;
   std::shared_ptr<Storage> storage_ = std::make_shared<Storage>();
   std::vector<std::shared_ptr<const MappedFile>> files_;
+  // Per-expert parts into their stacked tensors: on MoE checkpoints saved per
+  // expert nearly all the bytes, read in parallel from the shards.
+  std::vector<StagedCopy> stacking_;
 };
 
 absl::Status CheckpointLoader::OpenShards() {
@@ -457,8 +463,10 @@ absl::StatusOr<Tensor> CheckpointLoader::BindExperts(const WeightSpec& spec,
       if (stacked == nullptr) {
         stacked = std::make_unique<std::byte[]>(part_bytes * static_cast<size_t>(experts * parts));
       }
-      std::memcpy(stacked.get() + static_cast<size_t>(e * parts + p) * part_bytes, f.tensor->data,
-                  part_bytes);
+      // Read with the others once every tensor is bound (Load).
+      stacking_.push_back({.src = f.tensor->data,
+                           .bytes = part_bytes,
+                           .dst = stacked.get() + static_cast<size_t>(e * parts + p) * part_bytes});
       expected.insert(name);
     }
   }
@@ -524,6 +532,11 @@ absl::StatusOr<std::unique_ptr<Model>> CheckpointLoader::Load() {
     w.lm_head = w.embed_tokens;
   }
 
+  if (absl::StatusOr<StagedReadStats> read = ReadToHost(stacking_, files_, {}); !read.ok()) {
+    return absl::Status(
+        read.status().code(),
+        absl::StrCat("checkpoint ", dir_, ": stacking the experts: ", read.status().message()));
+  }
   model->storage = storage_;
   model->files = files_;
   model->fingerprint = ComputeFingerprint(*model);

@@ -77,6 +77,17 @@ class DiscardSink final : public StagingSink {
   std::vector<std::unique_ptr<std::byte[]>> buffers_;
 };
 
+// Reads in place: the destination is the buffer.
+class HostSink final : public StagingSink {
+ public:
+  absl::Status Prepare(int, int, size_t) override { return absl::OkStatus(); }
+  std::byte* Buffer(int, int) override { return nullptr; }
+  std::byte* Direct(const StagedChunk& c) override { return static_cast<std::byte*>(c.dst); }
+  absl::Status Reuse(int, int) override { return absl::OkStatus(); }
+  absl::Status Consume(const StagedChunk&) override { return absl::OkStatus(); }
+  absl::Status Finish(int) override { return absl::OkStatus(); }
+};
+
 }  // namespace
 
 int DefaultReadThreads() {
@@ -182,8 +193,19 @@ absl::StatusOr<StagedReadStats> StageParallel(
       if (i >= chunks.size()) break;
       const Chunk& ch = chunks[i];
       const StagedCopy& c = copies[ch.copy];
-      DF_RETURN_IF_ERROR(sink.Reuse(w, slot));
-      std::byte* buf = sink.Buffer(w, slot);
+      StagedChunk staged{
+          .copy = ch.copy,
+          .offset = ch.offset,
+          .bytes = ch.bytes,
+          .dst = c.dst == nullptr ? nullptr : static_cast<std::byte*>(c.dst) + ch.offset,
+          .worker = w,
+          .slot = slot};
+      std::byte* buf = sink.Direct(staged);
+      if (buf == nullptr) {
+        DF_RETURN_IF_ERROR(sink.Reuse(w, slot));
+        buf = sink.Buffer(w, slot);
+      }
+      staged.staged = buf;
       if (c.fill) {
         c.fill(ch.offset, ch.bytes, buf);
       } else if (const MappedFile* f = file_of[ch.copy]; f != nullptr) {
@@ -192,14 +214,7 @@ absl::StatusOr<StagedReadStats> StageParallel(
       } else {
         std::memcpy(buf, c.src + ch.offset, ch.bytes);
       }
-      DF_RETURN_IF_ERROR(sink.Consume(
-          {.copy = ch.copy,
-           .offset = ch.offset,
-           .bytes = ch.bytes,
-           .dst = c.dst == nullptr ? nullptr : static_cast<std::byte*>(c.dst) + ch.offset,
-           .worker = w,
-           .slot = slot,
-           .staged = buf}));
+      DF_RETURN_IF_ERROR(sink.Consume(staged));
       done_bytes += ch.bytes;
     }
     return absl::OkStatus();
@@ -238,6 +253,19 @@ absl::StatusOr<StagedReadStats> StageParallel(
   stats.seconds = elapsed();
   if (!first_error.ok()) return first_error;
   return stats;
+}
+
+absl::StatusOr<StagedReadStats> ReadToHost(std::span<const StagedCopy> copies,
+                                           std::span<const std::shared_ptr<const MappedFile>> files,
+                                           const StagedReadOptions& options) {
+  for (size_t i = 0; i < copies.size(); ++i) {
+    if (copies[i].bytes > 0 && copies[i].dst == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("read to host: copy ", i, " of ", copies[i].bytes, " bytes has no dst"));
+    }
+  }
+  HostSink sink;
+  return StageParallel(copies, files, options, sink);
 }
 
 absl::StatusOr<StagedReadStats> ReadFilesRaw(const std::vector<std::string>& paths,

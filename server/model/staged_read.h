@@ -61,6 +61,9 @@ class StagingSink {
   virtual absl::Status Prepare(int workers, int slots, size_t chunk_bytes) = 0;
   virtual absl::Status StartWorker(int /*worker*/) { return absl::OkStatus(); }
   virtual std::byte* Buffer(int worker, int slot) = 0;
+  // Where the chunk's bytes can be read in place (a host destination), or
+  // null to stage them in Buffer(worker, slot). Consume follows either way.
+  virtual std::byte* Direct(const StagedChunk& /*chunk*/) { return nullptr; }
   // Blocks until the last transfer out of buffer (worker, slot) has ended.
   virtual absl::Status Reuse(int worker, int slot) = 0;
   // Starts the transfer of a filled chunk; may return before it ends.
@@ -102,6 +105,12 @@ int DefaultReadThreads();
 absl::StatusOr<StagedReadStats> StageParallel(
     std::span<const StagedCopy> copies, std::span<const std::shared_ptr<const MappedFile>> files,
     const StagedReadOptions& options, StagingSink& sink);
+
+// Reads every copy straight into its dst, host memory: the readers of
+// StageParallel without staging (the loader's stacked experts).
+absl::StatusOr<StagedReadStats> ReadToHost(std::span<const StagedCopy> copies,
+                                           std::span<const std::shared_ptr<const MappedFile>> files,
+                                           const StagedReadOptions& options);
 
 // Reads whole files with the same readers into buffers it throws away: how
 // fast the disk (or the page cache) delivers these files to this process.

@@ -3,6 +3,7 @@
 // byte equals its source (memory, a mapped file read with pread, a computed
 // copy), that a buffer is never refilled before its transfer was waited for,
 // and the errors: a checkpoint truncated after it was mapped names the file.
+// ReadToHost (the loader's expert stacking) reads in place.
 #include "server/model/staged_read.h"
 
 #include <gmock/gmock.h>
@@ -313,6 +314,41 @@ TEST_F(StagedReadTest, LoadedCheckpointNamesItsFilesAndItsTensorsReadBackExactly
   for (size_t i = 0; i < tensors.size(); ++i) {
     EXPECT_EQ(std::memcmp(dst[i].data(), tensors[i]->data, dst[i].size()), 0) << "tensor " << i;
   }
+}
+
+TEST_F(StagedReadTest, ReadToHostReadsStraightIntoTheDestinations) {
+  const std::vector<std::byte> a = RandomBytes(7 * 4096 + 3, 51), mem = RandomBytes(5000, 52);
+  const std::string path = (root_ / "experts.safetensors").string();
+  ASSERT_TRUE(WriteSafetensors(
+                  path, {{"a", "U8", {static_cast<int64_t>(a.size())}, a.data(), a.size()}}, {})
+                  .ok());
+  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  const SafetensorsTensor& t = *file->Find("a");
+  // Two parts of the file and one of memory, stacked back to back.
+  std::vector<std::byte> stacked(a.size() + mem.size() + 100);
+  const size_t half = 3 * 4096 + 1;
+  const std::vector<StagedCopy> copies = {
+      {.src = t.data + half, .bytes = a.size() - half, .dst = stacked.data()},
+      {.src = mem.data(), .bytes = mem.size(), .dst = stacked.data() + a.size() - half},
+      {.src = t.data, .bytes = half, .dst = stacked.data() + a.size() - half + mem.size()},
+  };
+  StagedReadOptions opt;
+  opt.threads = 3;
+  opt.chunk_bytes = 4096;
+  const std::vector<std::shared_ptr<const MappedFile>> files = {file->file()};
+  absl::StatusOr<StagedReadStats> stats = ReadToHost(copies, files, opt);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->file_bytes, a.size());
+  std::vector<std::byte> want(a.begin() + half, a.end());
+  want.insert(want.end(), mem.begin(), mem.end());
+  want.insert(want.end(), a.begin(), a.begin() + half);
+  want.resize(stacked.size());
+  EXPECT_EQ(stacked, want);
+
+  const std::vector<StagedCopy> nowhere = {{.src = mem.data(), .bytes = 8, .dst = nullptr}};
+  EXPECT_THAT(ReadToHost(nowhere, {}, opt).status().message(),
+              HasSubstr("copy 0 of 8 bytes has no dst"));
 }
 
 TEST_F(StagedReadTest, ReadFilesRawReadsEveryByteAndNamesAMissingFile) {
