@@ -6,14 +6,30 @@
 # room) written to that disk, then the cold-load benchmark: per repeat, the
 # files evicted from the page cache and read raw in parallel, evicted again and
 # loaded onto the GPU through LoadModel + CudaEngine::Create; medians and
-# their ratio. Expects the bundle made by
-#   bash scripts/make-bundle.sh .bundle build/bin/draftfeed-bench \
-#     build/tests/server/model/cuda_upload_test
+# their ratio. Build and bundle here first:
+#   BUILD_DIR=build bash bench/run_load_gpu.sh bundle   (makes .bundle-load.tar.xz)
+# then on the GPU machine, from the repository root (carrying .bundle-load.tar.xz):
+#   bash bench/run_load_gpu.sh
 # Knobs: SHAPE (random:qwen3-8b), SHARDS (4), REPEATS (3), LOAD_THREADS and
-# READ_THREADS (0 = the default), CHECKPOINT_DIR (on the disk, not tmpfs).
+# READ_THREADS (0 = the default), CHECKPOINT_DIR (on the disk, not tmpfs),
+# BUNDLE (.bundle-load).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+bundle=$(realpath -m "${BUNDLE:-.bundle-load}")
+if [[ ${1:-} == bundle ]]; then
+  b=${BUILD_DIR:-build}
+  rm -rf "$bundle"
+  bash scripts/make-bundle.sh "$bundle" "$b/bin/draftfeed-bench" \
+    "$b/tests/server/model/cuda_upload_test"
+  # Device code makes the binaries large; stripped and packed they travel
+  # within the device tool's carry limit.
+  strip --strip-unneeded "$bundle"/bin/*
+  tar -cJf "$bundle.tar.xz" -C "$(dirname "$bundle")" "$(basename "$bundle")"
+  ls -la "$bundle.tar.xz"
+  exit
+fi
+[[ -d $bundle ]] || tar -xJf "$bundle.tar.xz" -C "$(dirname "$bundle")" || exit 1
+export LD_LIBRARY_PATH=$bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 ck=${CHECKPOINT_DIR:-$PWD/.load-checkpoint}
 mkdir -p "$ck"
@@ -27,11 +43,12 @@ if ((avail_gb < 20)); then
   exit 1
 fi
 if [[ ${SKIP_TESTS:-0} != 1 ]]; then
-  timeout 90 .bundle/bin/cuda_upload_test 2>&1 | grep -E "^\[  (     OK|FAILED|  PASSED|SKIPPED)|Failure|Expected|Which is"
+  timeout 90 "$bundle"/bin/cuda_upload_test 2>&1 |
+    grep -E "^\[  (     OK|FAILED|  PASSED|SKIPPED)|Failure|Expected|Which is"
 fi
-timeout 150 .bundle/bin/draftfeed-bench write-random --model "${SHAPE:-random:qwen3-8b}" \
+timeout 150 "$bundle"/bin/draftfeed-bench write-random --model "${SHAPE:-random:qwen3-8b}" \
   --out "$ck" --shards "${SHARDS:-4}" || exit 1
-timeout 280 .bundle/bin/draftfeed-bench load --model "$ck" --device 0 \
+timeout 280 "$bundle"/bin/draftfeed-bench load --model "$ck" --device 0 \
   --repeats "${REPEATS:-3}" --load_threads "${LOAD_THREADS:-0}" --read_threads "${READ_THREADS:-0}"
 status=$?
 rm -rf "$ck"
