@@ -8,8 +8,13 @@
 #   PART=moe bash bench/run_gpu_checks.sh       # MoE suites, MoE engines beside transformers
 #   PART=fp8 bash bench/run_gpu_checks.sh       # FP8 suites, FP8 GEMMs, FP8 engines beside bf16
 #   PART=tp bash bench/run_gpu_checks.sh        # tensor parallelism with the ranks on one GPU
+#   PART=portable bash bench/run_gpu_checks.sh  # a B200's and an RTX PRO 6000's kernels on this GPU
 # BUILD_DIR (default build) names the build tree the bundle is made from; BINS (names
 # under bin/ or tests/) bundles only those, when the whole set is past the carry limit.
+# The default build holds sm_90a, sm_100a and sm_120a code (about twice the device code of
+# sm_90a alone); an H200 needs only sm_90a, whose code also holds the other GPUs' variants that
+# PART=portable runs, so a tree configured with -DDRAFTFEED_CUDA_ARCHS="90a-real;90-virtual"
+# makes a bundle of the old size.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 b=${BUILD_DIR:-build}
@@ -24,7 +29,8 @@ bins=($b/bin/draftfeed-target $b/bin/draftfeed-bench $b/bin/draftfeed-bench-kern
       $b/tests/kernels/cuda/moe_fp8_cuda_test $b/tests/server/model/fp8_goldens_test
       $b/tests/kernels/cuda/capture_fp8_cuda_test $b/tests/server/model/cuda_engine_fp8_test
       $b/tests/server/model/fp8_model_test $b/tests/kernels/cuda/moe_cublas_cuda_test
-      $b/tests/server/model/cuda_tensor_parallel_test $b/bin/draftfeed-tp-bench)
+      $b/tests/server/model/cuda_tensor_parallel_test $b/bin/draftfeed-tp-bench
+      $b/tests/kernels/cuda/kernel_paths_cuda_test $b/tests/server/model/cuda_device_test)
 if [[ -n ${BINS:-} ]]; then
   picked=()
   for want in $BINS; do
@@ -72,6 +78,32 @@ elif [[ $PART == fp8 ]]; then
     for v in "$m-fp8" "$m"; do
       timeout 300 .bundle/bin/draftfeed-bench engine --model "random:$v" --tokens 49152 \
         --iters "${ITERS:-5}"
+    done
+  done
+elif [[ $PART == portable ]]; then
+  # Every mode in one process, then the suites and the engine under each other GPU's kernels
+  # (DRAFTFEED_PORTABLE_KERNELS, kernels/kernel_paths.cuh): sm100 = no wgmma, sm120 = no wgmma
+  # and 99 KB of shared memory a block.
+  for t in kernel_paths_cuda_test cuda_device_test; do
+    echo "== $t"; out=$(timeout 240 .bundle/bin/$t 2>&1)
+    echo "$out" | grep -E "^attention|^GDN"; echo "$out" | summary
+  done
+  for mode in sm100 sm120; do
+    for t in attention_cuda_test gdn_cuda_test small_ops_cuda_test moe_cuda_test \
+             moe_fp8_cuda_test cuda_engine_test cuda_moe_engine_test; do
+      echo "== DRAFTFEED_PORTABLE_KERNELS=$mode $t"
+      DRAFTFEED_PORTABLE_KERNELS=$mode timeout 240 .bundle/bin/$t 2>&1 | summary
+    done
+    echo "== DRAFTFEED_PORTABLE_KERNELS=$mode goldens_test *Cuda*"
+    DRAFTFEED_PORTABLE_KERNELS=$mode timeout 240 .bundle/bin/goldens_test --gtest_filter='*Cuda*' \
+      2>&1 | summary
+  done
+  # The engine on the 27B and 35B-A3B shapes under each GPU's kernels (the line naming them first).
+  for mode in 0 sm100 sm120; do
+    for m in qwen3.6-27b qwen3.6-35b-a3b; do
+      DRAFTFEED_PORTABLE_KERNELS=$mode timeout 300 .bundle/bin/draftfeed-bench engine \
+        --model "random:$m" --tokens 16384 --iters "${ITERS:-3}" 2>&1 |
+        grep -E "draftfeed: cuda|tokens/s"
     done
   done
 elif [[ $PART == tp ]]; then
