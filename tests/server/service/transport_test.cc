@@ -24,6 +24,8 @@
 #include <cuda_runtime.h>
 
 #include "server/model/cuda_engine.h"
+#include "server/model/sharding_plan.h"
+#include "server/model/tensor_parallel_cuda_engine.h"
 #if DRAFTFEED_HAVE_NCCL
 #include "common/nccl/nccl_peer.h"
 #endif
@@ -218,15 +220,27 @@ TEST_F(CpuTarget, SeveralConnectionsPerTargetShareTheWorkExactly) {
 
 class GpuTarget : public ::testing::Test {
  protected:
-  void Start(int min_gpus) {
+  // The target on cuda:0: `spec` on one GPU, or with `tp` > 1 a
+  // tensor-parallel instance whose ranks all share cuda:0 (its captures
+  // leave from rank 0, there).
+  void Start(int min_gpus, const std::string& spec = "small-random", int tp = 1) {
     if (GpuCount() < min_gpus) GTEST_SKIP() << "needs " << min_gpus << " CUDA devices";
-    model_ = *OpenModel("small-random");
+    model_ = *OpenModel(spec);
     CudaEngineOptions copt;
     copt.device = 0;
     copt.max_tokens = 4096;
-    auto engine = CudaEngine::Create(model_.get(), copt);
-    ASSERT_TRUE(engine.ok()) << engine.status();
-    engine_ = *std::move(engine);
+    if (tp > 1) {
+      auto plan = PlanTensorParallel(model_->config, tp);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      auto engine = TensorParallelCudaEngine::Create(model_.get(), *std::move(plan),
+                                                     std::vector<int>(tp, 0), copt);
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      engine_ = *std::move(engine);
+    } else {
+      auto engine = CudaEngine::Create(model_.get(), copt);
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      engine_ = *std::move(engine);
+    }
     ServiceOptions options;
     options.max_batch_tokens = 4096;
     options.nccl_timeout_s = 30;
@@ -276,7 +290,7 @@ class GpuTarget : public ::testing::Test {
   }
 
   std::unique_ptr<Model> model_;
-  std::unique_ptr<CudaEngine> engine_;
+  std::unique_ptr<Engine> engine_;
   std::unique_ptr<Serving> serving_;
   const std::vector<int32_t> layers_ = {1, 3, -1};
   // One token, a few sequences, and one whole-budget batch.
@@ -300,6 +314,37 @@ TEST_F(GpuTarget, NcclDeliversExactlyWhatGrpcDoes) {
   EXPECT_EQ(used, "nccl") << note;
   ASSERT_EQ(by_auto.size(), by_grpc.size());
   for (size_t i = 0; i < by_grpc.size(); ++i) EXPECT_EQ(by_auto[i], by_grpc[i]) << "batch " << i;
+}
+
+// The same for the MoE families (routing, grouped GEMMs and combine all on
+// the device ahead of the send) and for a tensor-parallel target (its
+// capture rank sends).
+TEST_F(GpuTarget, NcclDeliversWhatGrpcDoesForMoeModels) {
+  for (const char* spec : {"small-random-moe", "small-random-qwen3-moe"}) {
+    Start(2, spec);
+    if (IsSkipped()) return;
+    std::string used, note;
+    const auto by_grpc = RunFeed(Transport::kGrpc, -1, &used, &note);
+    const auto by_nccl = RunFeed(Transport::kNccl, 1, &used, &note);
+    EXPECT_EQ(used, "nccl") << spec << ": " << note;
+    ASSERT_EQ(by_nccl.size(), by_grpc.size()) << spec;
+    for (size_t i = 0; i < by_grpc.size(); ++i) {
+      EXPECT_EQ(by_nccl[i], by_grpc[i]) << spec << " batch " << i;
+    }
+    serving_.reset();
+    engine_.reset();
+  }
+}
+
+TEST_F(GpuTarget, NcclFromATensorParallelTargetDeliversWhatGrpcDoes) {
+  Start(2, "small-random-qwen3-moe", /*tp=*/2);
+  if (IsSkipped()) return;
+  std::string used, note;
+  const auto by_grpc = RunFeed(Transport::kGrpc, -1, &used, &note);
+  const auto by_nccl = RunFeed(Transport::kNccl, 1, &used, &note);
+  EXPECT_EQ(used, "nccl") << note;
+  ASSERT_EQ(by_nccl.size(), by_grpc.size());
+  for (size_t i = 0; i < by_grpc.size(); ++i) EXPECT_EQ(by_nccl[i], by_grpc[i]) << "batch " << i;
 }
 
 // fp8_e4m3 over NCCL: the trainer's GPU receives the bytes a raw gRPC feed
