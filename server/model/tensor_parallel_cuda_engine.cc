@@ -33,6 +33,11 @@ ModelWeights RandomRankWeights(const ShardingPlan& plan, const Model& model) {
 
 struct TensorParallelCudaEngine::Impl {
   const Model* model = nullptr;
+  // What the engine reports as its model: the model itself, except for a
+  // real-size random model, whose ranks draw their slices from seeds of
+  // their own: its states are not the unsharded model's, so its
+  // fingerprint says so (a feed must not mix the two as one model).
+  std::unique_ptr<Model> reported;
   ShardingPlan plan;
   std::vector<int> devices;
   std::unique_ptr<DeviceAllReduce> all_reduce;
@@ -158,11 +163,18 @@ absl::StatusOr<std::unique_ptr<TensorParallelCudaEngine>> TensorParallelCudaEngi
     impl->rank_models.push_back(std::move(rank_model));
     impl->engines.push_back(*std::move(e));
   }
+  if (model->weights_on_device_random && plan.tp > 1) {
+    impl->reported = std::make_unique<Model>(*model);
+    impl->reported->fingerprint =
+        absl::StrCat(model->fingerprint, "+tp", plan.tp, moe_ep ? "-ep" : "");
+  }
   impl->plan = std::move(plan);
   return std::unique_ptr<TensorParallelCudaEngine>(new TensorParallelCudaEngine(std::move(impl)));
 }
 
-const Model& TensorParallelCudaEngine::model() const { return *impl_->model; }
+const Model& TensorParallelCudaEngine::model() const {
+  return impl_->reported ? *impl_->reported : *impl_->model;
+}
 const ShardingPlan& TensorParallelCudaEngine::plan() const { return impl_->plan; }
 const CudaEngine& TensorParallelCudaEngine::rank(int r) const {
   return *impl_->engines[static_cast<size_t>(r)];

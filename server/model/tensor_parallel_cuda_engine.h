@@ -22,7 +22,9 @@ class TensorParallelCudaEngine final : public Engine {
   // Slices `model` for every rank (views into its mapped files where the part
   // is contiguous) and creates rank r's CudaEngine on devices[r] with
   // `options` (its device and rank fields are set here). Real-size random
-  // models draw every rank's slices on its GPU. FP8 models are refused
+  // models draw every rank's slices on its GPU, from seeds of the rank's
+  // own (benchmarks: the states differ from the unsharded model's, and
+  // model().fingerprint carries a "+tpN" suffix saying so). FP8 models are refused
   // (their block scales would have to be cut with the weights). `model`
   // must outlive the engine.
   static absl::StatusOr<std::unique_ptr<TensorParallelCudaEngine>> Create(
