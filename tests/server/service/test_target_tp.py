@@ -1,7 +1,8 @@
 """draftfeed-target --device cpu --tp N: the sharded CPU engine behind the
 service serves a batch bit-identically on every repeat and within bf16
-rounding of the unsharded target; --tp values the model cannot take, and CUDA
-tensor parallelism, are refused at start-up naming why."""
+rounding of the unsharded target; --tp values the model cannot take, and GPU
+lists that do not make whole tensor-parallel groups, are refused at start-up
+naming why."""
 
 import subprocess
 
@@ -80,12 +81,15 @@ def test_bad_tp_flags_are_refused(flag, message):
     assert message in r.stderr
 
 
-def test_cuda_tp_is_refused_until_it_exists():
-    r = run_target("--model=tiny-random", "--device=cuda:0", "--tp=2")
+@pytest.mark.parametrize("devices,given", [("--device=cuda:0", "1 GPU(s) given (0)"),
+                                           ("--devices=0,1,2", "3 GPU(s) given (0,1,2)")])
+def test_cuda_tp_needs_whole_groups_of_gpus(devices, given):
+    r = run_target("--model=tiny-random", devices, "--tp=2")
     assert r.returncode == 1
     if "this build has no CUDA engine" in r.stderr:
-        pytest.skip("CPU-only build: --device cuda:0 is refused before --tp is read")
-    assert "CUDA tensor parallelism needs two GPUs and is not in this build yet" in r.stderr
+        pytest.skip("CPU-only build: a CUDA device is refused before --tp is read")
+    assert ("--tp 2 groups every 2 GPUs of --devices into one model instance; " + given +
+            " is not a multiple of 2") in r.stderr
 
 
 def test_print_plan_of_a_real_shape():
