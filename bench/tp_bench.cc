@@ -6,6 +6,7 @@
 // split) gives a rank less work; on tp GPUs it is the speed-up.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -32,6 +33,10 @@ ABSL_FLAG(std::string, moe_parallel, "ep", "MoE strategy: ep or split.");
 ABSL_FLAG(std::string, devices, "0,0",
           "The ranks' GPUs, one per rank (repeat an index to share a GPU).");
 ABSL_FLAG(bool, baseline, true, "Also time the unsharded engine on the first device.");
+ABSL_FLAG(bool, lone_ranks, false,
+          "Time each rank alone on the first device, one after the other, with no sums (its "
+          "outputs stay partial): a rank's own work, for shapes two ranks of which do not fit "
+          "one GPU. The group's step is about the slowest rank plus the sums.");
 
 namespace draftfeed {
 namespace {
@@ -95,6 +100,32 @@ int Run() {
     std::printf("unsharded on cuda:%d: median %.1f ms = %.0f tokens/s; weights %.2f GiB\n",
                 devices.front(), base * 1e3, tokens / base,
                 (*whole)->weight_bytes() / 1073741824.0);
+  }
+  if (absl::GetFlag(FLAGS_lone_ranks)) {
+    double slowest = 0;
+    for (int r = 0; r < plan->tp; ++r) {
+      auto rank =
+          TensorParallelCudaEngine::CreateLoneRank(model->get(), *plan, r, devices.front(), opt);
+      if (!rank.ok()) return Fail(rank.status());
+      auto s = MedianSeconds(*rank->engine, in, iters);
+      if (!s.ok()) return Fail(s.status());
+      slowest = std::max(slowest, *s);
+      std::printf(
+          "  rank %d alone on cuda:%d: median %.1f ms; weights %.2f GiB, workspace %.2f GiB\n", r,
+          devices.front(), *s * 1e3, rank->engine->weight_bytes() / 1073741824.0,
+          rank->engine->workspace_bytes() / 1073741824.0);
+    }
+    // Each sum moves [T, hidden] (bf16; the MoE blocks' fp32) once per block.
+    const double sum_bytes =
+        static_cast<double>(plan->all_reduces.size()) * tokens * c.hidden_size * 2;
+    std::printf(
+        "slowest rank: %.1f ms = %.0f tokens/s before the sums (%zu all-reduces of "
+        "[%lld, %lld], %.1f GB of bf16 in all)",
+        slowest * 1e3, tokens / slowest, plan->all_reduces.size(), static_cast<long long>(tokens),
+        static_cast<long long>(c.hidden_size), sum_bytes / 1e9);
+    if (base > 0) std::printf(", %.2fx the unsharded engine", base / slowest);
+    std::printf("\n");
+    return 0;
   }
   auto tp = TensorParallelCudaEngine::Create(model->get(), *plan, devices, opt);
   if (!tp.ok()) return Fail(tp.status());

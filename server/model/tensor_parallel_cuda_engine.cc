@@ -29,6 +29,64 @@ ModelWeights RandomRankWeights(const ShardingPlan& plan, const Model& model) {
   return w;
 }
 
+// Rank r of `plan` on `device`: its slices, the Model its engine reads them
+// through, and the engine, summing through `all_reduce` (null: alone).
+absl::StatusOr<TensorParallelCudaEngine::LoneRank> CreateRank(const Model* model,
+                                                              const ShardingPlan& plan, int r,
+                                                              int device,
+                                                              DeviceAllReduce* all_reduce,
+                                                              const CudaEngineOptions& options) {
+  const bool moe_ep = plan.experts_per_rank > 0 && plan.experts_per_rank < plan.config.num_experts;
+  TensorParallelCudaEngine::LoneRank out;
+  auto rank_model = std::make_unique<Model>();
+  rank_model->id = plan.tp > 1 ? absl::StrCat(model->id, " (tp rank ", r, ")") : model->id;
+  rank_model->config = plan.rank_config;
+  rank_model->fingerprint = model->fingerprint;
+  rank_model->storage = model->storage;
+  // A rank's contiguous slices are views into these files: its upload preads them.
+  rank_model->files = model->files;
+  rank_model->weights_on_device_random = model->weights_on_device_random;
+  // Every rank draws its own slices: seeded per rank so that ranks do not
+  // hold copies of one another's values.
+  rank_model->device_random_seed = model->device_random_seed + static_cast<uint64_t>(r);
+  std::vector<WeightSpec> specs;
+  if (model->weights_on_device_random) {
+    rank_model->weights = RandomRankWeights(plan, *model);
+    for (const TensorSlicing& t : plan.tensors) {
+      WeightSpec s = t.spec;
+      s.shape = t.RankShape(plan.tp);
+      specs.push_back(std::move(s));
+    }
+  } else {
+    absl::StatusOr<RankWeights> w = SliceForRank(plan, *model, r);
+    if (!w.ok()) {
+      return absl::Status(w.status().code(),
+                          absl::StrCat("model ", model->id, ": ", w.status().message()));
+    }
+    rank_model->weights = w->weights;
+    specs = w->specs;
+    out.slices = *std::move(w);
+  }
+  CudaEngineOptions o = options;
+  o.device = device;
+  o.rank.rank = r;
+  o.rank.all_reduce = all_reduce;
+  o.rank.capture = r == plan.capture_rank;
+  o.rank.specs = std::move(specs);
+  if (moe_ep) {
+    o.rank.expert_begin = plan.ExpertBegin(r);
+    o.rank.num_local_experts = plan.experts_per_rank;
+  }
+  absl::StatusOr<std::unique_ptr<CudaEngine>> e = CudaEngine::Create(rank_model.get(), o);
+  if (!e.ok()) {
+    return absl::Status(e.status().code(), absl::StrCat("tp rank ", r, " on cuda:", o.device, ": ",
+                                                        e.status().message()));
+  }
+  out.engine = *std::move(e);
+  out.model = std::move(rank_model);
+  return out;
+}
+
 }  // namespace
 
 struct TensorParallelCudaEngine::Impl {
@@ -115,53 +173,11 @@ absl::StatusOr<std::unique_ptr<TensorParallelCudaEngine>> TensorParallelCudaEngi
   DF_ASSIGN_OR_RETURN(impl->all_reduce, MakeDeviceAllReduce(devices));
   const bool moe_ep = plan.experts_per_rank > 0 && plan.experts_per_rank < plan.config.num_experts;
   for (int r = 0; r < plan.tp; ++r) {
-    auto rank_model = std::make_unique<Model>();
-    rank_model->id = plan.tp > 1 ? absl::StrCat(model->id, " (tp rank ", r, ")") : model->id;
-    rank_model->config = plan.rank_config;
-    rank_model->fingerprint = model->fingerprint;
-    rank_model->storage = model->storage;
-    // A rank's contiguous slices are views into these files: its upload preads them.
-    rank_model->files = model->files;
-    rank_model->weights_on_device_random = model->weights_on_device_random;
-    // Every rank draws its own slices: seeded per rank so that ranks do not
-    // hold copies of one another's values.
-    rank_model->device_random_seed = model->device_random_seed + static_cast<uint64_t>(r);
-    std::vector<WeightSpec> specs;
-    if (model->weights_on_device_random) {
-      rank_model->weights = RandomRankWeights(plan, *model);
-      for (const TensorSlicing& t : plan.tensors) {
-        WeightSpec s = t.spec;
-        s.shape = t.RankShape(plan.tp);
-        specs.push_back(std::move(s));
-      }
-      impl->slices.emplace_back();
-    } else {
-      absl::StatusOr<RankWeights> w = SliceForRank(plan, *model, r);
-      if (!w.ok()) {
-        return absl::Status(w.status().code(),
-                            absl::StrCat("model ", model->id, ": ", w.status().message()));
-      }
-      rank_model->weights = w->weights;
-      specs = w->specs;
-      impl->slices.push_back(*std::move(w));
-    }
-    CudaEngineOptions o = options;
-    o.device = devices[static_cast<size_t>(r)];
-    o.rank.rank = r;
-    o.rank.all_reduce = impl->all_reduce.get();
-    o.rank.capture = r == plan.capture_rank;
-    o.rank.specs = std::move(specs);
-    if (moe_ep) {
-      o.rank.expert_begin = plan.ExpertBegin(r);
-      o.rank.num_local_experts = plan.experts_per_rank;
-    }
-    absl::StatusOr<std::unique_ptr<CudaEngine>> e = CudaEngine::Create(rank_model.get(), o);
-    if (!e.ok()) {
-      return absl::Status(e.status().code(), absl::StrCat("tp rank ", r, " on cuda:", o.device,
-                                                          ": ", e.status().message()));
-    }
-    impl->rank_models.push_back(std::move(rank_model));
-    impl->engines.push_back(*std::move(e));
+    DF_ASSIGN_OR_RETURN(LoneRank rank, CreateRank(model, plan, r, devices[static_cast<size_t>(r)],
+                                                  impl->all_reduce.get(), options));
+    impl->slices.push_back(std::move(rank.slices));
+    impl->rank_models.push_back(std::move(rank.model));
+    impl->engines.push_back(std::move(rank.engine));
   }
   if (model->weights_on_device_random && plan.tp > 1) {
     impl->reported = std::make_unique<Model>(*model);
@@ -170,6 +186,15 @@ absl::StatusOr<std::unique_ptr<TensorParallelCudaEngine>> TensorParallelCudaEngi
   }
   impl->plan = std::move(plan);
   return std::unique_ptr<TensorParallelCudaEngine>(new TensorParallelCudaEngine(std::move(impl)));
+}
+
+absl::StatusOr<TensorParallelCudaEngine::LoneRank> TensorParallelCudaEngine::CreateLoneRank(
+    const Model* model, const ShardingPlan& plan, int rank, int device,
+    const CudaEngineOptions& options) {
+  if (model == nullptr || rank < 0 || rank >= plan.tp) {
+    return absl::InvalidArgumentError("CreateLoneRank: no model, or a rank outside the plan");
+  }
+  return CreateRank(model, plan, rank, device, nullptr, options);
 }
 
 const Model& TensorParallelCudaEngine::model() const {

@@ -47,6 +47,19 @@ class TensorParallelCudaEngine final : public Engine {
   // memory (benchmarks of the forward alone).
   absl::Status ForwardOnDevice(const ForwardInput& in);
 
+  // One rank of `plan` alone on `device`, summing with no one: its block
+  // outputs stay partial, so its forward times a rank's own work (the MoE
+  // strategies' per-rank cost at shapes two ranks of which do not fit one
+  // GPU) and its values are not the model's. For benchmarks.
+  struct LoneRank {
+    RankWeights slices;
+    std::unique_ptr<Model> model;
+    std::unique_ptr<CudaEngine> engine;  // declared last: destroyed first
+  };
+  static absl::StatusOr<LoneRank> CreateLoneRank(const Model* model, const ShardingPlan& plan,
+                                                 int rank, int device,
+                                                 const CudaEngineOptions& options);
+
   const ShardingPlan& plan() const;
   const CudaEngine& rank(int r) const;
   // What sums the ranks' partials: "nccl", "one-device kernel" or "none".
