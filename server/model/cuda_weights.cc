@@ -331,9 +331,12 @@ absl::Status CudaEngine::Impl::UploadWeights() {
     } else {
       copies.push_back(ComputedCopy(static_cast<size_t>(n) * 2, dst[i], [&t] {
         const std::vector<float> f = ToFloat(t);
-        std::vector<uint16_t> h(f.size());
-        for (size_t k = 0; k < f.size(); ++k) h[k] = FloatToBf16(f[k]);
-        return Bytes(h);
+        std::vector<std::byte> h(f.size() * 2);
+        for (size_t k = 0; k < f.size(); ++k) {
+          const uint16_t v = FloatToBf16(f[k]);
+          std::memcpy(h.data() + 2 * k, &v, 2);
+        }
+        return h;
       }));
     }
   }
