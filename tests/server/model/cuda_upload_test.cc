@@ -4,7 +4,9 @@
 // copy), the thread count and the chunk size; and an engine made from a
 // checkpoint on disk computes exactly what one made from the same weights in
 // memory does, with one reader and whole chunks or with many readers and
-// chunks smaller than most tensors, from bf16 or f32 files.
+// chunks smaller than most tensors, from bf16 or f32 files, dense, MoE saved
+// per expert, and FP8 (e4m3 bytes read as they are, block scales computed
+// into the GEMM's layout).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -140,7 +142,7 @@ std::vector<uint16_t> Capture(const Model& model, int threads, size_t chunk) {
 TEST(CudaUploadTest, EngineFromCheckpointFilesComputesWhatTheSameWeightsInMemoryDo) {
   if (!HasGpu()) GTEST_SKIP() << "no CUDA device";
   const fs::path root = TestDir();
-  for (const char* spec : {"tiny-random:4", "tiny-random-moe:4"}) {
+  for (const char* spec : {"tiny-random:4", "tiny-random-moe:4", "tiny-random-fp8:4"}) {
     SCOPED_TRACE(spec);
     absl::StatusOr<std::unique_ptr<Model>> mem = MakeRandomModel(spec);
     ASSERT_TRUE(mem.ok()) << mem.status();
