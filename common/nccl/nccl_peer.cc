@@ -1,5 +1,6 @@
 #include "common/nccl/nccl_peer.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -55,6 +56,7 @@ struct NcclPeer::Impl {
   mutable std::mutex mu;      // Abort may come from another thread
   bool aborted = false;
   std::string timeout_hint;  // under mu
+  std::atomic<bool> handshaking{false};
   // One slot per op in flight: its completion event and checksum words.
   cudaEvent_t done[kMaxOps] = {};
   // A send's checksum runs on a stream of its own, beside the send (both
@@ -192,6 +194,8 @@ absl::Status NcclPeer::AbortWith(absl::Status why) {
 
 absl::Status NcclPeer::Poll(const char* what, const std::function<absl::StatusOr<bool>()>& done,
                             double timeout_s, const Cancelled& cancelled) {
+  // The handshake's waits (its transfers, the split) fail as the handshake.
+  if (impl_->handshaking.load()) what = "handshake";
   const auto start = Clock::now();
   const auto deadline =
       start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
@@ -264,6 +268,13 @@ absl::Status NcclPeer::Exchange(double timeout_s, const Cancelled& cancelled) {
 }
 
 absl::Status NcclPeer::Handshake(double timeout_s, const Cancelled& cancelled) {
+  impl_->handshaking = true;
+  absl::Status shook = ShakeHands(timeout_s, cancelled);
+  impl_->handshaking = false;
+  return shook;
+}
+
+absl::Status NcclPeer::ShakeHands(double timeout_s, const Cancelled& cancelled) {
   // First on the set-up communicator, where a peer that is gone or stuck
   // costs a timeout: after it, both sides are known to be here and talking.
   DF_RETURN_IF_ERROR(Exchange(timeout_s, cancelled));

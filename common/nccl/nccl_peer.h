@@ -98,7 +98,8 @@ class NcclPeer {
   // `cancelled` fires or the timeout passes (the last three abort).
   absl::Status Poll(const char* what, const std::function<absl::StatusOr<bool>()>& done,
                     double timeout_s, const Cancelled& cancelled);
-  absl::Status Exchange(double timeout_s, const Cancelled& cancelled);  // one handshake transfer
+  absl::Status Exchange(double timeout_s, const Cancelled& cancelled);    // one handshake transfer
+  absl::Status ShakeHands(double timeout_s, const Cancelled& cancelled);  // Handshake's body
   absl::StatusOr<Op> Post(bool send, void* data, size_t bytes, void* stream, double timeout_s,
                           const Cancelled& cancelled);
   std::unique_ptr<Impl> impl_;
