@@ -88,3 +88,87 @@ def test_the_nccl_flags_are_taken(make_target):
     assert draftfeed.describe_target(t.address)["nccl_across_hosts"] is False
     assert t.terminate() == 0
     assert "nccl not offered: " in t.output()
+
+
+def _cuda_devices():
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# Two hosts on one machine: each process names its own (DRAFTFEED_HOST_ID for
+# draftfeed, NCCL_HOSTID for NCCL), and NCCL is kept off NVLink and shared
+# memory, so the stream takes the path it takes between hosts.
+AS_HOST = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket",
+           "NCCL_IB_DISABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_DEBUG": "INFO",
+           "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+
+TRAINER = """
+import json, sys
+import numpy as np
+import draftfeed
+address = sys.argv[1]
+batches = [(np.random.default_rng(7 + n).integers(0, 4096, size=n, dtype=np.int32), [n])
+           for n in (1, 300, 2048)]
+out = {}
+for name, kw in (("auto", dict(transport="auto")),
+                 ("auto_across", dict(transport="auto", nccl_across_hosts=True)),
+                 ("nccl", dict(transport="nccl"))):
+    with draftfeed.Feed(targets=[address], layers=[0, 2, -1], prefetch=2, cuda_device=1,
+                        nccl_socket_ifname="lo", nccl_setup_timeout_s=60, **kw) as feed:
+        results = list(feed.map(batches))
+        target = feed.stats()["targets"][0]
+    out[name] = dict(checksums=[r.checksum for r in results], devices=[r.device for r in results],
+                     transport=target["transport"], note=target["transport_note"])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs two CUDA devices")
+def test_two_processes_as_two_hosts_get_grpcs_bytes_over_nccls_sockets(make_target):
+    import json
+    import sys
+
+    import numpy as np
+
+    saved = {k: os.environ.get(k) for k in [*AS_HOST, "DRAFTFEED_HOST_ID", "NCCL_HOSTID"]}
+    os.environ.update(AS_HOST, DRAFTFEED_HOST_ID="host-a", NCCL_HOSTID="host-a")
+    try:
+        t = make_target(model="small-random",
+                        extra=["--device=cuda:0", "--nccl_socket_ifname=lo"])
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    batches = [(np.random.default_rng(7 + n).integers(0, 4096, size=n, dtype=np.int32), [n])
+               for n in (1, 300, 2048)]
+    with draftfeed.Feed(targets=[t.address], layers=[0, 2, -1], prefetch=2) as feed:
+        by_grpc = [r.checksum for r in feed.map(batches)]
+    assert draftfeed.describe_target(t.address)["nccl_across_hosts"] is True
+    r = subprocess.run([sys.executable, "-c", TRAINER, t.address], capture_output=True,
+                       text=True, timeout=300,
+                       env={**os.environ, **AS_HOST, "DRAFTFEED_HOST_ID": "host-b",
+                            "NCCL_HOSTID": "host-b"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["auto"]["transport"] == "grpc"
+    assert out["auto"]["note"] == ("auto chose grpc: trainer on host host-b, target on host "
+                                   "host-a: NCCL across hosts needs nccl_across_hosts=True (or "
+                                   "transport=nccl)")
+    assert out["auto"]["checksums"] == by_grpc
+    for name in ("auto_across", "nccl"):
+        assert out[name]["transport"] == "nccl", out[name]
+        assert out[name]["note"] == ("nccl across hosts (trainer on host host-b, target on host "
+                                     "host-a)")
+        assert out[name]["devices"] == [1, 1, 1]
+        assert out[name]["checksums"] == by_grpc
+    assert t.terminate() == 0  # NCCL's log is flushed at exit
+    log = t.output()
+    assert "transports grpc,nccl (nccl across hosts)" in log, log
+    assert "transport nccl (nccl across hosts (trainer on host host-b" in log, log
+    assert "via NET/Socket" in log, log
+    assert "via P2P" not in log and "via SHM" not in log, log
