@@ -3,11 +3,13 @@
 // host and the cross-host code path runs, and NCCL is kept off NVLink and
 // shared memory (NCCL_P2P_DISABLE, NCCL_SHM_DISABLE, NCCL_NET=Socket), so the
 // bytes go through its socket transport on loopback as they would between
-// hosts. Its own binary: NCCL reads those variables once per process, before
-// which nothing else here may call it. Skips with fewer than two GPUs.
+// hosts. Its own binary: NCCL reads those variables once per process, so
+// nothing may call NCCL before the first test sets them. Skips with fewer
+// than two GPUs.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -34,16 +36,11 @@ namespace {
 
 // NCCL's log of this process: which transport each connection took.
 std::string NcclLogPath() {
-  static const std::string path = [] {
-    char dir[] = "/tmp/draftfeed-nccl-hosts-XXXXXX";
-    const char* made = mkdtemp(dir);
-    return std::string(made == nullptr ? "/tmp" : made) + "/nccl.log";
-  }();
-  return path;
+  return ::testing::TempDir() + "draftfeed_nccl_hosts_" + std::to_string(getpid()) + ".log";
 }
 
-// Before main, so before any NCCL call.
-const bool kNcclForcedOntoSockets = [] {
+// Before this process's first NCCL call (NCCL reads these once).
+void ForceNcclOntoSockets() {
   setenv("NCCL_P2P_DISABLE", "1", 1);
   setenv("NCCL_SHM_DISABLE", "1", 1);
   setenv("NCCL_NET", "Socket", 1);
@@ -52,8 +49,7 @@ const bool kNcclForcedOntoSockets = [] {
   setenv("NCCL_DEBUG", "INFO", 1);
   setenv("NCCL_DEBUG_SUBSYS", "INIT,P2P,NET", 1);
   setenv("NCCL_DEBUG_FILE", NcclLogPath().c_str(), 1);
-  return true;
-}();
+}
 
 std::string ReadFile(const std::string& path) {
   std::ifstream f(path);
@@ -77,6 +73,7 @@ class NcclAcrossHosts : public ::testing::Test {
  protected:
   void SetUp() override {
     if (CudaDeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices";
+    ForceNcclOntoSockets();
     // Loopback is the one interface two GPUs of this machine surely share.
     ASSERT_TRUE(UseNcclSocketIfname("lo", "the test").ok());
     model_ = *OpenModel("small-random");
@@ -87,6 +84,7 @@ class NcclAcrossHosts : public ::testing::Test {
     ASSERT_TRUE(engine.ok()) << engine.status();
     engine_ = *std::move(engine);
   }
+  static void TearDownTestSuite() { unlink(NcclLogPath().c_str()); }
   void TearDown() override {
     if (service_ != nullptr) {
       service_->BeginDrain();
