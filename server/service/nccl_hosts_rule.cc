@@ -14,10 +14,11 @@ std::string BothHosts(const TransportEnv& env, const v1::Open& open) {
     return absl::StrCat("trainer on a host it did not name, target on host ", target);
   }
   const std::string trainer = open.host_name().empty() ? open.host_id() : open.host_name();
-  // Names can match where ids differ (two boots, or DRAFTFEED_HOST_ID).
+  // Names can match where ids differ. The target's id stays out of the
+  // message: a client that learnt it could pose as this host.
   if (trainer == target) {
-    return absl::StrCat("trainer on host ", trainer, " (", open.host_id(), "), target on host ",
-                        target, " (", env.host.id, ")");
+    return absl::StrCat("trainer and target on hosts both named ", target,
+                        " but of different host ids (another boot, or DRAFTFEED_HOST_ID)");
   }
   return absl::StrCat("trainer on host ", trainer, ", target on host ", target);
 }

@@ -89,9 +89,12 @@ TEST(NcclHostsRuleTest, ATrainerThatNamesNoHostIsTakenForAnotherHost) {
 TEST(NcclHostsRuleTest, HostsOfOneNameAreToldApartByTheirIds) {
   // Same hostname, another boot (a reboot, a clone, or DRAFTFEED_HOST_ID).
   const TransportEnv env = TargetOn("boot:a", "node");
-  EXPECT_EQ(NcclHostsRefusal(env, TrainerOn("boot:b", "node", v1::TRANSPORT_AUTO)),
-            "trainer on host node (boot:b), target on host node (boot:a): NCCL across hosts "
-            "needs nccl_across_hosts=True (or transport=nccl)");
+  const std::string why = NcclHostsRefusal(env, TrainerOn("boot:b", "node", v1::TRANSPORT_AUTO));
+  EXPECT_EQ(why,
+            "trainer and target on hosts both named node but of different host ids (another "
+            "boot, or DRAFTFEED_HOST_ID): NCCL across hosts needs nccl_across_hosts=True (or "
+            "transport=nccl)");
+  EXPECT_EQ(why.find("boot:a"), std::string::npos);  // the target's id is not given away
 }
 
 TEST(NcclHostsRuleTest, TheOfferSaysWhichHostsTheInterfaceAndTheTimeouts) {
