@@ -30,6 +30,7 @@ bins=($b/bin/draftfeed-target $b/bin/draftfeed-bench $b/bin/draftfeed-bench-kern
       $b/tests/kernels/cuda/capture_fp8_cuda_test $b/tests/server/model/cuda_engine_fp8_test
       $b/tests/server/model/fp8_model_test $b/tests/kernels/cuda/moe_cublas_cuda_test
       $b/tests/server/model/cuda_tensor_parallel_test $b/bin/draftfeed-tp-bench
+      $b/bin/draftfeed-fp8-distance
       $b/tests/kernels/cuda/kernel_paths_cuda_test $b/tests/server/model/cuda_device_test)
 if [[ -n ${BINS:-} ]]; then
   picked=()
