@@ -28,6 +28,7 @@ cuda:r).
 """
 
 import argparse
+import gc
 import hashlib
 import os
 import sys
@@ -154,6 +155,14 @@ def main():
         if rank == 0:
             print(f"params on every rank: {'equal' if same else 'DIFFERENT'} ({gathered})",
                   flush=True)
+        # The DDP reducer and the optimiser hold gloo work on the group: let
+        # them go, and every rank reach this point, before the group does.
+        # Torn down in the other order, the group's destructor can join a
+        # gloo thread that waits for the GIL the destructor's caller holds
+        # (a hang at exit seen with torch 1.13's gloo).
+        del model, opt
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     return 0 if same and len(losses) == len(mine) else 1
 
