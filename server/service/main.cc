@@ -56,7 +56,7 @@ ABSL_FLAG(std::string, device, "auto",
           "cpu, cuda:N, or auto (cuda:0 when a GPU and the CUDA engine are present, else cpu).");
 ABSL_FLAG(std::string, devices, "",
           "Comma-separated GPU indices, e.g. 0,1,2: one engine replica per GPU behind this "
-          "endpoint (overrides --device).");
+          "endpoint, or with --tp N one instance per N consecutive GPUs (overrides --device).");
 ABSL_FLAG(int32_t, threads, 0, "CPU engine threads (0 = all cores; split over the --tp ranks).");
 ABSL_FLAG(int32_t, tp, 1,
           "Tensor-parallel ranks holding one model instance: heads, FFN columns and experts are "
