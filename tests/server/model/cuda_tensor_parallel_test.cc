@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <random>
@@ -218,6 +219,9 @@ TEST(CudaTensorParallel, TpOneIsThePlainEngine) {
 // exactly, one rounding), so the order cannot differ.
 TEST(CudaTensorParallel, NcclAcrossGpusEqualsOneGpu) {
   if (CudaDeviceCount() < 2) GTEST_SKIP() << "needs two CUDA devices";
+  // NVLink multicast stays off unless the caller chose otherwise: on a host
+  // whose GPUs others share it can put them out of service.
+  setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
   for (const char* name : {"tiny-random", "tiny-random-moe", "tiny-random-qwen3-moe"}) {
     auto model = OpenModel(name);
     ASSERT_TRUE(model.ok()) << model.status();
