@@ -4,7 +4,6 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <pthread.h>
 #include <signal.h>
-#include <algorithm>
 
 #include <chrono>
 #include <cmath>
@@ -25,22 +24,18 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "server/model/cpu_engine.h"
 #if DRAFTFEED_HAVE_CUDA
-#include <cuda_runtime_api.h>
-
 #include "server/model/cuda_engine.h"
-#include "server/model/tensor_parallel_cuda_engine.h"
 #endif
 #include "common/nccl_hosts.h"
 #include "server/model/fp8_quantize.h"
 #include "server/model/model.h"
-#include "server/model/sharded_cpu_engine.h"
 #include "server/model/sharding_plan.h"
 #include "server/model/weight_check.h"
 #include "server/service/auth_tokens.h"
 #include "server/service/metrics_http.h"
 #include "server/service/startup.h"
+#include "server/service/target_engines.h"
 #include "server/service/target_metrics.h"
 #include "server/service/target_service.h"
 #include "server/service/tls_options.h"
@@ -368,58 +363,17 @@ int Run() {
   // The plan checks --tp against the model's head counts and widths.
   auto plan = PlanTensorParallel((*model)->config, tp, moe_parallel);
   if (!plan.ok()) return Fail(std::string(plan.status().message()));
-  std::vector<std::unique_ptr<Engine>> engines;
-  if (gpus.empty() && tp > 1) {
-    auto engine =
-        ShardedCpuEngine::Create(model->get(), *std::move(plan), absl::GetFlag(FLAGS_threads));
-    if (!engine.ok()) return Fail(std::string(engine.status().message()));
-    engines.push_back(*std::move(engine));
-  } else if (gpus.empty()) {
-    auto engine = CpuEngine::Create(model->get(), absl::GetFlag(FLAGS_threads));
-    if (!engine.ok()) return Fail(std::string(engine.status().message()));
-    engines.push_back(*std::move(engine));
-  }
-#if DRAFTFEED_HAVE_CUDA
-  CudaEngineOptions copt;
-  copt.max_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
-  copt.max_seqs = std::min<int64_t>(copt.max_tokens, 4096);
-  copt.max_layers = absl::GetFlag(FLAGS_max_capture_layers);
-  copt.fp8_expert_gemms = absl::GetFlag(FLAGS_fp8_experts) == "fp8";
-  copt.load_threads = absl::GetFlag(FLAGS_load_threads);
-  // One instance per tp consecutive GPUs: a replica of one GPU, or a
-  // tensor-parallel group.
-  for (size_t first = 0; first < gpus.size(); first += static_cast<size_t>(tp)) {
-    if (tp == 1) {
-      copt.device = gpus[first];
-      auto engine = CudaEngine::Create(model->get(), copt);
-      if (!engine.ok()) {
-        return Fail(
-            absl::StrCat("cuda:", gpus[first], ": ", std::string(engine.status().message())));
-      }
-      engines.push_back(*std::move(engine));
-      continue;
-    }
-    const std::vector<int> group(gpus.begin() + static_cast<std::ptrdiff_t>(first),
-                                 gpus.begin() + static_cast<std::ptrdiff_t>(first + tp));
-    auto engine = TensorParallelCudaEngine::Create(model->get(), *plan, group, copt);
-    if (!engine.ok()) return Fail(std::string(engine.status().message()));
-    for (int r = 0; r < tp; ++r) {
-      const CudaEngine& rank = (*engine)->rank(r);
-      std::fprintf(
-          stderr,
-          "draftfeed-target: %s rank %d on cuda:%d: %.2f GiB weights + %.2f GiB "
-          "workspace%s\n",
-          (*engine)->device_name().c_str(), r, group[static_cast<size_t>(r)],
-          static_cast<double>(rank.weight_bytes()) / (1 << 30),
-          static_cast<double>(rank.workspace_bytes()) / (1 << 30),
-          r == 0 ? absl::StrCat(", partial sums by ", (*engine)->all_reduce_kind()).c_str() : "");
-    }
-    engines.push_back(*std::move(engine));
-  }
-#endif
+  auto engines = MakeTargetEngines(model->get(), *plan,
+                                   {.gpus = gpus,
+                                    .cpu_threads = absl::GetFlag(FLAGS_threads),
+                                    .max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens),
+                                    .max_capture_layers = absl::GetFlag(FLAGS_max_capture_layers),
+                                    .fp8_expert_gemms = absl::GetFlag(FLAGS_fp8_experts) == "fp8",
+                                    .load_threads = absl::GetFlag(FLAGS_load_threads)});
+  if (!engines.ok()) return Fail(std::string(engines.status().message()));
   std::vector<Engine*> engine_ptrs;
-  for (auto& e : engines) engine_ptrs.push_back(e.get());
-  if (const Engine::ParallelLayout l = engines.front()->layout(); l.tp > 1) {
+  for (auto& e : *engines) engine_ptrs.push_back(e.get());
+  if (const Engine::ParallelLayout l = engine_ptrs.front()->layout(); l.tp > 1) {
     std::fprintf(
         stderr, "draftfeed-target: tensor parallel over %d ranks%s, %.1f MiB of weights per rank\n",
         l.tp, l.moe_parallel.empty() ? "" : absl::StrCat(", moe ", l.moe_parallel).c_str(),
@@ -475,37 +429,7 @@ int Run() {
   }
   service.ServeHealth(server.get());
   AddServiceGauges(&service, absl::GetFlag(FLAGS_metrics_per_stream));
-#if DRAFTFEED_HAVE_CUDA
-  // Device memory as the driver sees it (every allocation, not only ours).
-  // Once per distinct GPU (a tensor-parallel group's ranks may share one).
-  std::vector<int> distinct_gpus;
-  for (int g : gpus) {
-    if (std::find(distinct_gpus.begin(), distinct_gpus.end(), g) == distinct_gpus.end()) {
-      distinct_gpus.push_back(g);
-    }
-  }
-  for (int g : distinct_gpus) {
-    const std::string name = absl::StrCat("cuda:", g);
-    const auto sample = [g, name](bool used) {
-      size_t free_b = 0, total_b = 0;
-      int prev = 0;
-      cudaGetDevice(&prev);
-      cudaSetDevice(g);
-      const bool ok = cudaMemGetInfo(&free_b, &total_b) == cudaSuccess;
-      cudaSetDevice(prev);
-      if (!ok) return std::vector<GaugeSample>{};
-      return std::vector<GaugeSample>{
-          {.labels = {{"device", name}},
-           .value = static_cast<double>(used ? total_b - free_b : total_b)}};
-    };
-    service.metrics().registry().AddGaugeCallback("draftfeed_gpu_memory_used_bytes",
-                                                  "Device memory in use (cudaMemGetInfo), per GPU.",
-                                                  [sample] { return sample(true); });
-    service.metrics().registry().AddGaugeCallback("draftfeed_gpu_memory_total_bytes",
-                                                  "Device memory (cudaMemGetInfo), per GPU.",
-                                                  [sample] { return sample(false); });
-  }
-#endif
+  AddGpuMemoryGauges(service.metrics().registry(), gpus);
   std::unique_ptr<MetricsHttpServer> metrics_http;
   if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
     auto started =

@@ -1,0 +1,37 @@
+// The engines behind draftfeed-target: the CPU engine (sharded over threads
+// at --tp > 1), or one CUDA instance per --tp consecutive GPUs (a replica of
+// one GPU, or a tensor-parallel group), and the GPUs' memory gauges.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "server/model/engine.h"
+#include "server/model/sharding_plan.h"
+#include "server/service/metrics.h"
+
+namespace draftfeed {
+
+struct TargetEngineOptions {
+  std::vector<int> gpus;  // empty: the CPU engine
+  int cpu_threads = 0;    // 0 = all cores (split over the ranks)
+  int64_t max_batch_tokens = 16384;
+  int64_t max_capture_layers = 8;
+  bool fp8_expert_gemms = true;
+  int load_threads = 0;
+};
+
+// Every engine, in --devices order; a tensor-parallel group's start-up lines
+// (each rank's weights and workspace, what sums them) go to stderr. Errors
+// name the device or rank. gpus.size() must be a multiple of plan.tp.
+absl::StatusOr<std::vector<std::unique_ptr<Engine>>> MakeTargetEngines(
+    const Model* model, const ShardingPlan& plan, const TargetEngineOptions& options);
+
+// draftfeed_gpu_memory_{used,total}_bytes (cudaMemGetInfo: every allocation,
+// not only ours) once per distinct GPU of `gpus` (a group's ranks may share
+// one). Nothing in a build without CUDA.
+void AddGpuMemoryGauges(MetricsRegistry& registry, const std::vector<int>& gpus);
+
+}  // namespace draftfeed
