@@ -387,17 +387,42 @@ absl::StatusOr<CpuForward> CpuForward::Create(const Rank& rank,
   return f;
 }
 
+absl::StatusOr<int64_t> CpuForward::CaptureElements(const ModelConfig& config,
+                                                    const ForwardInput& in) {
+  DF_RETURN_IF_ERROR(ValidateForwardInput(config, in, std::numeric_limits<int64_t>::max()));
+  return static_cast<int64_t>(in.token_ids.size()) * static_cast<int64_t>(in.layers.size()) *
+         config.hidden_size;
+}
+
+absl::Status CpuForward::CheckFloatOutput(const ForwardInput& in, int64_t hidden, size_t size,
+                                          int64_t n) {
+  if (static_cast<int64_t>(size) == n) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "output has ", size, " elements; tokens x layers x hidden = ", in.token_ids.size(), " x ",
+      in.layers.size(), " x ", hidden, " = ", n));
+}
+
+absl::Status CpuForward::WriteCapture(std::span<const float> states, const ForwardInput& in,
+                                      int64_t hidden, std::span<std::byte> out) {
+  if (in.encoding == CaptureEncoding::kFp8E4m3) {
+    return EncodeFp8Capture(states, static_cast<int64_t>(in.token_ids.size()),
+                            static_cast<int64_t>(in.layers.size()), hidden, out);
+  }
+  for (size_t i = 0; i < states.size(); ++i) {
+    const uint16_t bits = FloatToBf16(states[i]);
+    out[2 * i] = static_cast<std::byte>(bits & 0xff);
+    out[2 * i + 1] = static_cast<std::byte>(bits >> 8);
+  }
+  return absl::OkStatus();
+}
+
 struct CpuEngine::Impl {
   const Model* model = nullptr;
   CpuForward forward;
 
   // Validates the input; returns T·K·H, the number of output elements.
   absl::StatusOr<int64_t> CheckInput(const ForwardInput& in) const {
-    // The token budget is the service's to enforce; the reference takes any size.
-    DF_RETURN_IF_ERROR(
-        ValidateForwardInput(model->config, in, std::numeric_limits<int64_t>::max()));
-    return static_cast<int64_t>(in.token_ids.size()) * static_cast<int64_t>(in.layers.size()) *
-           model->config.hidden_size;
+    return CpuForward::CaptureElements(model->config, in);
   }
 };
 
@@ -440,11 +465,8 @@ const Model& CpuEngine::model() const { return *impl_->model; }
 
 absl::Status CpuEngine::ForwardFloat(const ForwardInput& in, std::span<float> out) {
   DF_ASSIGN_OR_RETURN(const int64_t n, impl_->CheckInput(in));
-  if (static_cast<int64_t>(out.size()) != n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "output has ", out.size(), " elements; tokens x layers x hidden = ", in.token_ids.size(),
-        " x ", in.layers.size(), " x ", impl_->model->config.hidden_size, " = ", n));
-  }
+  DF_RETURN_IF_ERROR(
+      CpuForward::CheckFloatOutput(in, impl_->model->config.hidden_size, out.size(), n));
   impl_->forward.Run(in, out.data(), nullptr);
   return absl::OkStatus();
 }
@@ -454,20 +476,7 @@ absl::Status CpuEngine::Forward(const ForwardInput& in, std::span<std::byte> out
   DF_RETURN_IF_ERROR(CheckCaptureOutput(*this, in, out.size()));
   std::vector<float> states(static_cast<size_t>(n));
   impl_->forward.Run(in, states.data(), nullptr);
-  if (in.encoding == CaptureEncoding::kFp8E4m3) {
-    // Straight from the fp32 states, so the only error is e4m3's rounding.
-    return EncodeFp8Capture(states, static_cast<int64_t>(in.token_ids.size()),
-                            static_cast<int64_t>(in.layers.size()),
-                            impl_->model->config.hidden_size, out);
-  }
-  // bf16: little-endian uint16 per value, written bytewise so `out` needs no
-  // alignment.
-  for (int64_t i = 0; i < n; ++i) {
-    const uint16_t bits = FloatToBf16(states[static_cast<size_t>(i)]);
-    out[2 * i] = static_cast<std::byte>(bits & 0xff);
-    out[2 * i + 1] = static_cast<std::byte>(bits >> 8);
-  }
-  return absl::OkStatus();
+  return CpuForward::WriteCapture(states, in, impl_->model->config.hidden_size, out);
 }
 
 }  // namespace draftfeed

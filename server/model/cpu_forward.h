@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -44,6 +45,20 @@ class CpuForward {
   // Writes the [T, K, H] fp32 capture into `out` (null on ranks that do not
   // capture). `in` must have passed ValidateForwardInput.
   void Run(const ForwardInput& in, float* out, const AllReduce& all_reduce) const;
+
+  // What both CPU engines check and write around Run. The capture's element
+  // count T x K x H of a valid `in` (any token count: the budget is the
+  // service's to enforce); INVALID_ARGUMENT naming the field otherwise.
+  static absl::StatusOr<int64_t> CaptureElements(const ModelConfig& config, const ForwardInput& in);
+  // INVALID_ARGUMENT naming both sizes unless an fp32 output of `size`
+  // elements holds the capture's `n`.
+  static absl::Status CheckFloatOutput(const ForwardInput& in, int64_t hidden, size_t size,
+                                       int64_t n);
+  // The fp32 states as the capture in `in.encoding`: little-endian bf16 bits
+  // written bytewise (so `out` needs no alignment), or fp8_e4m3 encoded from
+  // the fp32 values (its only error e4m3's rounding).
+  static absl::Status WriteCapture(std::span<const float> states, const ForwardInput& in,
+                                   int64_t hidden, std::span<std::byte> out);
 
  private:
   struct AttentionWeights {

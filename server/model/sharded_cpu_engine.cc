@@ -3,14 +3,12 @@
 #include <algorithm>
 #include <barrier>
 #include <cstdint>
-#include <limits>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "common/fp8_capture.h"
 #include "common/status_macros.h"
 #include "server/model/cpu_forward.h"
 
@@ -60,10 +58,7 @@ struct ShardedCpuEngine::Impl {
   int64_t rank_weight_bytes = 0;
 
   absl::StatusOr<int64_t> CheckInput(const ForwardInput& in) const {
-    DF_RETURN_IF_ERROR(
-        ValidateForwardInput(model->config, in, std::numeric_limits<int64_t>::max()));
-    return static_cast<int64_t>(in.token_ids.size()) * static_cast<int64_t>(in.layers.size()) *
-           model->config.hidden_size;
+    return CpuForward::CaptureElements(model->config, in);
   }
 
   // Every rank's forward on its own thread (rank 0 on the caller's); the
@@ -152,11 +147,8 @@ Engine::ParallelLayout ShardedCpuEngine::layout() const {
 
 absl::Status ShardedCpuEngine::ForwardFloat(const ForwardInput& in, std::span<float> out) {
   DF_ASSIGN_OR_RETURN(const int64_t n, impl_->CheckInput(in));
-  if (static_cast<int64_t>(out.size()) != n) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "output has ", out.size(), " elements; tokens x layers x hidden = ", in.token_ids.size(),
-        " x ", in.layers.size(), " x ", impl_->model->config.hidden_size, " = ", n));
-  }
+  DF_RETURN_IF_ERROR(
+      CpuForward::CheckFloatOutput(in, impl_->model->config.hidden_size, out.size(), n));
   impl_->Run(in, out.data());
   return absl::OkStatus();
 }
@@ -166,19 +158,7 @@ absl::Status ShardedCpuEngine::Forward(const ForwardInput& in, std::span<std::by
   DF_RETURN_IF_ERROR(CheckCaptureOutput(*this, in, out.size()));
   std::vector<float> states(static_cast<size_t>(n));
   impl_->Run(in, states.data());
-  if (in.encoding == CaptureEncoding::kFp8E4m3) {
-    return EncodeFp8Capture(states, static_cast<int64_t>(in.token_ids.size()),
-                            static_cast<int64_t>(in.layers.size()),
-                            impl_->model->config.hidden_size, out);
-  }
-  // bf16: little-endian uint16 per value, written bytewise so `out` needs no
-  // alignment.
-  for (int64_t i = 0; i < n; ++i) {
-    const uint16_t bits = FloatToBf16(states[static_cast<size_t>(i)]);
-    out[2 * i] = static_cast<std::byte>(bits & 0xff);
-    out[2 * i + 1] = static_cast<std::byte>(bits >> 8);
-  }
-  return absl::OkStatus();
+  return CpuForward::WriteCapture(states, in, impl_->model->config.hidden_size, out);
 }
 
 }  // namespace draftfeed
