@@ -21,7 +21,7 @@ struct AttentionArgs {
   int64_t num_tokens = 0;
   int64_t num_q_heads = 0;
   int64_t num_kv_heads = 0;             // query head h reads KV head h / (Hq / Hkv)
-  int64_t head_dim = 0;                 // 128 or 256
+  int64_t head_dim = 0;                 // 32, 64, 96, 128 or 256
   const int32_t* cu_seqlens = nullptr;  // device, [num_seqs + 1]
   int32_t num_seqs = 0;
   int32_t max_seqlen = 0;
@@ -45,5 +45,11 @@ struct AttentionPath {
 // cudaErrorInvalidValue for another head dim; cudaErrorNoKernelImageForDevice
 // on a GPU that the built architectures do not cover.
 cudaError_t ChooseAttentionPath(int64_t head_dim, AttentionPath* path);
+
+// Head dims 32, 64 and 96 (attention_small_heads.cu): one warp per (token,
+// query head), lanes split the head dim, an online softmax over the row's
+// keys in fp32; exact and untuned. VarlenCausalAttention calls it after
+// checking the arguments; cudaErrorInvalidValue for another head dim.
+cudaError_t SmallHeadAttention(const AttentionArgs& a, cudaStream_t stream);
 
 }  // namespace draftfeed::cuda
