@@ -37,6 +37,7 @@
 #include "server/model/tensor.h"
 #include "server/model/weight_layout.h"
 #include "tests/server/model/golden_moe_routing.h"
+#include "tests/server/model/goldens.h"
 #include "tests/test_data_dir.h"
 #if DRAFTFEED_HAVE_CUDA
 #include "server/model/cuda_engine.h"
@@ -72,7 +73,10 @@ constexpr double kEmuFactor = 1.25;
 constexpr double kMoeFlipFactor = 1.5;
 constexpr int kThreads = 2;
 
-fs::path DataDir() { return testing::TestDataDir(); }
+// The bf16 goldens' helpers: their layer slices, capture ids and data dir.
+using testing::AllLayers;
+using testing::DataDir;
+using testing::Layer;
 
 std::string GoldensFile(const std::string& model) {
   return absl::StrCat("goldens_", model, "_fp8.safetensors");
@@ -86,16 +90,6 @@ bool ReportListsGoldens(const std::string& file) {
   std::stringstream text;
   text << in.rdbuf();
   return text.str().find(absl::StrCat("\"", file, "\"")) != std::string::npos;
-}
-
-// [T, N, H] (or [T, H] with n == 1) layer `k` as a contiguous [T, H] copy.
-std::vector<float> Layer(const std::vector<float>& buf, int64_t tokens, int64_t k_total, int64_t k,
-                         int64_t h) {
-  std::vector<float> out(static_cast<size_t>(tokens * h));
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::copy_n(buf.begin() + (t * k_total + k) * h, h, out.begin() + t * h);
-  }
-  return out;
 }
 
 // F32 or BF16 `name` of `shape` as floats (copied: the mapping may be unaligned).
@@ -290,15 +284,6 @@ std::string Describe(const Err& e) {
                          e.rms_ref);
 }
 
-// Capture ids 0..L-1 then -1: slot k < L is layer k, slot L the final state,
-// the goldens' slot order.
-std::vector<int32_t> AllLayers(int64_t num_layers) {
-  std::vector<int32_t> ids;
-  for (int32_t i = 0; i < num_layers; ++i) ids.push_back(i);
-  ids.push_back(kFinalLayerId);
-  return ids;
-}
-
 class Fp8GoldensTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -482,35 +467,22 @@ TEST_P(Fp8GoldensTest, CudaEngineWithinEmulationBar) {
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   const std::vector<int32_t> ids = AllLayers(n_);
   const int64_t k_total = n_ + 1;
-  std::vector<int32_t> all_tokens, all_lens;
-  for (const Fp8Seq& s : goldens_.seqs) {
-    all_tokens.insert(all_tokens.end(), s.ids.begin(), s.ids.end());
-    all_lens.push_back(static_cast<int32_t>(s.ids.size()));
-  }
-  std::vector<uint16_t> packed(all_tokens.size() * static_cast<size_t>(k_total * h_));
-  const absl::Status pst =
-      (*gpu)->Forward({all_tokens, all_lens, ids}, std::as_writable_bytes(std::span(packed)));
-  ASSERT_TRUE(pst.ok()) << pst;
+  std::vector<std::vector<int32_t>> seq_ids;
+  for (const Fp8Seq& s : goldens_.seqs) seq_ids.push_back(s.ids);
+  absl::StatusOr<std::vector<testing::AloneAndPacked>> runs =
+      testing::RunAloneAndPacked(**gpu, seq_ids, ids);
+  ASSERT_TRUE(runs.ok()) << runs.status();
   std::vector<double> worst_ratio(static_cast<size_t>(k_total), 0.0);
   std::vector<double> cuda_rel(worst_ratio.size(), 0.0), emu_rel(worst_ratio.size(), 0.0);
-  int64_t offset = 0;
   for (size_t si = 0; si < goldens_.seqs.size(); ++si) {
     const Fp8Seq& s = goldens_.seqs[si];
     const int64_t t = static_cast<int64_t>(s.ids.size());
-    const std::vector<int32_t> lens = {static_cast<int32_t>(t)};
-    std::vector<uint16_t> bits(static_cast<size_t>(t * k_total * h_));
-    const absl::Status st =
-        (*gpu)->Forward({s.ids, lens, ids}, std::as_writable_bytes(std::span(bits)));
-    ASSERT_TRUE(st.ok()) << st;
     const std::vector<bool> keep = ties.stable.empty() ? std::vector<bool>() : ties.stable[si];
     if (!keep.empty() && std::find(keep.begin(), keep.end(), true) == keep.end()) {
-      offset += t;  // every token near-tie: nothing to compare
-      continue;
+      continue;  // every token near-tie: nothing to compare
     }
     for (int pass = 0; pass < 2; ++pass) {
-      const uint16_t* src = pass == 0 ? bits.data() : packed.data() + offset * k_total * h_;
-      std::vector<float> ours(bits.size());
-      for (size_t e = 0; e < ours.size(); ++e) ours[e] = Bf16ToFloat(src[e]);
+      const std::vector<float>& ours = pass == 0 ? (*runs)[si].alone : (*runs)[si].packed;
       for (int64_t k = 0; k < k_total; ++k) {
         const std::vector<float> ref = Slot(s.ref, t, k);
         const Err mine = Compare(Slot(ours, t, k), ref, h_, keep);
@@ -544,7 +516,6 @@ TEST_P(Fp8GoldensTest, CudaEngineWithinEmulationBar) {
         emu_rel[k] = std::max(emu_rel[k], emu.rms / emu.rms_ref);
       }
     }
-    offset += t;
   }
   std::cout << "CUDA FP8 engine vs the fp32 dequantised reference, worst over the sequences "
                "alone and packed\n"

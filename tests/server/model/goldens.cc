@@ -4,12 +4,14 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <span>
 
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/status_macros.h"
 #include "server/model/safetensors.h"
 #include "tests/test_data_dir.h"
 
@@ -158,6 +160,36 @@ absl::StatusOr<std::vector<float>> RunFloat(CpuEngine& engine, const std::vector
                          static_cast<size_t>(engine.model().config.hidden_size));
   absl::Status st = engine.ForwardFloat({tokens, lens, layers}, out);
   if (!st.ok()) return st;
+  return out;
+}
+
+absl::StatusOr<std::vector<AloneAndPacked>> RunAloneAndPacked(
+    Engine& engine, const std::vector<std::vector<int32_t>>& seqs,
+    const std::vector<int32_t>& layers) {
+  const size_t per_token = layers.size() * static_cast<size_t>(engine.model().config.hidden_size);
+  auto widen = [](const std::vector<uint16_t>& bits, size_t begin, size_t n) {
+    std::vector<float> out(n);
+    for (size_t e = 0; e < n; ++e) out[e] = Bf16ToFloat(bits[begin + e]);
+    return out;
+  };
+  std::vector<int32_t> all_tokens, all_lens;
+  for (const std::vector<int32_t>& ids : seqs) {
+    all_tokens.insert(all_tokens.end(), ids.begin(), ids.end());
+    all_lens.push_back(static_cast<int32_t>(ids.size()));
+  }
+  std::vector<uint16_t> packed(all_tokens.size() * per_token);
+  DF_RETURN_IF_ERROR(
+      engine.Forward({all_tokens, all_lens, layers}, std::as_writable_bytes(std::span(packed))));
+  std::vector<AloneAndPacked> out;
+  size_t offset = 0;
+  for (const std::vector<int32_t>& ids : seqs) {
+    const std::vector<int32_t> lens = {static_cast<int32_t>(ids.size())};
+    std::vector<uint16_t> bits(ids.size() * per_token);
+    DF_RETURN_IF_ERROR(
+        engine.Forward({ids, lens, layers}, std::as_writable_bytes(std::span(bits))));
+    out.push_back({widen(bits, 0, bits.size()), widen(packed, offset, bits.size())});
+    offset += bits.size();
+  }
   return out;
 }
 

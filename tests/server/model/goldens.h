@@ -127,6 +127,15 @@ absl::StatusOr<std::vector<float>> RunFloat(CpuEngine& engine, const std::vector
 
 std::string KindName(LayerKind k);
 
+// A GPU engine's bf16 capture of `layers` for every sequence run alone and
+// for all of them packed in one batch, widened to float: [T_s, K, H] each.
+struct AloneAndPacked {
+  std::vector<float> alone, packed;
+};
+absl::StatusOr<std::vector<AloneAndPacked>> RunAloneAndPacked(
+    Engine& engine, const std::vector<std::vector<int32_t>>& seqs,
+    const std::vector<int32_t>& layers);
+
 class GoldensTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {

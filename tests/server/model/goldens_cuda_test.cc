@@ -52,35 +52,20 @@ TEST_P(GoldensTest, CudaEngineNoWorseThanHfBf16) {
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   const std::vector<int32_t> ids = AllLayers(n_);
   const int64_t k_total = n_ + 1;
-  // All sequences packed in one batch.
-  std::vector<int32_t> all_tokens, all_lens;
-  for (const GoldenSeq& s : goldens_.seqs) {
-    all_tokens.insert(all_tokens.end(), s.ids.begin(), s.ids.end());
-    all_lens.push_back(static_cast<int32_t>(s.ids.size()));
-  }
-  std::vector<uint16_t> packed(all_tokens.size() * static_cast<size_t>(k_total * h_));
-  const absl::Status pst =
-      (*gpu)->Forward({all_tokens, all_lens, ids}, std::as_writable_bytes(std::span(packed)));
-  ASSERT_TRUE(pst.ok()) << pst;
+  std::vector<std::vector<int32_t>> seq_ids;
+  for (const GoldenSeq& s : goldens_.seqs) seq_ids.push_back(s.ids);
+  absl::StatusOr<std::vector<AloneAndPacked>> runs = RunAloneAndPacked(**gpu, seq_ids, ids);
+  ASSERT_TRUE(runs.ok()) << runs.status();
   std::vector<Err> worst(static_cast<size_t>(k_total)), hf_worst(worst.size());
-  int64_t offset = 0;
   for (size_t si = 0; si < goldens_.seqs.size(); ++si) {
     const GoldenSeq& s = goldens_.seqs[si];
     const int64_t t = static_cast<int64_t>(s.ids.size());
-    const std::vector<int32_t> lens = {static_cast<int32_t>(t)};
-    std::vector<uint16_t> bits(static_cast<size_t>(t * k_total * h_));
-    const absl::Status st =
-        (*gpu)->Forward({s.ids, lens, ids}, std::as_writable_bytes(std::span(bits)));
-    ASSERT_TRUE(st.ok()) << st;
     const std::vector<bool> keep = ties.stable.empty() ? std::vector<bool>() : ties.stable[si];
     if (!keep.empty() && std::find(keep.begin(), keep.end(), true) == keep.end()) {
-      offset += t;  // every token near-tie: nothing to compare
-      continue;
+      continue;  // every token near-tie: nothing to compare
     }
     for (int pass = 0; pass < 2; ++pass) {
-      const uint16_t* src = pass == 0 ? bits.data() : packed.data() + offset * k_total * h_;
-      std::vector<float> ours(bits.size());
-      for (size_t e = 0; e < ours.size(); ++e) ours[e] = Bf16ToFloat(src[e]);
+      const std::vector<float>& ours = pass == 0 ? (*runs)[si].alone : (*runs)[si].packed;
       for (int64_t k = 0; k < k_total; ++k) {
         const std::vector<float> ref = Golden(s, k);
         const Err mine = Compare(Layer(ours, t, k_total, k, h_), ref, h_, keep);
@@ -106,7 +91,6 @@ TEST_P(GoldensTest, CudaEngineNoWorseThanHfBf16) {
         hf_worst[k].Merge(hf);
       }
     }
-    offset += t;
   }
   std::cout << "CUDA engine (bf16) vs HF fp32, worst over the 6 sequences alone and packed\n"
             << absl::StrFormat("%-12s %-8s %12s %12s %12s %12s %12s\n", "model", "layer",
