@@ -138,9 +138,7 @@ std::string ShardedCpuEngine::device_name() const { return absl::StrCat("cpu tp"
 Engine::ParallelLayout ShardedCpuEngine::layout() const {
   ParallelLayout l;
   l.tp = impl_->plan.tp;
-  if (impl_->plan.config.features.mlp != MlpKind::kDenseSwiGlu && l.tp > 1) {
-    l.moe_parallel = std::string(MoeParallelName(impl_->plan.moe));
-  }
+  l.moe_parallel = impl_->plan.MoeLayoutName();
   l.rank_weight_bytes = impl_->rank_weight_bytes;
   return l;
 }

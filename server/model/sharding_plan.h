@@ -88,6 +88,17 @@ struct ShardingPlan {
   int capture_rank = 0;
 
   int64_t ExpertBegin(int rank) const;
+  // Whether ranks hold different experts (ep over more than one rank).
+  bool ExpertParallel() const {
+    return experts_per_rank > 0 && experts_per_rank < config.num_experts;
+  }
+  // The MoE strategy as engines report it ("ep", "split"): empty for a dense
+  // model or a single rank.
+  std::string MoeLayoutName() const {
+    return config.features.mlp != MlpKind::kDenseSwiGlu && tp > 1
+               ? std::string(MoeParallelName(moe))
+               : std::string();
+  }
   // Bytes of decoder weights (lm_head excluded: the engines never read it)
   // with every element `element_bytes` wide: one rank's, the whole model's,
   // and the part every rank holds whole. When no KV or GDN key head is

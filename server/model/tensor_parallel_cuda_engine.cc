@@ -36,7 +36,6 @@ absl::StatusOr<TensorParallelCudaEngine::LoneRank> CreateRank(const Model* model
                                                               int device,
                                                               DeviceAllReduce* all_reduce,
                                                               const CudaEngineOptions& options) {
-  const bool moe_ep = plan.experts_per_rank > 0 && plan.experts_per_rank < plan.config.num_experts;
   TensorParallelCudaEngine::LoneRank out;
   auto rank_model = std::make_unique<Model>();
   rank_model->id = plan.tp > 1 ? absl::StrCat(model->id, " (tp rank ", r, ")") : model->id;
@@ -73,7 +72,7 @@ absl::StatusOr<TensorParallelCudaEngine::LoneRank> CreateRank(const Model* model
   o.rank.all_reduce = all_reduce;
   o.rank.capture = r == plan.capture_rank;
   o.rank.specs = std::move(specs);
-  if (moe_ep) {
+  if (plan.ExpertParallel()) {
     o.rank.expert_begin = plan.ExpertBegin(r);
     o.rank.num_local_experts = plan.experts_per_rank;
   }
@@ -171,7 +170,6 @@ absl::StatusOr<std::unique_ptr<TensorParallelCudaEngine>> TensorParallelCudaEngi
   impl->model = model;
   impl->devices = devices;
   DF_ASSIGN_OR_RETURN(impl->all_reduce, MakeDeviceAllReduce(devices));
-  const bool moe_ep = plan.experts_per_rank > 0 && plan.experts_per_rank < plan.config.num_experts;
   for (int r = 0; r < plan.tp; ++r) {
     DF_ASSIGN_OR_RETURN(LoneRank rank, CreateRank(model, plan, r, devices[static_cast<size_t>(r)],
                                                   impl->all_reduce.get(), options));
@@ -182,7 +180,7 @@ absl::StatusOr<std::unique_ptr<TensorParallelCudaEngine>> TensorParallelCudaEngi
   if (model->weights_on_device_random && plan.tp > 1) {
     impl->reported = std::make_unique<Model>(*model);
     impl->reported->fingerprint =
-        absl::StrCat(model->fingerprint, "+tp", plan.tp, moe_ep ? "-ep" : "");
+        absl::StrCat(model->fingerprint, "+tp", plan.tp, plan.ExpertParallel() ? "-ep" : "");
   }
   impl->plan = std::move(plan);
   return std::unique_ptr<TensorParallelCudaEngine>(new TensorParallelCudaEngine(std::move(impl)));
@@ -215,9 +213,7 @@ std::string TensorParallelCudaEngine::device_name() const {
 Engine::ParallelLayout TensorParallelCudaEngine::layout() const {
   ParallelLayout l;
   l.tp = impl_->plan.tp;
-  if (impl_->plan.config.features.mlp != MlpKind::kDenseSwiGlu && l.tp > 1) {
-    l.moe_parallel = std::string(MoeParallelName(impl_->plan.moe));
-  }
+  l.moe_parallel = impl_->plan.MoeLayoutName();
   int64_t most = 0;
   for (const auto& e : impl_->engines) most = std::max(most, e->weight_bytes());
   l.rank_weight_bytes = most;
