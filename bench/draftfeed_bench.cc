@@ -39,6 +39,9 @@ ABSL_FLAG(int32_t, device, 0, "CUDA device.");
 ABSL_FLAG(uint64_t, seed, 0, "Sequence-length and token seed.");
 ABSL_FLAG(bool, fp8_expert_gemms, true,
           "FP8 MoE models: FP8 grouped expert GEMMs (else experts dequantised to bf16).");
+ABSL_FLAG(std::string, fp8_gemm, "auto",
+          "FP8 models' dense projections: auto or cublaslt (cuBLASLt's block-scaled GEMM), or "
+          "draftfeed (draftfeed's Hopper FP8 GEMM).");
 
 namespace draftfeed {
 namespace {
@@ -84,6 +87,14 @@ int RunEngineBench() {
   cudaMemGetInfo(&free0, &total);
   CudaEngineOptions opt;
   opt.fp8_expert_gemms = absl::GetFlag(FLAGS_fp8_expert_gemms);
+  if (const std::string g = absl::GetFlag(FLAGS_fp8_gemm); g == "draftfeed") {
+    opt.fp8_gemm = CudaEngineOptions::Fp8Gemm::kDraftfeed;
+  } else if (g == "cublaslt") {
+    opt.fp8_gemm = CudaEngineOptions::Fp8Gemm::kCublasLt;
+  } else if (g != "auto") {
+    std::fprintf(stderr, "error: --fp8_gemm=%s: accepted: auto, draftfeed, cublaslt\n", g.c_str());
+    return 1;
+  }
   opt.device = absl::GetFlag(FLAGS_device);
   opt.max_tokens = tokens;
   opt.max_seqs = static_cast<int64_t>(lens.size());

@@ -40,17 +40,13 @@
 
 #include "kernels/kernel_paths.cuh"
 #include "kernels/mma_sm80.cuh"
+#include "kernels/tma_sm90.cuh"
 #include "kernels/wgmma_sm90.cuh"
 
 namespace draftfeed::cuda {
 namespace {
 
-// Whether this compilation pass has wgmma and setmaxnreg (sm_90a).
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-constexpr bool kArchWgmma = true;
-#else
-constexpr bool kArchWgmma = false;
-#endif
+using sm90::kArchWgmma;
 
 // Block shape of each path: compute warps of 16 query rows, then loader warps.
 // wgmma: two warpgroups (128 rows) and a whole loader warpgroup, because
@@ -92,36 +88,15 @@ constexpr int SmemBytes() {
   return BM * HD * 2 + 4 * BN * HD * 2 + 9 * 8 + 1024;
 }
 
-__device__ __forceinline__ void MbarInit(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void MbarExpectTx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void MbarArrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// The spin loop stays inside the asm: as C++ control flow it splits the
-// compute loop into blocks across which ptxas serializes the wgmma pipeline.
-__device__ __forceinline__ void MbarWait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
+using sm90::MbarArrive;
+using sm90::MbarExpectTx;
+using sm90::MbarInit;
+using sm90::MbarWait;
 
 // One 64-column × 1-head × rows box of a [tokens, heads, HD] tensor.
 __device__ __forceinline__ void TmaLoad(uint32_t dst, const CUtensorMap& map, int col, int head,
                                         int token, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(&map)), "r"(col), "r"(head), "r"(token), "r"(bar)
-      : "memory");
+  sm90::TmaLoad3d(dst, map, col, head, token, bar);
 }
 
 template <int N>
@@ -469,21 +444,8 @@ __global__ void __launch_bounds__(Layout<kTryWgmma && kArchWgmma>::kThreads, 1)
 
 // ---------------------------------------------------------------------------
 // Host side.
-using EncodeTiledFn = PFN_cuTensorMapEncodeTiled_v12000;
-
-EncodeTiledFn EncodeTiled() {
-  static const EncodeTiledFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      return EncodeTiledFn{nullptr};
-    }
-    return reinterpret_cast<EncodeTiledFn>(f);
-  }();
-  return fn;
-}
+using sm90::EncodeTiled;
+using sm90::EncodeTiledFn;
 
 // [tokens, heads, hd] bf16, read in boxes of 64 columns × 1 head × `rows`
 // tokens with the 128-byte swizzle; rows past `tokens` read as zeros.

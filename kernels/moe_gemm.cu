@@ -17,7 +17,8 @@
 // memory, 16-byte chunks XOR-swizzled by row so ldmatrix is conflict-free);
 // 8 warps as 2 × 4, each 64 × 32.
 //
-// FP8 (fine-grained checkpoints): the same tiles in bytes, mma.sync
+// FP8 (fine-grained checkpoints) on Hopper takes fp8_block_gemm.cu's wgmma
+// kernel (Fp8MoeGateUpSwiGlu / Fp8MoeDown); elsewhere the same tiles in bytes, mma.sync
 // m16n8k32 e4m3 (whose fragments are what the same ldmatrix calls load from
 // 32-byte K steps), and one K step of 128 values is exactly one scale block:
 // its partial sums are folded into the fp32 accumulator times the row's
@@ -27,6 +28,7 @@
 // 16 gate rows and the 16 matching up rows: a thread then holds gate and up of the same output in
 // registers and writes SiLU(gate)·up directly (the [rows, 2I] product never reaches memory). Rows
 // and columns past the tile's end load zeros (cp.async zero-fill) and are not stored.
+#include "kernels/fp8_block_gemm.cuh"
 #include "kernels/mma_sm80.cuh"
 #include "kernels/moe.cuh"
 #include "kernels/vec_io.cuh"
@@ -376,6 +378,12 @@ cudaError_t MoeGateUpSwiGluFp8(const uint8_t* xq, const float* x_scale, int64_t 
       !Aligned16(xq) || !Aligned16(gate_up) || !Aligned16(act)) {
     return cudaErrorInvalidValue;
   }
+  if (Fp8BlockGemmAvailable()) {
+    const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
+    if (tiles > routing.max_tiles) return cudaErrorInvalidValue;
+    return Fp8MoeGateUpSwiGlu(xq, x_scale, x_scale_stride, gate_up, gate_up_scale, hidden, inter,
+                              num_experts, routing.tile_map, tiles, routing.row_token, act, stream);
+  }
   GemmParams p = GateUpParams(xq, hidden, gate_up, hidden, inter, routing, act);
   p.a_scale = x_scale;
   p.a_scale_stride = x_scale_stride;
@@ -392,6 +400,12 @@ cudaError_t MoeDownFp8(const uint8_t* actq, const float* act_scale, int64_t act_
   if (!ValidShapes(hidden, inter, num_experts, num_rows) || !ValidFp8(hidden, inter) ||
       !Aligned16(actq) || !Aligned16(down) || !Aligned16(y)) {
     return cudaErrorInvalidValue;
+  }
+  if (Fp8BlockGemmAvailable()) {
+    const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
+    if (tiles > routing.max_tiles) return cudaErrorInvalidValue;
+    return Fp8MoeDown(actq, act_scale, act_scale_stride, down, down_scale, hidden, inter,
+                      num_experts, routing.tile_map, tiles, y, stream);
   }
   GemmParams p = DownParams(actq, down, hidden, inter, routing, y);
   p.a_scale = act_scale;

@@ -1,9 +1,10 @@
-// wgmma.mma_async instruction wrappers (sm_90a) for bf16 inputs and fp32
-// accumulators, m64nNk16: SS takes A and B as shared-memory descriptors, RS
-// takes A from registers (the accumulator layout of a previous product). The
-// N the attention kernels use: 80 and 128 (S = Q·Kᵀ), 128 and 256 (O += P·V).
-// kScaleD = 0 overwrites D, 1 accumulates. Internal to kernels/: device
-// helpers only, no launchers; callers fence, commit and wait themselves.
+// wgmma.mma_async instruction wrappers (sm_90a), fp32 accumulators. bf16
+// inputs, m64nNk16: SS takes A and B as shared-memory descriptors, RS takes A
+// from registers (the accumulator layout of a previous product); the N the
+// attention kernels use: 80 and 128 (S = Q·Kᵀ), 128 and 256 (O += P·V). e4m3
+// inputs, m64n128k32 SS: the FP8 block-scaled GEMM's. kScaleD = 0 overwrites
+// D, 1 accumulates. Internal to kernels/: device helpers only, no launchers;
+// callers fence, commit and wait themselves.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,13 @@
 #include "kernels/common.cuh"
 
 namespace draftfeed::cuda::sm90 {
+
+// Whether this compilation pass has wgmma and setmaxnreg (sm_90a).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+inline constexpr bool kArchWgmma = true;
+#else
+inline constexpr bool kArchWgmma = false;
+#endif
 
 template <int N>
 struct Wgmma;
@@ -132,6 +140,36 @@ struct Wgmma<256> {
           "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
           "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kScaleD));
+  }
+};
+
+// e4m3 × e4m3 → fp32, m64n128k32, both operands K-major in shared memory
+// (FP8 wgmma has no transpose): the FP8 block-scaled GEMM's product.
+struct WgmmaE4m3N128 {
+  template <int kScaleD>
+  static __device__ __forceinline__ void SS(float (&d)[64], uint64_t a, uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
+        "%60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+          "+f"(d[63])
+        : "l"(a), "l"(b), "n"(kScaleD));
   }
 };
 

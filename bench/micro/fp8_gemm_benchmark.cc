@@ -1,8 +1,9 @@
-// The FP8 GEMMs at the Qwen3.6-27B shapes: cuBLASLt's block-scaled GEMM as
-// the engine runs it (activations per token and 128 group, weights per 128x128
-// block) beside two ceilings measured in the same run, cuBLASLt's bf16 GEMM
-// and its per-tensor-scaled FP8 GEMM (the fastest FP8 mode it has, the limit
-// block scaling approaches), plus the activation quantisers, which are
+// The FP8 GEMMs at the Qwen3.6-27B shapes: cuBLASLt's block-scaled GEMM and
+// draftfeed's own (Fp8OwnBlockGemm), both as the engine runs them
+// (activations per token and 128 group, weights per 128x128 block), beside
+// two ceilings measured in the same run, cuBLASLt's bf16 GEMM and its
+// per-tensor-scaled FP8 GEMM (the fastest FP8 mode it has, the limit block
+// scaling approaches), plus the activation quantisers, which are
 // memory-bound. Operands are real data: random bf16 quantised by the engine's
 // own kernels (tensor cores draw less power on zeros, so zeros flatter).
 #include <cublasLt.h>
@@ -12,6 +13,7 @@
 
 #include "bench/micro/gpu_benchmark.h"
 #include "benchmark/benchmark.h"
+#include "kernels/fp8_block_gemm.cuh"
 #include "kernels/fp8_gemm_operands.cuh"
 #include "server/model/cuda_fp8_gemm.h"
 #include "server/model/cuda_gemm.h"
@@ -58,6 +60,17 @@ void RunBlockScaled(benchmark::State& state, int64_t n, int64_t k) {
     absl::Status s =
         gemm.Run(o.xq.get(), o.xs.get(), o.wq.get(), o.ws.get(), o.y.get(), m, n, k, nullptr);
     return s.ok() ? cudaSuccess : cudaErrorNotSupported;
+  });
+}
+
+// draftfeed's own block-scaled GEMM (kernels/fp8_block_gemm.cuh), same operands.
+void RunOwnBlockScaled(benchmark::State& state, int64_t n, int64_t k) {
+  const int64_t m = state.range(0);
+  Operands o(m, n, k);
+  if (!cuda::Fp8BlockGemmAvailable()) NoteSetup(cudaErrorNotSupported);
+  TimeKernel(state, {0, 2.0 * m * n * k}, [&] {
+    return cuda::Fp8BlockGemm(o.xq.get(), o.xs.get(), o.wq.get(), o.ws.get(),
+                              cuda::Fp8ScaleStride(k), o.y.get(), n, m, n, k, nullptr);
   });
 }
 
@@ -151,6 +164,8 @@ void RunSwiGluQuantize(benchmark::State& state, int64_t f) {
 #define DF_FP8_SHAPE(name, n, k)                                                           \
   void BM_Fp8BlockGemm_##name(benchmark::State& s) { RunBlockScaled(s, n, k); }            \
   DF_FP8_BENCHMARK(BM_Fp8BlockGemm_##name);                                                \
+  void BM_Fp8OwnBlockGemm_##name(benchmark::State& s) { RunOwnBlockScaled(s, n, k); }      \
+  DF_FP8_BENCHMARK(BM_Fp8OwnBlockGemm_##name);                                             \
   void BM_Fp8TensorScaledCeiling_##name(benchmark::State& s) { RunTensorScaled(s, n, k); } \
   DF_FP8_BENCHMARK(BM_Fp8TensorScaledCeiling_##name);                                      \
   void BM_Bf16Gemm_##name(benchmark::State& s) { RunBf16(s, n, k); }                       \

@@ -11,6 +11,7 @@
 #include "kernels/attention.cuh"
 #include "kernels/elementwise.cuh"
 #include "kernels/embedding.cuh"
+#include "kernels/fp8_block_gemm.cuh"
 #include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/gdn.cuh"
 #include "kernels/moe.cuh"
@@ -51,6 +52,11 @@ absl::Status CudaEngine::Impl::Project(const DeviceBlock& b, int i, const bf16* 
   const Fp8Weight& w = b.fp8[static_cast<size_t>(i)];
   DF_RETURN_IF_ERROR(QuantizeForFp8(x, T, K));
   DF_RETURN_IF_ERROR(Timed("gemm", [&] {
+    if (own_fp8_gemm) {
+      return CudaStatus(cuda::Fp8BlockGemm(x8, x8_scale, w.q, w.scale, cuda::Fp8ScaleStride(K), y,
+                                           N, cuda::Fp8RowsPadded(T), w.rows, K, stream),
+                        "Fp8BlockGemm");
+    }
     return fp8_gemm.Run(x8, x8_scale, w.q, w.scale, y, cuda::Fp8RowsPadded(T), w.rows, K, stream,
                         N);
   }));

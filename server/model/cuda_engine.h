@@ -51,6 +51,13 @@ struct CudaEngineOptions {
   // engine's maths, half the expert memory), or dequantised to bf16 at load
   // for the bf16 grouped GEMMs (bf16 activations; on the H200 faster today).
   bool fp8_expert_gemms = true;
+  // FP8 models: the GEMM behind the dense FP8 projections. kAuto and
+  // kCublasLt: cuBLASLt's block-scaled mode (on the H200 0.98-1.05x faster
+  // than ours at the 27B's shapes); kDraftfeed: draftfeed's own Hopper kernel
+  // (kernels/fp8_block_gemm.cuh; refused at creation where the GPU cannot
+  // run it). The MoE experts take ours wherever it runs, whatever this says.
+  enum class Fp8Gemm { kAuto, kDraftfeed, kCublasLt };
+  Fp8Gemm fp8_gemm = Fp8Gemm::kAuto;
   // Weight upload: reader threads (0 = DefaultReadThreads()) filling pinned
   // chunks of load_chunk_bytes (a multiple of 4096) while earlier chunks copy.
   int load_threads = 0;

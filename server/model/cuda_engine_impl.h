@@ -89,6 +89,7 @@ struct CudaEngine::Impl {
   DeviceArena work;
   CublasLtGemm gemm;
   CublasLtFp8Gemm fp8_gemm;
+  bool own_fp8_gemm = false;  // FP8 projections on cuda::Fp8BlockGemm, not fp8_gemm
   std::vector<Layer> layers;
   bf16* embed = nullptr;
   bf16* final_norm = nullptr;

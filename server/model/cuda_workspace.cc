@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/payload_checksum.h"
 #include "common/status_macros.h"
+#include "kernels/fp8_block_gemm.cuh"
 #include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/gdn.cuh"
 #include "kernels/moe.cuh"
@@ -196,7 +197,17 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   }
   DF_RETURN_IF_ERROR(gemm.Init(gemm_workspace, gemm_ws));
   // The FP8 GEMMs run on the same stream as the bf16 ones: they share the workspace.
-  if (any_fp8) DF_RETURN_IF_ERROR(fp8_gemm.Init(gemm_workspace, gemm_ws));
+  if (any_fp8) {
+    DF_RETURN_IF_ERROR(fp8_gemm.Init(gemm_workspace, gemm_ws));
+    using Fp8Gemm = CudaEngineOptions::Fp8Gemm;
+    own_fp8_gemm = options.fp8_gemm == Fp8Gemm::kDraftfeed && cuda::Fp8BlockGemmAvailable();
+    if (options.fp8_gemm == Fp8Gemm::kDraftfeed && !own_fp8_gemm) {
+      return absl::FailedPreconditionError(
+          "FP8 GEMM 'draftfeed' asked for, but this GPU does not run it: draftfeed's FP8 GEMM is "
+          "Hopper (sm_90a) code, and DRAFTFEED_PORTABLE_KERNELS must be unset; ask for 'auto' "
+          "(cuBLASLt's block-scaled GEMM)");
+    }
+  }
   return UploadWeights();
 }
 

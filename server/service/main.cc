@@ -144,6 +144,11 @@ ABSL_FLAG(std::string, fp8_experts, "fp8",
           "FP8 MoE models on CUDA: run the routed experts through FP8 grouped GEMMs (fp8: "
           "the FP8 engine's maths, half the expert memory) or dequantise them to bf16 at load "
           "(bf16: twice the expert memory, faster on the H200 today).");
+ABSL_FLAG(std::string, fp8_gemm, "auto",
+          "FP8 models on CUDA: the GEMM behind the dense FP8 projections. auto or cublaslt: "
+          "cuBLASLt's block-scaled GEMM (the faster on an H200); draftfeed: draftfeed's own Hopper "
+          "kernel (refused at start-up on a GPU that cannot run it). MoE experts use draftfeed's "
+          "on Hopper either way.");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port to serve Prometheus metrics on, at /metrics over HTTP (e.g. "
           "0.0.0.0:9400; port 0 picks a free one, logged at start-up). Empty = off.");
@@ -189,6 +194,10 @@ absl::Status CheckFlags() {
   }
   if (const std::string e = absl::GetFlag(FLAGS_fp8_experts); e != "fp8" && e != "bf16") {
     return refuse("--fp8_experts=", e, " is not supported; accepted: fp8, bf16");
+  }
+  if (const std::string g = absl::GetFlag(FLAGS_fp8_gemm);
+      g != "auto" && g != "draftfeed" && g != "cublaslt") {
+    return refuse("--fp8_gemm=", g, " is not supported; accepted: auto, draftfeed, cublaslt");
   }
   if (const std::string q = absl::GetFlag(FLAGS_quantize); q != "none" && q != "fp8") {
     return refuse("--quantize=", q, " is not supported; accepted: none, fp8");
@@ -369,6 +378,7 @@ int Run() {
                                     .max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens),
                                     .max_capture_layers = absl::GetFlag(FLAGS_max_capture_layers),
                                     .fp8_expert_gemms = absl::GetFlag(FLAGS_fp8_experts) == "fp8",
+                                    .fp8_gemm = absl::GetFlag(FLAGS_fp8_gemm),
                                     .load_threads = absl::GetFlag(FLAGS_load_threads)});
   if (!engines.ok()) return Fail(std::string(engines.status().message()));
   std::vector<Engine*> engine_ptrs;

@@ -36,6 +36,10 @@ absl::StatusOr<std::vector<std::unique_ptr<Engine>>> MakeTargetEngines(
   copt.max_seqs = std::min<int64_t>(copt.max_tokens, 4096);
   copt.max_layers = options.max_capture_layers;
   copt.fp8_expert_gemms = options.fp8_expert_gemms;
+  using Fp8Gemm = CudaEngineOptions::Fp8Gemm;
+  copt.fp8_gemm = options.fp8_gemm == "draftfeed"  ? Fp8Gemm::kDraftfeed
+                  : options.fp8_gemm == "cublaslt" ? Fp8Gemm::kCublasLt
+                                                   : Fp8Gemm::kAuto;
   copt.load_threads = options.load_threads;
   const std::vector<int>& gpus = options.gpus;
   for (size_t first = 0; first < gpus.size(); first += static_cast<size_t>(tp)) {

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -20,6 +21,7 @@ struct TargetEngineOptions {
   int64_t max_batch_tokens = 16384;
   int64_t max_capture_layers = 8;
   bool fp8_expert_gemms = true;
+  std::string fp8_gemm = "auto";  // auto, draftfeed or cublaslt (CudaEngineOptions::Fp8Gemm)
   int load_threads = 0;
 };
 

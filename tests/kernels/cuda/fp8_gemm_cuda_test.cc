@@ -1,5 +1,5 @@
-// The FP8 GEMM's operands and cuBLASLt's block-scaled GEMM against host
-// definitions: the quantisers bit for bit (the host e4m3 conversion of
+// The FP8 GEMM's operands and both block-scaled GEMMs (cuBLASLt's, ours)
+// against host definitions: the quantisers bit for bit (the host e4m3 conversion of
 // common/fp8_e4m3.h, fp32 division), the GEMM against an exact (double)
 // evaluation of the block-scaled sum it must compute.
 #include <cuda_bf16.h>
@@ -11,6 +11,7 @@
 
 #include "common/fp8_e4m3.h"
 #include "kernels/elementwise.cuh"
+#include "kernels/fp8_block_gemm.cuh"
 #include "kernels/fp8_gemm_operands.cuh"
 #include "server/model/cuda_fp8_gemm.h"
 #include "tests/kernels/cuda/gpu_test_util.h"
@@ -120,57 +121,161 @@ TEST(Fp8OperandsCudaTest, WeightBlockQuantisationMatchesTheHostRule) {
   }
 }
 
-// cuBLASLt's block-scaled GEMM against Σ_g (Σ_k q_x·q_w)·s_x·s_w in double.
-// The only roundings it may add are its fp32 accumulation and the one bf16
-// rounding of Y: relative rms error of bf16 rounding is ~2^-9/√3 ≈ 1.1e-3,
-// so 3e-3 bounds it with room for the accumulation order, and 1e-2 catches
-// any scale read from the wrong place (a wrong layout gives errors ~0.3-1).
-TEST(Fp8GemmCudaTest, BlockScaledGemmMatchesTheExactSum) {
-  DF_REQUIRE_GPU();
-  int major = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
-  if (major != 9) GTEST_SKIP() << "cuBLASLt serves 128x128-block FP8 scales on sm_90 only";
-  const int64_t n = 640, k = 896;
+// Both block-scaled GEMMs (cuBLASLt's and draftfeed's own, fp8_block_gemm.cuh)
+// against Σ_g (Σ_k q_x·q_w)·s_x·s_w in double. The only roundings either may
+// add are its fp32 accumulation and the one bf16 rounding of Y: relative rms
+// error of bf16 rounding is ~2^-9/√3 ≈ 1.1e-3, so 3e-3 bounds it with room for
+// the accumulation order, and any scale read from the wrong place (a wrong
+// layout gives errors ~0.3-1) fails it. Shapes: M not a multiple of a
+// 128-row tile, several K blocks; for ours also N not a multiple of its
+// 256-column tile (nor of 128: a last weight block of 64 rows) and Y written
+// into a wider buffer (ldy > n) whose other columns must stay untouched.
+enum class Which { kCublasLt, kDraftfeed };
+
+void ExpectBlockScaledGemmMatchesTheExactSum(Which which, int64_t n, int64_t ldy, int64_t k) {
+  SCOPED_TRACE(::testing::Message() << "n=" << n << " k=" << k);
   for (int64_t m : {4, 61, 1001}) {
     const int64_t m_pad = cuda::Fp8RowsPadded(m), kb = k / 128, stride = cuda::Fp8ScaleStride(k);
+    const int64_t w_blocks = (n + 127) / 128;
     std::vector<float> x = testing::ToF32(ToBf16(RandomBf16Values(m * k, 1.0f, 5 + m)));
     std::vector<float> w = RandomBf16Values(n * k, 0.03f, 9);
     for (int64_t c = 0; c < k; ++c) w[7 * k + c] *= 40.0f;  // one row's blocks scale differently
+    for (int64_t c = 0; c < k; ++c) w[(n - 40) * k + c] *= 9.0f;     // and one in the last block
+    for (int64_t j = 0; j < 128; ++j) x[2 * k + 256 + j] *= 100.0f;  // one activation group too
     DeviceBuffer<__nv_bfloat16> dx(ToBf16(x)), dw(ToBf16(w));
     DeviceBuffer<uint8_t> xq(m_pad * k), wq(n * k);
-    DeviceBuffer<float> xs(m_pad * kb), ws(n / 128 * stride);
+    DeviceBuffer<float> xs(m_pad * kb), ws(w_blocks * stride);
     DF_CUDA_OK(cudaMemset(ws.get(), 0, ws.size() * 4));
     DF_CUDA_OK(cuda::QuantizeActivationsFp8(dx.get(), k, m, k, xq.get(), xs.get(), nullptr));
     DF_CUDA_OK(cuda::QuantizeWeightBlocksFp8(dw.get(), n, k, wq.get(), ws.get(), stride, nullptr));
+    DeviceBuffer<__nv_bfloat16> y(m_pad * ldy);
+    const std::vector<__nv_bfloat16> sentinel(m_pad * ldy, __float2bfloat16(-7.0f));
+    DF_CUDA_OK(cudaMemcpy(y.get(), sentinel.data(), sentinel.size() * 2, cudaMemcpyHostToDevice));
     DeviceBuffer<char> workspace(32 << 20);
     CublasLtFp8Gemm gemm;
-    ASSERT_TRUE(gemm.Init(workspace.get(), workspace.size()).ok());
-    DeviceBuffer<__nv_bfloat16> y(m_pad * n);
-    absl::Status st =
-        gemm.Run(xq.get(), xs.get(), wq.get(), ws.get(), y.get(), m_pad, n, k, nullptr);
-    ASSERT_TRUE(st.ok()) << st;
+    if (which == Which::kCublasLt) {
+      ASSERT_TRUE(gemm.Init(workspace.get(), workspace.size()).ok());
+      absl::Status st =
+          gemm.Run(xq.get(), xs.get(), wq.get(), ws.get(), y.get(), m_pad, n, k, nullptr, ldy);
+      ASSERT_TRUE(st.ok()) << st;
+    } else {
+      DF_CUDA_OK(cuda::Fp8BlockGemm(xq.get(), xs.get(), wq.get(), ws.get(), stride, y.get(), ldy,
+                                    m_pad, n, k, nullptr));
+    }
     DF_CUDA_OK(cudaDeviceSynchronize());
     const std::vector<uint8_t> hq = xq.Download(), hw = wq.Download();
     const std::vector<float> hs = xs.Download(), hws = ws.Download();
     const std::vector<float> got = testing::ToF32(y.Download());
-    double num = 0, den = 0;
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t c = 0; c < n; ++c) {
-        double acc = 0;
-        for (int64_t g = 0; g < kb; ++g) {
-          double part = 0;
-          for (int64_t j = g * 128; j < g * 128 + 128; ++j) {
-            part += static_cast<double>(E4m3ToFloat(hq[r * k + j])) * E4m3ToFloat(hw[c * k + j]);
+    double num = 0, den = 0, worst_block = 0;
+    int64_t untouched = 0;
+    for (int64_t r = 0; r < m_pad; ++r) {
+      for (int64_t c = n; c < ldy; ++c) untouched += got[r * ldy + c] == -7.0f;
+    }
+    // Per 128 x 128 output block as well as overall: a mistake confined to an
+    // edge tile (the partial last weight block, the rows past a 128-row tile)
+    // would hide in the overall rms.
+    for (int64_t rb = 0; rb * 128 < m; ++rb) {
+      for (int64_t cb = 0; cb < w_blocks; ++cb) {
+        double bnum = 0, bden = 0;
+        for (int64_t r = rb * 128; r < std::min(m, rb * 128 + 128); ++r) {
+          for (int64_t c = cb * 128; c < std::min(n, cb * 128 + 128); ++c) {
+            double acc = 0;
+            for (int64_t g = 0; g < kb; ++g) {
+              double part = 0;
+              for (int64_t j = g * 128; j < g * 128 + 128; ++j) {
+                part +=
+                    static_cast<double>(E4m3ToFloat(hq[r * k + j])) * E4m3ToFloat(hw[c * k + j]);
+              }
+              acc += part * hs[g * m_pad + r] * hws[(c / 128) * stride + g];
+            }
+            const double d = got[r * ldy + c] - acc;
+            bnum += d * d;
+            bden += acc * acc;
           }
-          acc += part * hs[g * m_pad + r] * hws[(c / 128) * stride + g];
         }
-        const double d = got[r * n + c] - acc;
-        num += d * d;
-        den += acc * acc;
+        num += bnum;
+        den += bden;
+        worst_block = std::max(worst_block, std::sqrt(bnum / bden));
       }
     }
     EXPECT_LT(std::sqrt(num / den), 3e-3) << "m=" << m;
+    EXPECT_LT(worst_block, 4e-3) << "m=" << m;
+    // Rows m..m_pad-1 have zero activations: Y is 0 there.
+    for (int64_t r = m; r < m_pad; ++r) {
+      for (int64_t c = 0; c < n; ++c) ASSERT_EQ(got[r * ldy + c], 0.0f) << r << "," << c;
+    }
+    EXPECT_EQ(untouched, m_pad * (ldy - n)) << "columns past n were written, m=" << m;
   }
+}
+
+TEST(Fp8GemmCudaTest, CublasLtBlockScaledGemmMatchesTheExactSum) {
+  DF_REQUIRE_GPU();
+  int major = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+  if (major != 9) GTEST_SKIP() << "cuBLASLt serves 128x128-block FP8 scales on sm_90 only";
+  ExpectBlockScaledGemmMatchesTheExactSum(Which::kCublasLt, 640, 640, 896);
+}
+
+TEST(Fp8GemmCudaTest, DraftfeedBlockScaledGemmMatchesTheExactSum) {
+  DF_REQUIRE_GPU();
+  if (!cuda::Fp8BlockGemmAvailable()) GTEST_SKIP() << "draftfeed's FP8 GEMM is sm_90a code";
+  ExpectBlockScaledGemmMatchesTheExactSum(Which::kDraftfeed, 576, 600, 896);
+}
+
+// The two GEMMs on the same operands at a size where the persistent kernel
+// walks many tiles per block (several waves, row groups of the raster, more
+// K blocks than stages): both within bf16 rounding of each other.
+TEST(Fp8GemmCudaTest, DraftfeedGemmAgreesWithCublasLtOverManyTiles) {
+  DF_REQUIRE_GPU();
+  if (!cuda::Fp8BlockGemmAvailable()) GTEST_SKIP() << "draftfeed's FP8 GEMM is sm_90a code";
+  const int64_t m = 4100, n = 2304, k = 1536;
+  const int64_t m_pad = cuda::Fp8RowsPadded(m), stride = cuda::Fp8ScaleStride(k);
+  DeviceBuffer<__nv_bfloat16> dx(ToBf16(RandomBf16Values(m * k, 1.0f, 21)));
+  DeviceBuffer<__nv_bfloat16> dw(ToBf16(RandomBf16Values(n * k, 0.03f, 22)));
+  DeviceBuffer<uint8_t> xq(m_pad * k), wq(n * k);
+  DeviceBuffer<float> xs(m_pad * (k / 128)), ws((n / 128) * stride);
+  DF_CUDA_OK(cudaMemset(ws.get(), 0, ws.size() * 4));
+  DF_CUDA_OK(cuda::QuantizeActivationsFp8(dx.get(), k, m, k, xq.get(), xs.get(), nullptr));
+  DF_CUDA_OK(cuda::QuantizeWeightBlocksFp8(dw.get(), n, k, wq.get(), ws.get(), stride, nullptr));
+  DeviceBuffer<__nv_bfloat16> y_lt(m_pad * n), y_own(m_pad * n);
+  DeviceBuffer<char> workspace(32 << 20);
+  CublasLtFp8Gemm gemm;
+  ASSERT_TRUE(gemm.Init(workspace.get(), workspace.size()).ok());
+  ASSERT_TRUE(
+      gemm.Run(xq.get(), xs.get(), wq.get(), ws.get(), y_lt.get(), m_pad, n, k, nullptr).ok());
+  DF_CUDA_OK(cuda::Fp8BlockGemm(xq.get(), xs.get(), wq.get(), ws.get(), stride, y_own.get(), n,
+                                m_pad, n, k, nullptr));
+  DF_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> a = testing::ToF32(y_lt.Download()),
+                           b = testing::ToF32(y_own.Download());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * double(a[i] - b[i]);
+    den += a[i] * double(a[i]);
+  }
+  // Two bf16 roundings of the same sum (each ≤ 2^-9 relative, rms ~1.1e-3) plus
+  // fp32 order: 4e-3. A skipped or repeated K block would differ by ~1/12.
+  EXPECT_LT(std::sqrt(num / den), 4e-3);
+}
+
+TEST(Fp8GemmCudaTest, DraftfeedGemmRefusesShapesItCannotTake) {
+  DF_REQUIRE_GPU();
+  DeviceBuffer<uint8_t> q(256 * 256);
+  DeviceBuffer<float> s(64);
+  DeviceBuffer<__nv_bfloat16> y(256 * 256);
+  // K not a multiple of 128, N not of 16, M not of 4, ldy < n.
+  EXPECT_EQ(
+      cuda::Fp8BlockGemm(q.get(), s.get(), q.get(), s.get(), 4, y.get(), 128, 4, 128, 100, nullptr),
+      cudaErrorInvalidValue);
+  EXPECT_EQ(
+      cuda::Fp8BlockGemm(q.get(), s.get(), q.get(), s.get(), 4, y.get(), 128, 4, 120, 128, nullptr),
+      cudaErrorInvalidValue);
+  EXPECT_EQ(
+      cuda::Fp8BlockGemm(q.get(), s.get(), q.get(), s.get(), 4, y.get(), 128, 6, 128, 128, nullptr),
+      cudaErrorInvalidValue);
+  EXPECT_EQ(
+      cuda::Fp8BlockGemm(q.get(), s.get(), q.get(), s.get(), 4, y.get(), 64, 4, 128, 128, nullptr),
+      cudaErrorInvalidValue);
 }
 
 }  // namespace

@@ -1,0 +1,49 @@
+// draftfeed's own fine-grained FP8 GEMMs for Hopper (sm_90a): Y[M, N] (bf16)
+// = X·Wᵀ with X quantised per token and 128-wide K group and W e4m3 with one
+// fp32 scale per 128x128 block, in kernels/fp8_gemm_operands.cuh's layouts
+// (the ones cuBLASLt's block-scaled mode reads, so either GEMM takes the same
+// operands). Per 128-wide K block the tensor cores' fp32 partial is scaled by
+// s_x[row, g]·S_w[n / 128, g] and added to an fp32 accumulator in registers;
+// one bf16 rounding of Y.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/common.cuh"
+
+namespace draftfeed::cuda {
+
+// True where the loaded binary has the sm_90a kernel (a Hopper GPU running
+// this build's sm_90a SASS) and DRAFTFEED_PORTABLE_KERNELS allows it; the
+// MoE experts take moe_gemm.cu's mma.sync kernels otherwise.
+bool Fp8BlockGemmAvailable();
+
+// xq [m_pad, k] e4m3; x_scale [k / 128, m_pad]; wq [n, k] e4m3; w_scale
+// [ceil(n / 128), w_scale_stride]; y [m_pad, ldy] bf16, columns 0..n-1
+// written. m_pad a multiple of 4 (Fp8RowsPadded), k of 128, n of 16, ldy
+// even and >= n; xq, x_scale and wq 16-byte aligned (TMA), y 4-byte. cudaErrorNotSupported where
+// !Fp8BlockGemmAvailable(), cudaErrorInvalidValue for a shape it cannot take.
+cudaError_t Fp8BlockGemm(const uint8_t* xq, const float* x_scale, const uint8_t* wq,
+                         const float* w_scale, int64_t w_scale_stride, bf16* y, int64_t ldy,
+                         int64_t m_pad, int64_t n, int64_t k, cudaStream_t stream);
+
+// The MoE experts' two FP8 GEMMs on the same kernel, over MoePermute's tile
+// map (moe.cuh: tile_map [max_tiles][4], row_token), with the operands and
+// results of moe.cuh's MoeGateUpSwiGluFp8 and MoeDownFp8, which call these
+// where Fp8BlockGemmAvailable(). gate_up gathers each sorted row's token
+// from xq ([tokens, D] e4m3, scales [D/128][x_scale_stride] by token) and
+// writes act = SiLU(gate)·up (fp32, one bf16 rounding) [rows, I]; down reads
+// actq [act_scale_stride rows, I] (scales [I/128][act_scale_stride], the
+// stride being the padded row count) and writes y [rows, D]. D and I
+// multiples of 128; pointers 16-byte aligned, outputs 4-byte.
+cudaError_t Fp8MoeGateUpSwiGlu(const uint8_t* xq, const float* x_scale, int64_t x_scale_stride,
+                               const uint8_t* gate_up, const float* gate_up_scale, int64_t hidden,
+                               int64_t inter, int num_experts, const int32_t* tile_map,
+                               int64_t max_tiles, const int32_t* row_token, bf16* act,
+                               cudaStream_t stream);
+cudaError_t Fp8MoeDown(const uint8_t* actq, const float* act_scale, int64_t act_scale_stride,
+                       const uint8_t* down, const float* down_scale, int64_t hidden, int64_t inter,
+                       int num_experts, const int32_t* tile_map, int64_t max_tiles, bf16* y,
+                       cudaStream_t stream);
+
+}  // namespace draftfeed::cuda
