@@ -75,7 +75,7 @@ elif [[ $PART == fp8 ]]; then
   timeout 240 .bundle/bin/draftfeed-bench-kernels --benchmark_filter='Fp8|Bf16Gemm|SwiGluQuant' \
     --benchmark_min_time=0.1 2>&1 | grep -v WARNING
   # The FP8 engines beside their bf16 models, same seed, same call.
-  for m in ${FP8_MODELS:-qwen3.6-27b qwen3.6-35b-a3b}; do
+  for m in ${FP8_MODELS:-qwen3.6-27b qwen3.6-35b-a3b qwen3-30b-a3b}; do
     for v in "$m-fp8" "$m"; do
       timeout 300 .bundle/bin/draftfeed-bench engine --model "random:$v" --tokens 49152 \
         --iters "${ITERS:-5}"
