@@ -17,8 +17,9 @@
 // memory, 16-byte chunks XOR-swizzled by row so ldmatrix is conflict-free);
 // 8 warps as 2 × 4, each 64 × 32.
 //
-// FP8 (fine-grained checkpoints) on Hopper takes fp8_block_gemm.cu's wgmma
-// kernel (Fp8MoeGateUpSwiGlu / Fp8MoeDown); elsewhere the same tiles in bytes, mma.sync
+// On Hopper both forms take hopper_gemm.cu's wgmma kernel instead (bf16 where
+// D and I are multiples of 128). FP8 (fine-grained checkpoints) elsewhere:
+// the same tiles in bytes, mma.sync
 // m16n8k32 e4m3 (whose fragments are what the same ldmatrix calls load from
 // 32-byte K steps), and one K step of 128 values is exactly one scale block:
 // its partial sums are folded into the fp32 accumulator times the row's
@@ -28,7 +29,7 @@
 // 16 gate rows and the 16 matching up rows: a thread then holds gate and up of the same output in
 // registers and writes SiLU(gate)·up directly (the [rows, 2I] product never reaches memory). Rows
 // and columns past the tile's end load zeros (cp.async zero-fill) and are not stored.
-#include "kernels/fp8_block_gemm.cuh"
+#include "kernels/hopper_gemm.cuh"
 #include "kernels/mma_sm80.cuh"
 #include "kernels/moe.cuh"
 #include "kernels/vec_io.cuh"
@@ -342,6 +343,12 @@ GemmParams DownParams(const void* act, const void* down, int64_t hidden, int64_t
 
 // Row stride of a [rows, k] weight's block scales (fp8_gemm_operands.cuh).
 int64_t Fp8Stride(int64_t k) { return ((k + kMoeFp8Block - 1) / kMoeFp8Block + 3) / 4 * 4; }
+// hopper_gemm.cu's wgmma kernels take the bf16 experts where the GPU runs
+// them and the widths are whole 128-column tiles (every Qwen MoE's are);
+// the mma.sync kernels below take the rest.
+bool UseHopperGemms(int64_t hidden, int64_t inter) {
+  return hidden % 128 == 0 && inter % 128 == 0 && HopperGemmsAvailable();
+}
 bool ValidFp8(int64_t hidden, int64_t inter) {
   return hidden % kMoeFp8Block == 0 && inter % kMoeFp8Block == 0;
 }
@@ -355,6 +362,12 @@ cudaError_t MoeGateUpSwiGlu(const bf16* x, int64_t x_stride, const bf16* gate_up
       x_stride % 8 != 0 || !Aligned16(x) || !Aligned16(gate_up) || !Aligned16(act)) {
     return cudaErrorInvalidValue;
   }
+  if (UseHopperGemms(hidden, inter)) {
+    const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
+    if (tiles > routing.max_tiles) return cudaErrorInvalidValue;
+    return HopperMoeGateUpSwiGlu(x, x_stride, gate_up, hidden, inter, num_experts, routing.tile_map,
+                                 tiles, routing.row_token, act, stream);
+  }
   return Launch<Epilogue::kSwiGlu>(GateUpParams(x, x_stride, gate_up, hidden, inter, routing, act),
                                    num_experts, num_rows, routing, stream);
 }
@@ -365,6 +378,12 @@ cudaError_t MoeDown(const bf16* act, const bf16* down, int64_t hidden, int64_t i
   if (!ValidShapes(hidden, inter, num_experts, num_rows) || !Aligned16(act) || !Aligned16(down) ||
       !Aligned16(y)) {
     return cudaErrorInvalidValue;
+  }
+  if (UseHopperGemms(hidden, inter)) {
+    const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
+    if (tiles > routing.max_tiles) return cudaErrorInvalidValue;
+    return HopperMoeDown(act, num_rows, down, hidden, inter, num_experts, routing.tile_map, tiles,
+                         y, stream);
   }
   return Launch<Epilogue::kPlain>(DownParams(act, down, hidden, inter, routing, y), num_experts,
                                   num_rows, routing, stream);
@@ -378,7 +397,7 @@ cudaError_t MoeGateUpSwiGluFp8(const uint8_t* xq, const float* x_scale, int64_t 
       !Aligned16(xq) || !Aligned16(gate_up) || !Aligned16(act)) {
     return cudaErrorInvalidValue;
   }
-  if (Fp8BlockGemmAvailable()) {
+  if (HopperGemmsAvailable()) {
     const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
     if (tiles > routing.max_tiles) return cudaErrorInvalidValue;
     return Fp8MoeGateUpSwiGlu(xq, x_scale, x_scale_stride, gate_up, gate_up_scale, hidden, inter,
@@ -401,7 +420,7 @@ cudaError_t MoeDownFp8(const uint8_t* actq, const float* act_scale, int64_t act_
       !Aligned16(actq) || !Aligned16(down) || !Aligned16(y)) {
     return cudaErrorInvalidValue;
   }
-  if (Fp8BlockGemmAvailable()) {
+  if (HopperGemmsAvailable()) {
     const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
     if (tiles > routing.max_tiles) return cudaErrorInvalidValue;
     return Fp8MoeDown(actq, act_scale, act_scale_stride, down, down_scale, hidden, inter,

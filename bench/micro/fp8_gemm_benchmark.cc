@@ -13,7 +13,7 @@
 
 #include "bench/micro/gpu_benchmark.h"
 #include "benchmark/benchmark.h"
-#include "kernels/fp8_block_gemm.cuh"
+#include "kernels/hopper_gemm.cuh"
 #include "kernels/fp8_gemm_operands.cuh"
 #include "server/model/cuda_fp8_gemm.h"
 #include "server/model/cuda_gemm.h"
@@ -63,11 +63,11 @@ void RunBlockScaled(benchmark::State& state, int64_t n, int64_t k) {
   });
 }
 
-// draftfeed's own block-scaled GEMM (kernels/fp8_block_gemm.cuh), same operands.
+// draftfeed's own block-scaled GEMM (kernels/hopper_gemm.cuh), same operands.
 void RunOwnBlockScaled(benchmark::State& state, int64_t n, int64_t k) {
   const int64_t m = state.range(0);
   Operands o(m, n, k);
-  if (!cuda::Fp8BlockGemmAvailable()) NoteSetup(cudaErrorNotSupported);
+  if (!cuda::HopperGemmsAvailable()) NoteSetup(cudaErrorNotSupported);
   TimeKernel(state, {0, 2.0 * m * n * k}, [&] {
     return cuda::Fp8BlockGemm(o.xq.get(), o.xs.get(), o.wq.get(), o.ws.get(),
                               cuda::Fp8ScaleStride(k), o.y.get(), n, m, n, k, nullptr);

@@ -11,7 +11,7 @@
 #include "kernels/attention.cuh"
 #include "kernels/elementwise.cuh"
 #include "kernels/embedding.cuh"
-#include "kernels/fp8_block_gemm.cuh"
+#include "kernels/hopper_gemm.cuh"
 #include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/gdn.cuh"
 #include "kernels/moe.cuh"

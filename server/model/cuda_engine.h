@@ -54,7 +54,7 @@ struct CudaEngineOptions {
   // FP8 models: the GEMM behind the dense FP8 projections. kAuto and
   // kCublasLt: cuBLASLt's block-scaled mode (on the H200 0.98-1.05x faster
   // than ours at the 27B's shapes); kDraftfeed: draftfeed's own Hopper kernel
-  // (kernels/fp8_block_gemm.cuh; refused at creation where the GPU cannot
+  // (kernels/hopper_gemm.cuh; refused at creation where the GPU cannot
   // run it). The MoE experts take ours wherever it runs, whatever this says.
   enum class Fp8Gemm { kAuto, kDraftfeed, kCublasLt };
   Fp8Gemm fp8_gemm = Fp8Gemm::kAuto;

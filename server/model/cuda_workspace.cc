@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/payload_checksum.h"
 #include "common/status_macros.h"
-#include "kernels/fp8_block_gemm.cuh"
+#include "kernels/hopper_gemm.cuh"
 #include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/gdn.cuh"
 #include "kernels/moe.cuh"
@@ -200,7 +200,7 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   if (any_fp8) {
     DF_RETURN_IF_ERROR(fp8_gemm.Init(gemm_workspace, gemm_ws));
     using Fp8Gemm = CudaEngineOptions::Fp8Gemm;
-    own_fp8_gemm = options.fp8_gemm == Fp8Gemm::kDraftfeed && cuda::Fp8BlockGemmAvailable();
+    own_fp8_gemm = options.fp8_gemm == Fp8Gemm::kDraftfeed && cuda::HopperGemmsAvailable();
     if (options.fp8_gemm == Fp8Gemm::kDraftfeed && !own_fp8_gemm) {
       return absl::FailedPreconditionError(
           "FP8 GEMM 'draftfeed' asked for, but this GPU does not run it: draftfeed's FP8 GEMM is "

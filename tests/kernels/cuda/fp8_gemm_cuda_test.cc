@@ -11,7 +11,7 @@
 
 #include "common/fp8_e4m3.h"
 #include "kernels/elementwise.cuh"
-#include "kernels/fp8_block_gemm.cuh"
+#include "kernels/hopper_gemm.cuh"
 #include "kernels/fp8_gemm_operands.cuh"
 #include "server/model/cuda_fp8_gemm.h"
 #include "tests/kernels/cuda/gpu_test_util.h"
@@ -121,7 +121,7 @@ TEST(Fp8OperandsCudaTest, WeightBlockQuantisationMatchesTheHostRule) {
   }
 }
 
-// Both block-scaled GEMMs (cuBLASLt's and draftfeed's own, fp8_block_gemm.cuh)
+// Both block-scaled GEMMs (cuBLASLt's and draftfeed's own, hopper_gemm.cuh)
 // against Σ_g (Σ_k q_x·q_w)·s_x·s_w in double. The only roundings either may
 // add are its fp32 accumulation and the one bf16 rounding of Y: relative rms
 // error of bf16 rounding is ~2^-9/√3 ≈ 1.1e-3, so 3e-3 bounds it with room for
@@ -218,7 +218,7 @@ TEST(Fp8GemmCudaTest, CublasLtBlockScaledGemmMatchesTheExactSum) {
 
 TEST(Fp8GemmCudaTest, DraftfeedBlockScaledGemmMatchesTheExactSum) {
   DF_REQUIRE_GPU();
-  if (!cuda::Fp8BlockGemmAvailable()) GTEST_SKIP() << "draftfeed's FP8 GEMM is sm_90a code";
+  if (!cuda::HopperGemmsAvailable()) GTEST_SKIP() << "draftfeed's FP8 GEMM is sm_90a code";
   ExpectBlockScaledGemmMatchesTheExactSum(Which::kDraftfeed, 576, 600, 896);
 }
 
@@ -227,7 +227,7 @@ TEST(Fp8GemmCudaTest, DraftfeedBlockScaledGemmMatchesTheExactSum) {
 // K blocks than stages): both within bf16 rounding of each other.
 TEST(Fp8GemmCudaTest, DraftfeedGemmAgreesWithCublasLtOverManyTiles) {
   DF_REQUIRE_GPU();
-  if (!cuda::Fp8BlockGemmAvailable()) GTEST_SKIP() << "draftfeed's FP8 GEMM is sm_90a code";
+  if (!cuda::HopperGemmsAvailable()) GTEST_SKIP() << "draftfeed's FP8 GEMM is sm_90a code";
   const int64_t m = 4100, n = 2304, k = 1536;
   const int64_t m_pad = cuda::Fp8RowsPadded(m), stride = cuda::Fp8ScaleStride(k);
   DeviceBuffer<__nv_bfloat16> dx(ToBf16(RandomBf16Values(m * k, 1.0f, 21)));

@@ -13,6 +13,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/moe.h"
+#include "kernels/kernel_paths.cuh"
 #include "kernels/moe.cuh"
 #include "tests/kernels/cuda/gpu_test_util.h"
 
@@ -393,13 +394,33 @@ TEST(MoeExpertsCudaTest, MatchesReference) {
       // Odd token counts around the 128-row tile; D 520 = 8 K-steps of 64 plus
       // a partial one (the pipeline's tail); I 40 and 96 leave column tiles
       // partial.
-      {37, 72, 40, 8, 2, 0},       {301, 520, 96, 60, 8, 0},
-      {129, 256, 64, 128, 1, 0},   {5, 128, 48, 128, 8, 0},  // most experts idle
+      {37, 72, 40, 8, 2, 0},
+      {301, 520, 96, 60, 8, 0},
+      {129, 256, 64, 128, 1, 0},
+      {5, 128, 48, 128, 8, 0},      // most experts idle
       {300, 136, 200, 8, 1, 1},     // one expert takes all 300 rows (3 tiles)
       {257, 64, 72, 16, 2, 1},      // two experts take every token
       {1000, 256, 128, 256, 8, 0},  // Qwen3.5's E and k
+      // D and I multiples of 128, which Hopper runs on hopper_gemm.cu's wgmma
+      // kernels: several gate_up column tiles, a half-empty last down tile
+      // (D 384), one expert of several row tiles, experts' tiles side by side.
+      {300, 256, 256, 8, 1, 1},
+      {77, 384, 128, 16, 4, 0},
+      {600, 512, 384, 32, 4, 0},
   };
   for (const MoeShape& s : shapes) RunMoe(s);
+}
+
+// The mma.sync kernels every GPU but Hopper runs (DRAFTFEED_PORTABLE_KERNELS'
+// sm100 mode makes a Hopper take them too) on the shapes Hopper would give
+// its wgmma kernels.
+TEST(MoeExpertsCudaTest, MmaSyncKernelsMatchReferenceWhereHopperRunsWgmma) {
+  DF_REQUIRE_GPU();
+  ScopedPortableKernels portable(PortableKernels::kSm100);
+  for (const MoeShape& s :
+       {MoeShape{1000, 256, 128, 256, 8, 0}, MoeShape{77, 384, 128, 16, 4, 0}}) {
+    RunMoe(s);
+  }
 }
 
 TEST(MoeExpertsCudaTest, RejectsMisalignedShapes) {

@@ -170,7 +170,7 @@ TEST(MoeFp8ExpertsCudaTest, MatchBlockScaledSums) {
   if (major < 9) GTEST_SKIP() << "e4m3 mma.sync needs sm_89+ (built for sm_90)";
   // Partial row tiles, two K blocks and more, several column tiles (D = 384:
   // a half-empty last one), idle experts, and experts of several row tiles.
-  // On Hopper these run fp8_block_gemm.cu's wgmma kernel; the mma.sync one
+  // On Hopper these run hopper_gemm.cu's wgmma kernel; the mma.sync one
   // every other GPU runs is MmaSyncKernelsMatchBlockScaledSums.
   for (const Shape& s : {Shape{37, 256, 128, 8, 2}, Shape{301, 384, 256, 16, 4},
                          Shape{5, 128, 128, 32, 8}, Shape{700, 512, 256, 4, 2}}) {

@@ -1,4 +1,4 @@
-// draftfeed's FP8 block-scaled GEMM on Hopper (declared in fp8_block_gemm.cuh):
+// draftfeed's FP8 block-scaled GEMM on Hopper (declared in hopper_gemm.cuh):
 // the dense projections' (an alternative to cuBLASLt's block-scaled mode) and
 // the MoE experts' grouped GEMMs (which cuBLASLt has no block-scaled form of).
 //
@@ -35,7 +35,7 @@
 //
 // Edges: TMA zero-fills rows past the tensors' ends; the epilogue stores only
 // the item's rows and columns < n, and a weight half past n takes scale 0.
-#include "kernels/fp8_block_gemm.cuh"
+#include "kernels/hopper_gemm.cuh"
 
 #include <algorithm>
 
@@ -96,9 +96,10 @@ struct Params {
   const int4* tile_map;
   int64_t w_rows_per_expert;      // D (down) or 2I (gate_up)
   int64_t w_scale_expert_stride;  // floats between experts' block scales
-  // kMoeGateUp's gather: X [tokens][k] e4m3, its scales [k/128][x_scale_stride].
-  const uint8_t* xq;
-  int64_t k;
+  // kMoeGateUp's gather: X's rows x_row_bytes apart (e4m3 or bf16), FP8's
+  // scales [k/128][x_scale_stride] by token.
+  const uint8_t* x;
+  int64_t x_row_bytes;
   const float* x_scale;
   int64_t x_scale_stride;
   const int32_t* row_token;
@@ -178,20 +179,27 @@ template <int N>
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-// part = A(64 rows at a) · B(128 rows at b)ᵀ over one 128-wide K block: four
-// wgmma m64n128k32, each 32 bytes further along the swizzled 128-byte rows
-// (descriptor addresses count 16-byte units). Committed, not waited for.
-[[maybe_unused]] __device__ __forceinline__ void IssueBlock(float (&part)[64], uint32_t a,
+// d (+)= A(64 rows at a) · B(128 rows at b)ᵀ over one 128-byte K block: four
+// wgmma m64n128 (k32 e4m3 or k16 bf16), each 32 bytes further along the
+// swizzled 128-byte rows (descriptor addresses count 16-byte units).
+// kFirstScaleD 0: the first product overwrites d. Callers fence and commit.
+template <bool kFp8, int kFirstScaleD>
+[[maybe_unused]] __device__ __forceinline__ void IssueBlock(float (&d)[64], uint32_t a,
                                                             uint32_t b) {
   const uint64_t a0 = Desc(a), b0 = Desc(b);
-  FenceRegs(part);  // nothing may touch part between the fence and the products
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-  sm90::WgmmaE4m3N128::SS<0>(part, a0, b0);
-#pragma unroll
-  for (int kk = 1; kk < kBK / 32; ++kk) {
-    sm90::WgmmaE4m3N128::SS<1>(part, a0 + 2 * kk, b0 + 2 * kk);
+  if constexpr (kFp8) {
+    sm90::WgmmaE4m3N128::SS<kFirstScaleD>(d, a0, b0);
+  } else {
+    sm90::Wgmma<128>::SS<kFirstScaleD>(d, a0, b0);
   }
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#pragma unroll
+  for (int kk = 1; kk < 4; ++kk) {
+    if constexpr (kFp8) {
+      sm90::WgmmaE4m3N128::SS<1>(d, a0 + 2 * kk, b0 + 2 * kk);
+    } else {
+      sm90::Wgmma<128>::SS<1>(d, a0 + 2 * kk, b0 + 2 * kk);
+    }
+  }
 }
 
 // 16 bytes (4 with the second form) global -> shared; zero-filled when !valid.
@@ -209,14 +217,19 @@ template <int N>
 }
 
 // The block size is the path's: 384 in the sm_90a pass, 128 (an empty body)
-// elsewhere, read back by Fp8BlockGemmAvailable from the loaded binary.
-template <Mode kMode>
+// elsewhere, read back by HopperGemmsAvailable from the loaded binary.
+// kFp8: e4m3 operands with block scales (a K block = 128 values), each
+// block's partial promoted into fp32 with its two scales; else bf16 operands
+// (a K block = 64 values, the same 128 bytes a row) accumulated straight into
+// fp32 by the tensor cores, with no scales.
+template <Mode kMode, bool kFp8>
 __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
-    Fp8BlockGemmKernel(const __grid_constant__ CUtensorMap tm_x,
-                       const __grid_constant__ CUtensorMap tm_w,
-                       const __grid_constant__ CUtensorMap tm_s, const Params p) {
+    HopperGemmKernel(const __grid_constant__ CUtensorMap tm_x,
+                     const __grid_constant__ CUtensorMap tm_w,
+                     const __grid_constant__ CUtensorMap tm_s, const Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kGather = kMode == Mode::kMoeGateUp;
+  constexpr int kBKElems = kFp8 ? 128 : 64;  // a K block's values: TMA's coordinate unit
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t base = (raw + 1023) & ~uint32_t{1023};
@@ -228,6 +241,9 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
   const auto empty = [&](int st) { return bars + 8 * (kStages + st); };
   const float* s_scales = reinterpret_cast<const float*>(smem_raw + (s_smem - raw));
   constexpr int kScaleSlot = kScaleBytes / 4;  // floats per stage
+  // Bytes TMA brings into a stage (the gather brings A and the scales itself).
+  constexpr uint32_t kTmaBytes =
+      kBBytes + (kGather ? 0 : kABytes) + (kGather || !kFp8 ? 0 : kScaleBox * 4);
 
   const int tid = threadIdx.x;
   if (tid == 0) {
@@ -253,7 +269,7 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
       const Work w = Decode<kMode>(t, p);
       if (!w.valid) continue;
       // Gathering: this thread copies 16-byte chunk lt % 8 of tile rows
-      // lt / 8 + 16i, and row lt's activation scale.
+      // lt / 8 + 16i, and (FP8) row lt's activation scale.
       const uint8_t* src[8];
       bool ok[8];
       const float* s_src = p.x_scale;
@@ -264,21 +280,26 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
           const int r = lt / 8 + 16 * i;
           ok[i] = r < w.rows;
           const int64_t token = ok[i] ? __ldg(p.row_token + w.a_row + r) : 0;
-          src[i] = p.xq + token * p.k + (lt % 8) * 16;
+          src[i] = p.x + token * p.x_row_bytes + (lt % 8) * 16;
         }
-        s_ok = lt < w.rows;
-        s_src += s_ok ? __ldg(p.row_token + w.a_row + lt) : 0;
+        if constexpr (kFp8) {
+          s_ok = lt < w.rows;
+          s_src += s_ok ? __ldg(p.row_token + w.a_row + lt) : 0;
+        }
       }
       for (int kb = 0; kb < p.k_blocks; ++kb) {
         sm90::MbarWait(empty(st), phase ^ 1);
         if (lt == 0) {
-          sm90::MbarExpectTx(full(st), kGather ? kBBytes : kStageBytes);
+          sm90::MbarExpectTx(full(st), kTmaBytes);
           if constexpr (!kGather) {
-            sm90::TmaLoad2d(a_smem + st * kABytes, tm_x, kb * kBK, w.a_row, full(st));
-            sm90::TmaLoad2d(s_smem + st * kScaleBytes, tm_s, w.a_row & ~3, kb, full(st));
+            sm90::TmaLoad2d(a_smem + st * kABytes, tm_x, kb * kBKElems, w.a_row, full(st));
+            if constexpr (kFp8) {
+              sm90::TmaLoad2d(s_smem + st * kScaleBytes, tm_s, w.a_row & ~3, kb, full(st));
+            }
           }
-          sm90::TmaLoad2d(b_smem + st * kBBytes, tm_w, kb * kBK, w.b_row0, full(st));
-          sm90::TmaLoad2d(b_smem + st * kBBytes + kBHalfBytes, tm_w, kb * kBK, w.b_row1, full(st));
+          sm90::TmaLoad2d(b_smem + st * kBBytes, tm_w, kb * kBKElems, w.b_row0, full(st));
+          sm90::TmaLoad2d(b_smem + st * kBBytes + kBHalfBytes, tm_w, kb * kBKElems, w.b_row1,
+                          full(st));
         }
         if constexpr (kGather) {
           // Rows as TMA's 128-byte swizzle lays them out: 16-byte unit u of
@@ -289,8 +310,10 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
             CpAsync16(a_smem + st * kABytes + r * 128 + (((lt % 8) ^ (r % 8)) << 4),
                       src[i] + kb * kBK, ok[i]);
           }
-          CpAsync4(s_smem + st * kScaleBytes + (w.a_row % 4 + lt) * 4,
-                   s_src + kb * p.x_scale_stride, s_ok);
+          if constexpr (kFp8) {
+            CpAsync4(s_smem + st * kScaleBytes + (w.a_row % 4 + lt) * 4,
+                     s_src + kb * p.x_scale_stride, s_ok);
+          }
           asm volatile("cp.async.commit_group;\n" ::: "memory");
           // The previous stage's copies have landed: make them visible to
           // the tensor cores' (async-proxy) reads, then count them in.
@@ -324,37 +347,75 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
   const int r0 = wg * 64 + warp * 16 + lane / 4;
   int st = 0;
   uint32_t phase = 0;
+  const auto advance = [&] {
+    if (++st == kStages) {
+      st = 0;
+      phase ^= 1;
+    }
+  };
   for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
     const Work w = Decode<kMode>(t, p);
     if (!w.valid) continue;
-    float acc[128];
+    float acc[2][64];
 #pragma unroll
-    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
-    for (int kb = 0; kb < p.k_blocks; ++kb) {
-      const float sw0 = __ldg(w.ws0 + kb);
-      const float sw1 = w.ws1 != nullptr ? __ldg(w.ws1 + kb) : 0.f;
-      sm90::MbarWait(full(st), phase);
-      const float* sx = s_scales + st * kScaleSlot + w.a_row % 4;  // row 0 of the item
-      const float sx0 = sx[r0], sx1 = sx[r0 + 8];
+    for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float part[64];
-        IssueBlock(part, a_smem + st * kABytes + wg * 64 * kBK,
-                   b_smem + st * kBBytes + h * kBHalfBytes);
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-        FenceRegs(part);
-        const float sw = h == 0 ? sw0 : sw1;
-        const float s0 = sx0 * sw, s1 = sx1 * sw;
+      for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
+    }
+    if constexpr (kFp8) {
+      for (int kb = 0; kb < p.k_blocks; ++kb) {
+        const float sw0 = __ldg(w.ws0 + kb);
+        const float sw1 = w.ws1 != nullptr ? __ldg(w.ws1 + kb) : 0.f;
+        sm90::MbarWait(full(st), phase);
+        const float* sx = s_scales + st * kScaleSlot + w.a_row % 4;  // row 0 of the item
+        const float sx0 = sx[r0], sx1 = sx[r0 + 8];
 #pragma unroll
-        for (int i = 0; i < 64; ++i) {
-          acc[h * 64 + i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[h * 64 + i]);
+        for (int h = 0; h < 2; ++h) {
+          float part[64];
+          FenceRegs(part);  // nothing may touch part between the fence and the products
+          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+          IssueBlock<true, 0>(part, a_smem + st * kABytes + wg * 64 * 128,
+                              b_smem + st * kBBytes + h * kBHalfBytes);
+          asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          FenceRegs(part);
+          const float sw = h == 0 ? sw0 : sw1;
+          const float s0 = sx0 * sw, s1 = sx1 * sw;
+#pragma unroll
+          for (int i = 0; i < 64; ++i) acc[h][i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[h][i]);
         }
+        sm90::MbarArrive(empty(st));
+        advance();
       }
-      sm90::MbarArrive(empty(st));
-      if (++st == kStages) {
-        st = 0;
-        phase ^= 1;
+    } else {
+      // bf16: the tensor cores accumulate K block kb + 1 onto kb's sums
+      // while the previous stage is released; one group in flight.
+      FenceRegs(acc[0]);
+      FenceRegs(acc[1]);
+      const auto issue = [&] {
+        sm90::MbarWait(full(st), phase);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          IssueBlock<false, 1>(acc[h], a_smem + st * kABytes + wg * 64 * 128,
+                               b_smem + st * kBBytes + h * kBHalfBytes);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        const int issued = st;
+        advance();
+        return issued;
+      };
+      int prev = issue();
+      for (int kb = 1; kb < p.k_blocks; ++kb) {
+        const int cur = issue();
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        sm90::MbarArrive(empty(prev));
+        prev = cur;
       }
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      FenceRegs(acc[0]);
+      FenceRegs(acc[1]);
+      sm90::MbarArrive(empty(prev));
     }
     // Epilogue: bf16 pairs straight from the accumulator layout.
     const int col0 = 2 * (lane % 4);
@@ -364,22 +425,25 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
       if (row >= w.rows) continue;
       bf16* dst = p.y + static_cast<int64_t>(w.a_row + row) * p.ldy + w.out_col;
       if constexpr (kMode == Mode::kMoeGateUp) {
-        // Gate in acc[0, 64), up at the same place in acc[64, 128); n % 128 == 0.
+        // Gate in acc[0], up at the same place in acc[1]; n % 128 == 0.
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-          const float* g = acc + 4 * j + 2 * r;
-          const float* u = g + 64;
+          const float* g = acc[0] + 4 * j + 2 * r;
+          const float* u = acc[1] + 4 * j + 2 * r;
           *reinterpret_cast<__nv_bfloat162*>(dst + col0 + 8 * j) =
               __floats2bfloat162_rn(vec::Silu(g[0]) * u[0], vec::Silu(g[1]) * u[1]);
         }
       } else {
         const int cols = p.n - w.out_col;
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          const int col = col0 + 8 * j;
-          if (col < cols) {
-            *reinterpret_cast<__nv_bfloat162*>(dst + col) =
-                __floats2bfloat162_rn(acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1]);
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const int col = col0 + 128 * h + 8 * j;
+            if (col < cols) {
+              *reinterpret_cast<__nv_bfloat162*>(dst + col) =
+                  __floats2bfloat162_rn(acc[h][4 * j + 2 * r], acc[h][4 * j + 2 * r + 1]);
+            }
           }
         }
       }
@@ -410,14 +474,14 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 bool Sm90aKernelLoaded() {
   cudaFuncAttributes attr;
-  if (cudaFuncGetAttributes(&attr, Fp8BlockGemmKernel<Mode::kDense>) != cudaSuccess) {
+  if (cudaFuncGetAttributes(&attr, HopperGemmKernel<Mode::kDense, true>) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
   return attr.maxThreadsPerBlock == kThreads;
 }
 
-template <Mode kMode>
+template <Mode kMode, bool kFp8>
 cudaError_t Launch(const CUtensorMap& tm_x, const CUtensorMap& tm_w, const CUtensorMap& tm_s,
                    Params prm, cudaStream_t stream) {
   int device = 0, sms = 0;
@@ -425,23 +489,25 @@ cudaError_t Launch(const CUtensorMap& tm_x, const CUtensorMap& tm_w, const CUten
   if (err == cudaSuccess)
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) {
-    err = cudaFuncSetAttribute(Fp8BlockGemmKernel<kMode>,
+    err = cudaFuncSetAttribute(HopperGemmKernel<kMode, kFp8>,
                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   }
   if (err != cudaSuccess) return err;
   const int grid = static_cast<int>(std::min<int64_t>(prm.tiles, sms));
-  Fp8BlockGemmKernel<kMode><<<grid, kThreads, kSmemBytes, stream>>>(tm_x, tm_w, tm_s, prm);
+  HopperGemmKernel<kMode, kFp8><<<grid, kThreads, kSmemBytes, stream>>>(tm_x, tm_w, tm_s, prm);
   return cudaGetLastError();
 }
 
-// The weights' map: [rows, k] e4m3 in 128-row boxes (one per weight half).
-cudaError_t WeightMap(CUtensorMap* map, const uint8_t* w, int64_t rows, int64_t k) {
-  return MakeMap(map, w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, k, kBK, 128, true);
+// A [rows, k] operand (e4m3, or bf16) in 128-byte-wide K blocks and boxes of
+// box_rows rows (128 for a weight half or a tile of A).
+cudaError_t OperandMap(CUtensorMap* map, const void* base, bool fp8, int64_t rows, int64_t k) {
+  return fp8 ? MakeMap(map, base, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, k, kBK, 128, true)
+             : MakeMap(map, base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, rows, k, kBK / 2, 128, true);
 }
-// Activations [rows, k] e4m3 in 128 x 128 boxes, their scales [k/128][stride] in 128-row boxes.
+// FP8 activations [rows, k] and their scales [k/128][stride] (kScaleBox-row boxes).
 cudaError_t ActivationMaps(CUtensorMap* x, CUtensorMap* s, const uint8_t* xq, const float* x_scale,
                            int64_t rows, int64_t k, int64_t stride) {
-  cudaError_t err = MakeMap(x, xq, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, rows, k, kBK, kBM, true);
+  cudaError_t err = OperandMap(x, xq, true, rows, k);
   if (err != cudaSuccess) return err;
   return MakeMap(s, x_scale, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, k / kBK, stride, kScaleBox, 1,
                  false);
@@ -455,8 +521,9 @@ bool ValidMoe(int64_t hidden, int64_t inter, int num_experts, int64_t max_tiles)
 
 // The grouped forms' common parameters: out [rows, n] written by n_blocks
 // column tiles per MoE tile, K = k, expert weights of w_rows_per_expert rows.
-Params MoeParams(bf16* out, int64_t n, int n_blocks, int64_t k, const float* w_scale,
-                 const int32_t* tile_map, int64_t max_tiles, int64_t w_rows_per_expert) {
+Params MoeParams(bf16* out, int64_t n, int n_blocks, int64_t k, int elem_bytes,
+                 const float* w_scale, const int32_t* tile_map, int64_t max_tiles,
+                 int64_t w_rows_per_expert) {
   Params prm{};
   prm.y = out;
   prm.ldy = n;
@@ -464,7 +531,7 @@ Params MoeParams(bf16* out, int64_t n, int n_blocks, int64_t k, const float* w_s
   prm.w_scale_stride = Fp8ScaleStride(k);
   prm.n = static_cast<int>(n);
   prm.n_blocks = n_blocks;
-  prm.k_blocks = static_cast<int>(k / kBK);
+  prm.k_blocks = static_cast<int>(k * elem_bytes / kBK);
   prm.tiles = static_cast<int>(max_tiles * n_blocks);
   prm.tile_map = reinterpret_cast<const int4*>(tile_map);
   prm.w_rows_per_expert = w_rows_per_expert;
@@ -474,7 +541,7 @@ Params MoeParams(bf16* out, int64_t n, int n_blocks, int64_t k, const float* w_s
 
 }  // namespace
 
-bool Fp8BlockGemmAvailable() { return HopperKernelsAllowed() && Sm90aKernelLoaded(); }
+bool HopperGemmsAvailable() { return HopperKernelsAllowed() && Sm90aKernelLoaded(); }
 
 cudaError_t Fp8BlockGemm(const uint8_t* xq, const float* x_scale, const uint8_t* wq,
                          const float* w_scale, int64_t w_scale_stride, bf16* y, int64_t ldy,
@@ -486,10 +553,10 @@ cudaError_t Fp8BlockGemm(const uint8_t* xq, const float* x_scale, const uint8_t*
     return cudaErrorInvalidValue;
   }
   if (m_pad == 0) return cudaSuccess;
-  if (!Fp8BlockGemmAvailable()) return cudaErrorNotSupported;
+  if (!HopperGemmsAvailable()) return cudaErrorNotSupported;
   CUtensorMap tm_x, tm_w, tm_s;
   cudaError_t err = ActivationMaps(&tm_x, &tm_s, xq, x_scale, m_pad, k, m_pad);
-  if (err == cudaSuccess) err = WeightMap(&tm_w, wq, n, k);
+  if (err == cudaSuccess) err = OperandMap(&tm_w, wq, true, n, k);
   if (err != cudaSuccess) return err;
   Params prm{};
   prm.y = y;
@@ -505,7 +572,7 @@ cudaError_t Fp8BlockGemm(const uint8_t* xq, const float* x_scale, const uint8_t*
   const int64_t tiles = static_cast<int64_t>(prm.m_blocks) * prm.n_blocks;
   if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
   prm.tiles = static_cast<int>(tiles);
-  return Launch<Mode::kDense>(tm_x, tm_w, tm_s, prm, stream);
+  return Launch<Mode::kDense, true>(tm_x, tm_w, tm_s, prm, stream);
 }
 
 cudaError_t Fp8MoeGateUpSwiGlu(const uint8_t* xq, const float* x_scale, int64_t x_scale_stride,
@@ -518,18 +585,18 @@ cudaError_t Fp8MoeGateUpSwiGlu(const uint8_t* xq, const float* x_scale, int64_t 
     return cudaErrorInvalidValue;
   }
   if (max_tiles == 0) return cudaSuccess;
-  if (!Fp8BlockGemmAvailable()) return cudaErrorNotSupported;
+  if (!HopperGemmsAvailable()) return cudaErrorNotSupported;
   CUtensorMap tm_w;
-  const cudaError_t err = WeightMap(&tm_w, gate_up, num_experts * 2 * inter, hidden);
+  const cudaError_t err = OperandMap(&tm_w, gate_up, true, num_experts * 2 * inter, hidden);
   if (err != cudaSuccess) return err;
-  Params prm = MoeParams(act, inter, static_cast<int>(inter / 128), hidden, gate_up_scale, tile_map,
-                         max_tiles, 2 * inter);
-  prm.xq = xq;
-  prm.k = hidden;
+  Params prm = MoeParams(act, inter, static_cast<int>(inter / 128), hidden, 1, gate_up_scale,
+                         tile_map, max_tiles, 2 * inter);
+  prm.x = xq;
+  prm.x_row_bytes = hidden;
   prm.x_scale = x_scale;
   prm.x_scale_stride = x_scale_stride;
   prm.row_token = row_token;
-  return Launch<Mode::kMoeGateUp>(tm_w, tm_w, tm_w, prm, stream);
+  return Launch<Mode::kMoeGateUp, true>(tm_w, tm_w, tm_w, prm, stream);
 }
 
 cudaError_t Fp8MoeDown(const uint8_t* actq, const float* act_scale, int64_t act_scale_stride,
@@ -542,16 +609,55 @@ cudaError_t Fp8MoeDown(const uint8_t* actq, const float* act_scale, int64_t act_
     return cudaErrorInvalidValue;
   }
   if (max_tiles == 0) return cudaSuccess;
-  if (!Fp8BlockGemmAvailable()) return cudaErrorNotSupported;
+  if (!HopperGemmsAvailable()) return cudaErrorNotSupported;
   CUtensorMap tm_x, tm_w, tm_s;
   // The activations' rows: act_scale_stride (the padded row count) of them.
   cudaError_t err =
       ActivationMaps(&tm_x, &tm_s, actq, act_scale, act_scale_stride, inter, act_scale_stride);
-  if (err == cudaSuccess) err = WeightMap(&tm_w, down, num_experts * hidden, inter);
+  if (err == cudaSuccess) err = OperandMap(&tm_w, down, true, num_experts * hidden, inter);
   if (err != cudaSuccess) return err;
-  const Params prm = MoeParams(y, hidden, static_cast<int>((hidden + kBN - 1) / kBN), inter,
+  const Params prm = MoeParams(y, hidden, static_cast<int>((hidden + kBN - 1) / kBN), inter, 1,
                                down_scale, tile_map, max_tiles, hidden);
-  return Launch<Mode::kMoeDown>(tm_x, tm_w, tm_s, prm, stream);
+  return Launch<Mode::kMoeDown, true>(tm_x, tm_w, tm_s, prm, stream);
+}
+
+cudaError_t HopperMoeGateUpSwiGlu(const bf16* x, int64_t x_stride, const bf16* gate_up,
+                                  int64_t hidden, int64_t inter, int num_experts,
+                                  const int32_t* tile_map, int64_t max_tiles,
+                                  const int32_t* row_token, bf16* act, cudaStream_t stream) {
+  if (!ValidMoe(hidden, inter, num_experts, max_tiles) || x_stride < hidden || x_stride % 8 != 0 ||
+      !Aligned16(x) || !Aligned16(gate_up) || reinterpret_cast<uintptr_t>(act) % 4 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (max_tiles == 0) return cudaSuccess;
+  if (!HopperGemmsAvailable()) return cudaErrorNotSupported;
+  CUtensorMap tm_w;
+  const cudaError_t err = OperandMap(&tm_w, gate_up, false, num_experts * 2 * inter, hidden);
+  if (err != cudaSuccess) return err;
+  Params prm = MoeParams(act, inter, static_cast<int>(inter / 128), hidden, 2, nullptr, tile_map,
+                         max_tiles, 2 * inter);
+  prm.x = reinterpret_cast<const uint8_t*>(x);
+  prm.x_row_bytes = x_stride * 2;
+  prm.row_token = row_token;
+  return Launch<Mode::kMoeGateUp, false>(tm_w, tm_w, tm_w, prm, stream);
+}
+
+cudaError_t HopperMoeDown(const bf16* act, int64_t rows, const bf16* down, int64_t hidden,
+                          int64_t inter, int num_experts, const int32_t* tile_map,
+                          int64_t max_tiles, bf16* y, cudaStream_t stream) {
+  if (!ValidMoe(hidden, inter, num_experts, max_tiles) || rows < 0 || rows >= (int64_t{1} << 31) ||
+      !Aligned16(act) || !Aligned16(down) || reinterpret_cast<uintptr_t>(y) % 4 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (max_tiles == 0 || rows == 0) return cudaSuccess;
+  if (!HopperGemmsAvailable()) return cudaErrorNotSupported;
+  CUtensorMap tm_x, tm_w;
+  cudaError_t err = OperandMap(&tm_x, act, false, rows, inter);
+  if (err == cudaSuccess) err = OperandMap(&tm_w, down, false, num_experts * hidden, inter);
+  if (err != cudaSuccess) return err;
+  const Params prm = MoeParams(y, hidden, static_cast<int>((hidden + kBN - 1) / kBN), inter, 2,
+                               nullptr, tile_map, max_tiles, hidden);
+  return Launch<Mode::kMoeDown, false>(tm_x, tm_w, tm_x, prm, stream);
 }
 
 }  // namespace draftfeed::cuda
