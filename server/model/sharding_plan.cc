@@ -304,6 +304,129 @@ int64_t RankWeightBytes(const ShardingPlan& plan, const Model& model) {
   return bytes;
 }
 
+namespace {
+
+// One contiguous range of a sliced tensor along its axis: [start, start + length).
+struct Piece {
+  int64_t start = 0, length = 0;
+};
+
+// A rank's ranges along t.axis in the order it stores them: one per segment
+// (the whole axis when replicated).
+std::vector<Piece> RankPieces(const TensorSlicing& t, int rank, int tp) {
+  if (t.replicated) return {{0, t.spec.shape[static_cast<size_t>(t.axis)]}};
+  std::vector<Piece> pieces;
+  int64_t seg_begin = 0;
+  for (size_t i = 0; i < t.segments.size(); ++i) {
+    const int64_t n = t.segments[i] / t.parts[i];
+    pieces.push_back({seg_begin + t.PartOf(rank, i, tp) * n, n});
+    seg_begin += t.segments[i];
+  }
+  return pieces;
+}
+
+// For every index of the axes before `axis`, each piece in turn: the rank's
+// part of a row-major tensor of `shape`, `elem`-byte elements.
+std::unique_ptr<std::byte[]> GatherPieces(const std::byte* data, const std::vector<int64_t>& shape,
+                                          size_t elem, int axis, const std::vector<Piece>& pieces,
+                                          size_t out_bytes) {
+  int64_t outer = 1, inner = 1;
+  for (int a = 0; a < axis; ++a) outer *= shape[static_cast<size_t>(a)];
+  for (size_t a = static_cast<size_t>(axis) + 1; a < shape.size(); ++a) inner *= shape[a];
+  const int64_t extent = shape[static_cast<size_t>(axis)];
+  auto buf = std::make_unique<std::byte[]>(out_bytes);
+  std::byte* dst = buf.get();
+  for (int64_t o = 0; o < outer; ++o) {
+    for (const Piece& p : pieces) {
+      const size_t bytes = static_cast<size_t>(p.length * inner) * elem;
+      std::memcpy(dst, data + static_cast<size_t>((o * extent + p.start) * inner) * elem, bytes);
+      dst += bytes;
+    }
+  }
+  return buf;
+}
+
+// An FP8 weight's 128x128 block scales cut as its pieces are. A piece along
+// one of the block axes (the last two) must cover whole blocks of the weight,
+// at a block boundary of the rank's part too (a partial block only at the
+// axis's end), or its rows or columns would need another block's scale: such
+// a cut is refused, naming the tensor. Other axes (the experts of a stacked
+// [E, rows, cols] weight) cut the scales as they cut the weight.
+// Whether rank pieces of t along its axis cover whole 128x128 blocks (see
+// CheckBlockScaleCuts); a cut along an axis before the last two (the experts
+// of a stacked [E, rows, cols] weight) always does.
+absl::Status CheckPieces(const TensorSlicing& t, const std::vector<Piece>& pieces, int tp) {
+  const int ndim = static_cast<int>(t.spec.shape.size());
+  if (t.replicated || t.axis < ndim - 2) return absl::OkStatus();
+  const int64_t extent = t.spec.shape[static_cast<size_t>(t.axis)];
+  int64_t local = 0;
+  for (const Piece& p : pieces) {
+    const bool ends_axis = p.start + p.length == extent;
+    if (p.start % kFp8BlockSize != 0 || local % kFp8BlockSize != 0 ||
+        (p.length % kFp8BlockSize != 0 && !ends_axis)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "FP8 weight ", t.spec.name, " [", absl::StrJoin(t.spec.shape, ", "), "]: --tp ", tp,
+          " cuts its axis ", t.axis, " (", t.rule, ") into pieces of ", p.length, " at ", p.start,
+          ", off its 128x128 scale blocks; serve it with a --tp whose pieces are multiples of "
+          "128, or the bf16 checkpoint"));
+    }
+    local += p.length;
+  }
+  return absl::OkStatus();
+}
+
+// An FP8 weight's 128x128 block scales cut as its pieces are (CheckPieces
+// must hold): along a block axis each piece's blocks, along another axis the
+// piece itself.
+absl::StatusOr<BlockScales> SliceBlockScales(const TensorSlicing& t, const BlockScales& whole,
+                                             const std::vector<Piece>& pieces, int tp,
+                                             std::vector<std::unique_ptr<std::byte[]>>& gathered) {
+  if (!whole.valid() || whole.shape != Fp8ScaleShape(t.spec.shape)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FP8 weight ", t.spec.name, " has no block scales of the shape it needs"));
+  }
+  if (t.replicated) return whole;
+  DF_RETURN_IF_ERROR(CheckPieces(t, pieces, tp));
+  const bool block_axis = t.axis >= static_cast<int>(t.spec.shape.size()) - 2;
+  std::vector<Piece> scale_pieces;
+  for (const Piece& p : pieces) {
+    if (!block_axis) {
+      scale_pieces.push_back(p);
+      continue;
+    }
+    const int64_t first = p.start / kFp8BlockSize;
+    const int64_t end = (p.start + p.length + kFp8BlockSize - 1) / kFp8BlockSize;
+    scale_pieces.push_back({first, end - first});
+  }
+  BlockScales part;
+  part.dtype = whole.dtype;
+  part.shape = whole.shape;
+  int64_t axis_extent = 0;
+  for (const Piece& p : scale_pieces) axis_extent += p.length;
+  part.shape[static_cast<size_t>(t.axis)] = axis_extent;
+  gathered.push_back(GatherPieces(whole.data, whole.shape, DTypeSize(whole.dtype), t.axis,
+                                  scale_pieces, part.nbytes()));
+  part.data = gathered.back().get();
+  return part;
+}
+
+}  // namespace
+
+absl::Status CheckBlockScaleCuts(const ShardingPlan& plan, const Model& model) {
+  if (model.weights.layers.size() != static_cast<size_t>(plan.config.num_layers)) {
+    return absl::InvalidArgumentError(absl::StrCat("model has ", model.weights.layers.size(),
+                                                   " layers of weights, config says ",
+                                                   plan.config.num_layers));
+  }
+  for (const TensorSlicing& t : plan.tensors) {
+    if (!WeightSlot(model.weights, t.spec).fp8()) continue;
+    for (int rank = 0; rank < plan.tp; ++rank) {
+      DF_RETURN_IF_ERROR(CheckPieces(t, RankPieces(t, rank, plan.tp), plan.tp));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<RankWeights> SliceForRank(const ShardingPlan& plan, const Model& model, int rank) {
   if (rank < 0 || rank >= plan.tp) {
     return absl::InvalidArgumentError(
@@ -333,12 +456,11 @@ absl::StatusOr<RankWeights> SliceForRank(const ShardingPlan& plan, const Model& 
           absl::StrCat("weight ", t.spec.name, " has shape ", whole.ShapeString(), ", expected [",
                        absl::StrJoin(t.spec.shape, ", "), "] (", t.spec.origin, ")"));
     }
-    // Block-scaled types (FP8 with its 128x128 scales) would need their
-    // scales cut with them.
-    if (whole.dtype != DType::kBF16 && whole.dtype != DType::kF16 && whole.dtype != DType::kF32) {
+    if (whole.dtype != DType::kBF16 && whole.dtype != DType::kF16 && whole.dtype != DType::kF32 &&
+        !whole.fp8()) {
       return absl::InvalidArgumentError(
           absl::StrCat("weight ", t.spec.name, " is ", std::string(DTypeName(whole.dtype)),
-                       "; tensor parallelism slices BF16, F16 and F32 weights only"));
+                       "; tensor parallelism slices BF16, F16, F32 and FP8 weights only"));
     }
     WeightSpec spec = t.spec;
     spec.shape = t.RankShape(plan.tp);
@@ -348,35 +470,18 @@ absl::StatusOr<RankWeights> SliceForRank(const ShardingPlan& plan, const Model& 
     Tensor part;
     part.dtype = whole.dtype;
     part.shape = spec.shape;
-    const size_t elem = DTypeSize(whole.dtype);
+    const std::vector<Piece> pieces = RankPieces(t, rank, plan.tp);
     if (t.Contiguous()) {
       const int64_t offset = t.replicated ? 0 : t.PartOf(rank, 0, plan.tp) * part.numel();
-      part.data = whole.data + static_cast<size_t>(offset) * elem;
+      part.data = whole.data + static_cast<size_t>(offset) * DTypeSize(whole.dtype);
     } else {
-      // A gather: for every index of the axes before `axis`, each segment's
-      // rank part, `inner` elements per step of the axis.
-      int64_t outer = 1, inner = 1;
-      for (int a = 0; a < t.axis; ++a) outer *= t.spec.shape[static_cast<size_t>(a)];
-      for (size_t a = static_cast<size_t>(t.axis) + 1; a < t.spec.shape.size(); ++a) {
-        inner *= t.spec.shape[a];
-      }
-      const int64_t extent = t.spec.shape[static_cast<size_t>(t.axis)];
-      auto buf = std::make_unique<std::byte[]>(part.nbytes());
-      std::byte* dst = buf.get();
-      for (int64_t o = 0; o < outer; ++o) {
-        int64_t seg_begin = 0;
-        for (size_t i = 0; i < t.segments.size(); ++i) {
-          const int64_t seg = t.segments[i];
-          const int64_t n = seg / t.parts[i];
-          const int64_t src = (o * extent + seg_begin + t.PartOf(rank, i, plan.tp) * n) * inner;
-          const size_t bytes = static_cast<size_t>(n * inner) * elem;
-          std::memcpy(dst, whole.data + static_cast<size_t>(src) * elem, bytes);
-          dst += bytes;
-          seg_begin += seg;
-        }
-      }
-      part.data = buf.get();
-      out.gathered.push_back(std::move(buf));
+      out.gathered.push_back(GatherPieces(whole.data, t.spec.shape, DTypeSize(whole.dtype), t.axis,
+                                          pieces, part.nbytes()));
+      part.data = out.gathered.back().get();
+    }
+    if (whole.fp8()) {
+      DF_ASSIGN_OR_RETURN(part.scale_inv,
+                          SliceBlockScales(t, whole.scale_inv, pieces, plan.tp, out.gathered));
     }
     WeightSlot(out.weights, spec) = std::move(part);
     out.specs.push_back(std::move(spec));

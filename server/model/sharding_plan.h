@@ -120,6 +120,13 @@ absl::StatusOr<ShardingPlan> PlanTensorParallel(const ModelConfig& config, int t
 // dtype; device-random models carry dtypes too).
 int64_t RankWeightBytes(const ShardingPlan& plan, const Model& model);
 
+// FP8 weights are cut with their 128x128 block scales, so each rank's piece
+// of a sliced row or column axis must start on a block edge and cover whole
+// blocks (a partial block only at the axis's end), in the whole tensor and
+// in the rank's part. INVALID_ARGUMENT naming the first FP8 tensor of
+// `model` (host or device-random) whose cut does not; OK otherwise.
+absl::Status CheckBlockScaleCuts(const ShardingPlan& plan, const Model& model);
+
 // One rank's tensors: views into the model's storage where the part is
 // contiguous, else gathered into buffers owned here. `weights` is valid while
 // both this and the model live.
@@ -129,7 +136,8 @@ struct RankWeights {
   std::vector<std::unique_ptr<std::byte[]>> gathered;  // owned column / segmented parts
 };
 // FAILED_PRECONDITION for a model whose weights live on the GPU only;
-// INVALID_ARGUMENT naming a tensor that is missing or of the wrong shape.
+// INVALID_ARGUMENT naming a tensor that is missing or of the wrong shape, or
+// an FP8 one cut off its scale blocks (CheckBlockScaleCuts).
 absl::StatusOr<RankWeights> SliceForRank(const ShardingPlan& plan, const Model& model, int rank);
 
 // A few lines for people (--print_plan, the start-up line's detail): tp, the

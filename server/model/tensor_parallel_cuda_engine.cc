@@ -159,13 +159,9 @@ absl::StatusOr<std::unique_ptr<TensorParallelCudaEngine>> TensorParallelCudaEngi
     return absl::InvalidArgumentError(absl::StrCat("--tp ", plan.tp, " needs ", plan.tp,
                                                    " devices per group; got ", devices.size()));
   }
-  for (const WeightSpec& spec : DecoderWeightSpecs(model->config)) {
-    if (WeightSlot(model->weights, spec).fp8() && plan.tp > 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "model ", model->id, " has FP8 weights (", spec.name,
-          "); tensor parallelism slices BF16, F16 and F32 weights only: serve it with --tp 1"));
-    }
-  }
+  // FP8 weights (a checkpoint's, or a random:*-fp8 model's made on the GPU)
+  // must cut on their scale blocks; refused before any rank loads.
+  DF_RETURN_IF_ERROR(CheckBlockScaleCuts(plan, *model));
   auto impl = std::make_unique<Impl>();
   impl->model = model;
   impl->devices = devices;

@@ -125,7 +125,7 @@ class CudaTensorParallelTest : public ::testing::TestWithParam<Case> {};
 // bound, per captured layer, on the median token (which routing flips,
 // themselves caused by bf16 noise, cannot move: cuda_moe_engine_test):
 // median_rel(tp) <= 1.25 x median_rel(unsharded) + 2^-9 x blocks so far;
-// and the median cosine >= 0.9999 as for the unsharded engine. A wrong
+// and the median cosine distance within 1.25x the unsharded engine's + 1e-4. A wrong
 // slice, a missing or doubled sum, or a rank evaluating the wrong experts
 // moves every token by far more (a doubled block output: relative ~1).
 TEST_P(CudaTensorParallelTest, MatchesUnshardedWithinOneRoundingPerBlock) {
@@ -156,7 +156,13 @@ TEST_P(CudaTensorParallelTest, MatchesUnshardedWithinOneRoundingPerBlock) {
     const double bound = 1.25 * eu[k].median_rel + blocks * std::ldexp(1.0, -9);
     EXPECT_LE(es[k].median_rel, bound)
         << p.model << " layer " << layer << ": unsharded median " << eu[k].median_rel;
-    EXPECT_GE(es[k].median_cos, 0.9999) << p.model << " layer " << layer;
+    // Cosine distance grows as the error does: within 1.25x the unsharded
+    // engine's plus 1e-4 (for bf16 models, whose unsharded distance is ~0,
+    // that is cos >= 0.9999; FP8 ones start near 1e-3 from their activation
+    // quantisation).
+    EXPECT_LE(1 - es[k].median_cos, 1.25 * (1 - eu[k].median_cos) + 1e-4)
+        << p.model << " layer " << layer << ": cos " << es[k].median_cos << ", unsharded "
+        << eu[k].median_cos;
   }
 }
 
@@ -194,7 +200,13 @@ INSTANTIATE_TEST_SUITE_P(Architectures, CudaTensorParallelTest,
                                            Case{"tiny-random-moe", 2, MoeParallel::kSplit},
                                            Case{"tiny-random-qwen3-moe", 2, MoeParallel::kExpert},
                                            Case{"tiny-random-qwen3-moe", 2, MoeParallel::kSplit},
-                                           Case{"small-random-qwen3-moe", 2, MoeParallel::kExpert}),
+                                           Case{"small-random-qwen3-moe", 2, MoeParallel::kExpert},
+                                           // FP8: weights cut with their 128x128 block scales
+                                           // (every piece on a block edge at these widths).
+                                           Case{"small-random-qwen3-fp8", 2, MoeParallel::kExpert},
+                                           Case{"small-random-qwen3-fp8", 4, MoeParallel::kExpert},
+                                           Case{"small-random-qwen3-moe-fp8", 2,
+                                                MoeParallel::kExpert}),
                          CaseName);
 
 // tp 1 runs the tensor-parallel code path with no sums: the plain engine's
@@ -248,9 +260,11 @@ TEST(CudaTensorParallel, RefusesBadGroups) {
   ASSERT_TRUE(fp8.ok()) << fp8.status();
   auto fp8_plan = PlanTensorParallel((*fp8)->config, 2, MoeParallel::kExpert);
   ASSERT_TRUE(fp8_plan.ok());
+  // tiny-random's 128-wide projections cut in two would split scale blocks.
   auto refused = TensorParallelCudaEngine::Create(fp8->get(), *fp8_plan, {0, 0}, Options());
   ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("FP8"), std::string::npos) << refused.status();
+  EXPECT_NE(refused.status().message().find("off its 128x128 scale blocks"), std::string::npos)
+      << refused.status();
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 #include "server/model/sharded_cpu_engine.h"
+#include "server/model/fp8_quantize.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/model/cpu_engine.h"
+#include "server/model/fp8_quantize.h"
 #include "server/model/model.h"
 
 namespace draftfeed {
@@ -164,6 +166,95 @@ INSTANTIATE_TEST_SUITE_P(Models, ShardedEqualsUnsharded, ::testing::ValuesIn(Cas
                            std::replace(name.begin(), name.end(), '-', '_');
                            return name;
                          });
+
+// FP8 models (QuantizeModelFp8, 128x128 blocks) cut with their block scales.
+// A built-in widened so that tp 2 cuts every sliced axis on a block edge:
+// hidden 256, 4 heads of 64 (q|gate rows 512, k and v 256), 4 GDN key heads
+// of 64 and 8 value heads of 32, MLP / shared expert 256 wide.
+std::unique_ptr<Model> MakeFp8BlockAligned(const std::string& spec, uint64_t seed) {
+  ModelConfig c = Make(spec)->config;
+  c.hidden_size = 256;
+  c.num_heads = 4;
+  c.head_dim = 64;
+  c.num_kv_heads = 4;
+  c.linear_num_key_heads = 4;
+  c.linear_key_head_dim = 64;
+  c.linear_num_value_heads = 8;
+  if (c.intermediate_size > 0) c.intermediate_size = 256;
+  if (c.shared_expert_intermediate_size > 0) c.shared_expert_intermediate_size = 256;
+  if (c.moe_intermediate_size > 0) c.moe_intermediate_size = 128;
+  absl::StatusOr<std::unique_ptr<Model>> m = MakeRandomModel(c, seed);
+  EXPECT_TRUE(m.ok()) << m.status();
+  if (!m.ok()) return nullptr;
+  const absl::Status q = QuantizeModelFp8(**m);
+  EXPECT_TRUE(q.ok()) << q;
+  return q.ok() ? std::move(*m) : nullptr;
+}
+
+TEST(ShardedCpuEngineTest, Fp8ModelsCutWithTheirScalesEqualUnsharded) {
+  for (const char* spec : {"tiny-random", "tiny-random-qwen3", "tiny-random-moe"}) {
+    SCOPED_TRACE(spec);
+    std::unique_ptr<Model> m = MakeFp8BlockAligned(spec, 5);
+    ASSERT_NE(m, nullptr);
+    auto ref_engine = CpuEngine::Create(m.get(), 2);
+    ASSERT_TRUE(ref_engine.ok()) << ref_engine.status();
+    // Both engines dequantise the same codes and scales: what differs is
+    // only the regrouping of fp32 sums, as for bf16 models.
+    auto sharded = MakeSharded(*m, 2, MoeParallel::kExpert, 2);
+    ASSERT_NE(sharded, nullptr);
+    const Batch b = MakeBatch(m->config, 3);
+    ExpectClose(RunFloat(**ref_engine, b), RunFloat(*sharded, b), b, m->config.hidden_size);
+  }
+}
+
+// Every rank's FP8 part, dequantised, is exactly the same part of the
+// dequantised whole: the codes and the scales were cut together.
+TEST(ShardedCpuEngineTest, Fp8SlicesDequantiseToSlicesOfTheDequantisedWhole) {
+  for (const char* spec : {"tiny-random", "tiny-random-moe"}) {
+    SCOPED_TRACE(spec);
+    std::unique_ptr<Model> m = MakeFp8BlockAligned(spec, 7);
+    ASSERT_NE(m, nullptr);
+    absl::StatusOr<std::unique_ptr<Model>> deq = DequantizedFp8Copy(*m);
+    ASSERT_TRUE(deq.ok()) << deq.status();
+    for (MoeParallel moe : {MoeParallel::kExpert, MoeParallel::kSplit}) {
+      absl::StatusOr<ShardingPlan> plan = PlanTensorParallel(m->config, 2, moe);
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      for (int rank = 0; rank < 2; ++rank) {
+        absl::StatusOr<RankWeights> q = SliceForRank(*plan, *m, rank);
+        absl::StatusOr<RankWeights> f = SliceForRank(*plan, **deq, rank);
+        // Split experts at tp 2 are 64 wide: refused, naming the expert tensor.
+        if (moe == MoeParallel::kSplit && m->config.num_experts > 0) {
+          ASSERT_FALSE(q.ok());
+          EXPECT_THAT(q.status().message(), HasSubstr("experts"));
+          continue;
+        }
+        ASSERT_TRUE(q.ok()) << q.status();
+        ASSERT_TRUE(f.ok()) << f.status();
+        int fp8_tensors = 0;
+        for (const WeightSpec& s : q->specs) {
+          const Tensor& tq = WeightSlot(q->weights, s);
+          if (!tq.fp8()) continue;
+          ++fp8_tensors;
+          EXPECT_EQ(ToFloat(tq), ToFloat(WeightSlot(f->weights, s))) << s.name << " rank " << rank;
+        }
+        EXPECT_GT(fp8_tensors, 0);
+      }
+    }
+  }
+}
+
+TEST(ShardedCpuEngineTest, Fp8CutOffTheScaleBlocksIsRefusedNamingTheTensor) {
+  // tp 4 cuts o_proj's 256 input columns into pieces of 64: half a block.
+  std::unique_ptr<Model> m = MakeFp8BlockAligned("tiny-random-qwen3", 5);
+  ASSERT_NE(m, nullptr);
+  absl::StatusOr<ShardingPlan> plan = PlanTensorParallel(m->config, 4, MoeParallel::kExpert);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  absl::StatusOr<std::unique_ptr<ShardedCpuEngine>> e =
+      ShardedCpuEngine::Create(m.get(), *std::move(plan), 2);
+  ASSERT_FALSE(e.ok());
+  EXPECT_THAT(e.status().message(), HasSubstr("FP8 weight layers."));
+  EXPECT_THAT(e.status().message(), HasSubstr("off its 128x128 scale blocks"));
+}
 
 // tp 1 is the unsharded engine: the same views, the same sums, the same bits.
 TEST(ShardedCpuEngineTest, TpOneIsBitExact) {

@@ -295,14 +295,62 @@ TEST(ShardingPlanTest, SliceRefusesDeviceWeightsAndBadRanks) {
               HasSubstr("rank 2 is outside [0, tp=2)"));
 }
 
-TEST(ShardingPlanTest, SliceRefusesFp8Weights) {
-  // Their 128x128 block scales would have to be cut with them.
+TEST(ShardingPlanTest, SliceRefusesFp8CutsOffTheScaleBlocks) {
+  // tiny-random's widths (hidden 128) cut in two give 64-wide pieces: each
+  // would need half of a 128x128 block's scale.
   auto m = Make("tiny-random-fp8");
   absl::StatusOr<RankWeights> w = SliceForRank(Plan(m->config, 2), *m, 0);
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(w.status().message(),
-              HasSubstr("is F8_E4M3; tensor parallelism slices BF16, F16 and F32 weights only"));
+  EXPECT_THAT(w.status().message(), HasSubstr("off its 128x128 scale blocks"));
+  EXPECT_THAT(w.status().message(), HasSubstr("FP8 weight layers."));
+}
+
+// The real FP8 shapes (random:*-fp8 carry the checkpoints' dtypes and
+// scale shapes): which cuts fall on the 128x128 scale blocks, as the README
+// states. The refusals are the widths that do not: 35B-A3B's 512-wide shared
+// expert at tp 8 (64-row pieces) and its experts split 8 ways; Qwen3-30B-A3B's
+// 768-wide experts split 4 or 8 ways (192, 96).
+TEST(ShardingPlanTest, RealFp8ShapesCutOnTheirScaleBlocks) {
+  struct Want {
+    const char* spec;
+    int tp;
+    MoeParallel moe;
+    const char* refused;  // null: the cut is clean; else a substring of the refusal
+  };
+  const Want wants[] = {
+      {"random:qwen3.6-27b-fp8", 2, MoeParallel::kExpert, nullptr},
+      {"random:qwen3.6-27b-fp8", 4, MoeParallel::kExpert, nullptr},
+      {"random:qwen3.6-27b-fp8", 8, MoeParallel::kExpert, nullptr},
+      {"random:qwen3.6-35b-a3b-fp8", 2, MoeParallel::kSplit, nullptr},
+      {"random:qwen3.6-35b-a3b-fp8", 4, MoeParallel::kExpert, nullptr},
+      {"random:qwen3.6-35b-a3b-fp8", 4, MoeParallel::kSplit, nullptr},
+      {"random:qwen3.6-35b-a3b-fp8", 8, MoeParallel::kExpert, "shared_expert.gate_proj"},
+      {"random:qwen3.6-35b-a3b-fp8", 8, MoeParallel::kSplit, "experts.gate_up_proj"},
+      {"random:qwen3.5-122b-a10b-fp8", 8, MoeParallel::kExpert, nullptr},
+      {"random:qwen3.5-122b-a10b-fp8", 8, MoeParallel::kSplit, nullptr},
+      {"random:qwen3-30b-a3b-fp8", 8, MoeParallel::kExpert, nullptr},
+      {"random:qwen3-30b-a3b-fp8", 2, MoeParallel::kSplit, nullptr},
+      {"random:qwen3-30b-a3b-fp8", 4, MoeParallel::kSplit, "pieces of 192"},
+  };
+  for (const Want& w : wants) {
+    SCOPED_TRACE(::testing::Message() << w.spec << " tp " << w.tp << " " << MoeParallelName(w.moe));
+    auto m = Make(w.spec);
+    absl::StatusOr<ShardingPlan> plan = PlanTensorParallel(m->config, w.tp, w.moe);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    const absl::Status s = CheckBlockScaleCuts(*plan, *m);
+    if (w.refused == nullptr) {
+      EXPECT_TRUE(s.ok()) << s;
+    } else {
+      EXPECT_THAT(s.message(), HasSubstr(w.refused));
+      EXPECT_THAT(s.message(), HasSubstr("off its 128x128 scale blocks"));
+    }
+  }
+  // The bf16 models have nothing to check.
+  auto bf16 = Make("random:qwen3.6-35b-a3b");
+  absl::StatusOr<ShardingPlan> plan = PlanTensorParallel(bf16->config, 8, MoeParallel::kSplit);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_TRUE(CheckBlockScaleCuts(*plan, *bf16).ok());
 }
 
 // Per-rank bytes: each split tensor's 1/tp plus every replicated tensor
