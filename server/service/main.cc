@@ -58,7 +58,9 @@ ABSL_FLAG(int32_t, tp, 1,
           "split over them and their partial outputs summed after every mixer and MLP. With "
           "--device cpu the ranks are threads; with --devices, every tp consecutive GPUs form "
           "one instance summed through NCCL (--devices 0,1,2,3 --tp 2: two instances of two "
-          "GPUs). Ranks may share a GPU (--devices 0,0 --tp 2) to prove a plan on one GPU.");
+          "GPUs). Ranks may share a GPU (--devices 0,0 --tp 2) to prove a plan on one GPU. FP8 "
+          "checkpoints are cut with their 128x128 block scales: a --tp whose pieces fall off the "
+          "blocks is refused at start-up, naming the tensor.");
 ABSL_FLAG(std::string, moe_parallel, "ep",
           "MoE models at --tp > 1: ep (each rank holds num_experts/tp whole experts) or split "
           "(each rank holds 1/tp of every expert's moe_intermediate_size).");
