@@ -20,8 +20,10 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "kernels/kernel_paths.cuh"
 #include "server/model/cpu_engine.h"
 #include "server/model/cuda_engine.h"
 #include "server/model/tensor.h"
@@ -36,11 +38,18 @@ bool HasHopper() {
   return major == 9;
 }
 
-class CudaFp8EngineTest : public ::testing::TestWithParam<const char*> {};
+// A model, and the GEMM behind the dense FP8 projections (cuBLASLt's, or
+// draftfeed's own: kernels/hopper_gemm.cuh); both must pass the same bar.
+struct Case {
+  const char* model;
+  CudaEngineOptions::Fp8Gemm gemm;
+};
+class CudaFp8EngineTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaFp8EngineTest, RunsFp8GemmsCloseToTheDequantisedReference) {
   if (!HasHopper()) GTEST_SKIP() << "needs an sm_90 GPU (cuBLASLt's block-scaled FP8 GEMM)";
-  auto model = OpenModel(GetParam());
+  const char* name = GetParam().model;
+  auto model = OpenModel(name);
   ASSERT_TRUE(model.ok()) << model.status();
   const ModelConfig& c = (*model)->config;
   auto cpu = CpuEngine::Create(model->get(), 0);
@@ -48,6 +57,7 @@ TEST_P(CudaFp8EngineTest, RunsFp8GemmsCloseToTheDequantisedReference) {
   CudaEngineOptions opt;
   opt.max_tokens = 1023;  // not a multiple of 4: the FP8 GEMM's row padding is exercised
   opt.max_seqs = 16;
+  opt.fp8_gemm = GetParam().gemm;
   auto gpu = CudaEngine::Create(model->get(), opt);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   const CudaEngine::Fp8Layout layout = (*gpu)->fp8_layout();
@@ -86,15 +96,49 @@ TEST_P(CudaFp8EngineTest, RunsFp8GemmsCloseToTheDequantisedReference) {
     }
     std::nth_element(token_rel.begin(), token_rel.begin() + T / 2, token_rel.end());
     const double rel = moe ? token_rel[static_cast<size_t>(T / 2)] : std::sqrt(num / den);
-    EXPECT_LT(rel, 0.15) << GetParam() << " capture slot " << k << (moe ? " (median token)" : "");
+    EXPECT_LT(rel, 0.15) << name << " capture slot " << k << (moe ? " (median token)" : "");
     // Activation quantisation is real: the GPU is not silently running bf16.
-    EXPECT_GT(rel, 1e-3) << GetParam() << " capture slot " << k;
+    EXPECT_GT(rel, 1e-3) << name << " capture slot " << k;
   }
 }
 
+using Gemm = CudaEngineOptions::Fp8Gemm;
 INSTANTIATE_TEST_SUITE_P(Fp8Models, CudaFp8EngineTest,
-                         ::testing::Values("tiny-random-fp8", "tiny-random-qwen3-fp8",
-                                           "tiny-random-moe-fp8", "tiny-random-qwen3-moe-fp8"));
+                         ::testing::Values(Case{"tiny-random-fp8", Gemm::kAuto},
+                                           Case{"tiny-random-qwen3-fp8", Gemm::kAuto},
+                                           Case{"tiny-random-moe-fp8", Gemm::kAuto},
+                                           Case{"tiny-random-qwen3-moe-fp8", Gemm::kAuto},
+                                           Case{"tiny-random-fp8", Gemm::kDraftfeed},
+                                           Case{"tiny-random-qwen3-fp8", Gemm::kDraftfeed},
+                                           Case{"tiny-random-qwen3-moe-fp8", Gemm::kDraftfeed}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           std::string n = std::string(info.param.model) +
+                                           (info.param.gemm == Gemm::kDraftfeed ? "_draftfeed_gemm"
+                                                                                : "_cublaslt_gemm");
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           return n;
+                         });
+
+// Asking for draftfeed's FP8 GEMM where it cannot run (here: the kernels a
+// B200 runs, which have no wgmma) is refused at creation, saying what to ask
+// for instead; auto still serves the model through cuBLASLt.
+TEST(CudaFp8EngineRefusals, DraftfeedGemmWhereItCannotRunIsRefused) {
+  if (!HasHopper()) GTEST_SKIP() << "needs an sm_90 GPU (cuBLASLt's block-scaled FP8 GEMM)";
+  auto model = OpenModel("tiny-random-qwen3-fp8");
+  ASSERT_TRUE(model.ok()) << model.status();
+  cuda::ScopedPortableKernels portable(cuda::PortableKernels::kSm100);
+  CudaEngineOptions opt;
+  opt.max_tokens = 256;
+  opt.max_seqs = 4;
+  opt.fp8_gemm = Gemm::kDraftfeed;
+  auto refused = CudaEngine::Create(model->get(), opt);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("ask for 'auto'"), std::string::npos)
+      << refused.status();
+  opt.fp8_gemm = Gemm::kAuto;
+  EXPECT_TRUE(CudaEngine::Create(model->get(), opt).ok());
+}
 
 }  // namespace
 }  // namespace draftfeed
