@@ -504,6 +504,16 @@ std::string DescribePlan(const ShardingPlan& plan, const Model* model) {
                   Gib(plan.ReplicatedWeightBytes(2)), " replicated on every rank\n");
   if (model != nullptr) {
     absl::StrAppend(&out, "  as stored: ", Gib(RankWeightBytes(plan, *model)), " per rank\n");
+    bool fp8 = false;
+    for (const TensorSlicing& t : plan.tensors)
+      fp8 = fp8 || WeightSlot(model->weights, t.spec).fp8();
+    if (fp8 && model->weights.layers.size() == static_cast<size_t>(c.num_layers)) {
+      const absl::Status cuts = CheckBlockScaleCuts(plan, *model);
+      absl::StrAppend(&out, "  FP8 block scales: ",
+                      cuts.ok() ? "every cut on a 128x128 block edge"
+                                : absl::StrCat("refused: ", cuts.message()),
+                      "\n");
+    }
   }
   // Each distinct tensor suffix once, in the canonical order.
   std::vector<std::string> seen;

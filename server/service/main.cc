@@ -315,6 +315,10 @@ int Run() {
     auto plan = PlanTensorParallel((*model)->config, tp, moe_parallel);
     if (!plan.ok()) return Fail(std::string(plan.status().message()));
     std::printf("%s: %s", (*model)->id.c_str(), DescribePlan(*plan, model->get()).c_str());
+    // The plan a target would refuse at start-up exits as that target would.
+    if (absl::Status s = CheckBlockScaleCuts(*plan, **model); !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
     return 0;
   }
   if (!gpus.empty() && gpus.size() % static_cast<size_t>(tp) != 0) {

@@ -105,3 +105,20 @@ def test_print_plan_of_a_real_shape():
     assert "29.59 GiB per rank" in r.stdout
     assert "self_attn.k_proj.weight [512, 3072] -> [256, 3072]: rows (each KV head on 4 ranks)" in (
         r.stdout)
+
+
+def test_print_plan_says_whether_an_fp8_checkpoint_cuts_on_its_scale_blocks():
+    # The 35B-A3B-FP8 cuts cleanly at tp 4; at tp 8 its 512-wide shared expert
+    # would be cut into 64-row pieces, and the plan exits as the target would.
+    r = run_target("--model=random:qwen3.6-35b-a3b-fp8", "--tp=4", "--print_plan")
+    assert r.returncode == 0, r.stderr
+    assert "FP8 block scales: every cut on a 128x128 block edge" in r.stdout
+    r = run_target("--model=random:qwen3.6-35b-a3b-fp8", "--tp=8", "--print_plan")
+    assert r.returncode == 1
+    assert "FP8 block scales: refused: FP8 weight layers.0.mlp.shared_expert.gate_proj.weight" in (
+        r.stdout)
+    assert "off its 128x128 scale blocks" in r.stderr
+    # A bf16 model has no such line.
+    r = run_target("--model=random:qwen3.6-35b-a3b", "--tp=8", "--print_plan")
+    assert r.returncode == 0, r.stderr
+    assert "FP8 block scales" not in r.stdout
