@@ -31,13 +31,14 @@
 // Measured on an H200 (bench/micro/fp8_gemm_benchmark.cc, 49,152 rows, the
 // 27B's projections): 1.05-1.20 PFLOP/s, 0.92-1.03 of cuBLASLt's
 // block-scaled GEMM, which the engine therefore keeps for the dense
-// projections. Grouped, at the 35B-A3B shape: FP8 experts ~700 TFLOP/s,
-// bf16 gate_up 570 and down 373 (0.83 and 0.60 of cuBLASLt's dense GEMM of
-// the same size; the mma.sync kernels: 0.49, 0.44). Both are held by the GPU's 700 W cap: under FP8 GEMMs its SM
-// clock falls from 1,980 to ~1,440 MHz. A 128 x 128 tile with two scratch
-// accumulators (so a warpgroup issues block kb + 1 before promoting kb) was
-// tried and measured 0.86-0.99 of this one: it reads twice the shared memory
-// per FLOP, and power, not issue, is the limit.
+// projections. Both FP8 GEMMs are held by the GPU's 700 W cap: under them
+// its SM clock falls from 1,980 to ~1,440 MHz. A 128 x 128 tile with two
+// scratch accumulators (so a warpgroup issues block kb + 1 before promoting
+// kb) was tried and measured 0.86-0.99 of this one: it reads twice the
+// shared memory per FLOP, and power, not issue, is the limit. Grouped, at
+// the 35B-A3B shape: FP8 experts ~700 TFLOP/s, bf16 gate_up 570 and down
+// 373 (0.83 and 0.60 of cuBLASLt's dense GEMM of the same size; the
+// mma.sync kernels: 0.49, 0.44).
 //
 // Edges: TMA zero-fills rows past the tensors' ends; the epilogue stores only
 // the item's rows and columns < n, and a weight half past n takes scale 0.
@@ -69,9 +70,6 @@ constexpr uint32_t kABytes = kBM * kBK, kBHalfBytes = 128 * kBK, kBBytes = 2 * k
 constexpr int kScaleBox = kBM + 8;
 constexpr uint32_t kScaleBytes = 640;
 static_assert(kScaleBox * 4 <= kScaleBytes && kScaleBytes % 128 == 0, "scale slot");
-// Bytes TMA brings into a stage (the expect_tx count; the gather brings A
-// and the scales itself).
-[[maybe_unused]] constexpr uint32_t kStageBytes = kABytes + kBBytes + kScaleBox * 4;
 // Stages, 2·kStages mbarriers, slack to align the base to 1024 (128B swizzle).
 constexpr int kSmemBytes = kStages * (kABytes + kBBytes + kScaleBytes) + 2 * kStages * 8 + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of sm_90");

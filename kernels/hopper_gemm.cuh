@@ -1,9 +1,13 @@
-// draftfeed's own GEMMs for Hopper (sm_90a, TMA + wgmma). The fine-grained
-// FP8 GEMM: Y[M, N] (bf16) = X·Wᵀ with X quantised per token and 128-wide K group and W e4m3 with
-// one fp32 scale per 128x128 block, in kernels/fp8_gemm_operands.cuh's layouts (the ones cuBLASLt's
-// block-scaled mode reads, so either GEMM takes the same operands). Per 128-wide K block the tensor
-// cores' fp32 partial is scaled by s_x[row, g]·S_w[n / 128, g] and added to an fp32 accumulator in
-// registers; one bf16 rounding of Y.
+// draftfeed's own GEMMs for Hopper (sm_90a, TMA + wgmma, in hopper_gemm.cu):
+// the fine-grained FP8 GEMM, and the MoE experts' grouped GEMMs in FP8 and
+// bf16.
+//
+// The FP8 GEMM: Y[M, N] (bf16) = X·Wᵀ with X quantised per token and 128-wide
+// K group and W e4m3 with one fp32 scale per 128x128 block, in
+// kernels/fp8_gemm_operands.cuh's layouts (the ones cuBLASLt's block-scaled
+// mode reads, so either GEMM takes the same operands). Per 128-wide K block
+// the tensor cores' fp32 partial is scaled by s_x[row, g]·S_w[n / 128, g] and
+// added to an fp32 accumulator in registers; one bf16 rounding of Y.
 #pragma once
 
 #include <cstdint>
@@ -20,8 +24,9 @@ bool HopperGemmsAvailable();
 // xq [m_pad, k] e4m3; x_scale [k / 128, m_pad]; wq [n, k] e4m3; w_scale
 // [ceil(n / 128), w_scale_stride]; y [m_pad, ldy] bf16, columns 0..n-1
 // written. m_pad a multiple of 4 (Fp8RowsPadded), k of 128, n of 16, ldy
-// even and >= n; xq, x_scale and wq 16-byte aligned (TMA), y 4-byte. cudaErrorNotSupported where
-// !HopperGemmsAvailable(), cudaErrorInvalidValue for a shape it cannot take.
+// even and >= n; xq, x_scale and wq 16-byte aligned (TMA), y 4-byte.
+// cudaErrorNotSupported where !HopperGemmsAvailable(), cudaErrorInvalidValue
+// for a shape it cannot take.
 cudaError_t Fp8BlockGemm(const uint8_t* xq, const float* x_scale, const uint8_t* wq,
                          const float* w_scale, int64_t w_scale_stride, bf16* y, int64_t ldy,
                          int64_t m_pad, int64_t n, int64_t k, cudaStream_t stream);
