@@ -1,0 +1,461 @@
+// The kernel behind hopper_gemm.cuh, one template for the FP8 block-scaled
+// dense GEMM (an alternative to cuBLASLt's block-scaled mode) and the MoE
+// experts' grouped GEMMs in FP8 (which cuBLASLt has no block-scaled grouped
+// form of) and in bf16 (where the grouped kernel beats gathering rows for
+// cuBLAS): its tile constants, parameters, work decoding and the
+// warp-specialised kernel. Internal to kernels/, included by hopper_gemm.cu
+// only, which builds the tensor maps, checks the arguments and launches it.
+//
+// Design. A persistent grid (one block per SM) walks work items of 128 rows
+// x 256 weight rows. Dense items are numbered in groups of kGroupM row
+// blocks, rows fastest, so the ~132 in flight read ~16 row blocks of X and ~8
+// column blocks of W, both L2-resident, instead of every wave streaming all
+// of W from HBM. MoE items are MoePermute's tiles (up to 128 sorted rows of
+// one expert) times column tiles; a tile's column tiles run side by side.
+//
+// Per block: a loader warpgroup (setmaxnreg gives its registers away) and
+// two math warpgroups of 64 rows each. Per 128-wide K block the loader
+// brings, into one of kStages stages, A's 128 x 128 bytes (TMA; for the
+// gate_up GEMM gathered row by row with cp.async from each sorted row's
+// token), two 128-row boxes of W (both 128-byte swizzled, the layout wgmma's
+// K-major descriptors read) and the 128 rows' activation scales of that
+// group. A math warpgroup computes its 64 x 256 outputs as two halves of 128
+// columns (one weight block each): four wgmma m64n128k32 into a scratch
+// accumulator, then acc += scratch · s_x[row] · S_w[half]. The block scale
+// cannot enter the tensor-core sum, and Hopper's FP8 accumulation keeps
+// fewer mantissa bits than fp32, so the partial is promoted every 128 K, as
+// the format intends; while one warpgroup promotes, the other's wgmma keeps
+// the tensor cores busy. Registers per math thread: 128 accumulators + 64
+// scratch. bf16 operands take the same 128-byte K blocks (64 values), with
+// no scales: the tensor cores accumulate straight into the fp32 sums, one
+// K block's group in flight while the previous stage is released.
+//
+// Measured on an H200 (bench/micro/fp8_gemm_benchmark.cc, 49,152 rows, the
+// 27B's projections): 1.05-1.20 PFLOP/s, 0.92-1.03 of cuBLASLt's
+// block-scaled GEMM, which the engine therefore keeps for the dense
+// projections. Both FP8 GEMMs are held by the GPU's 700 W cap: under them
+// its SM clock falls from 1,980 to ~1,440 MHz. A 128 x 128 tile with two
+// scratch accumulators (so a warpgroup issues block kb + 1 before promoting
+// kb) was tried and measured 0.86-0.99 of this one: it reads twice the
+// shared memory per FLOP, and power, not issue, is the limit. Grouped, at
+// the 35B-A3B shape: FP8 experts ~700 TFLOP/s, bf16 gate_up 570 and down
+// 373 (0.83 and 0.60 of cuBLASLt's dense GEMM of the same size; the
+// mma.sync kernels: 0.49, 0.44).
+//
+// Edges: TMA zero-fills rows past the tensors' ends; the epilogue stores only
+// the item's rows and columns < n, and a weight half past n takes scale 0.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "kernels/common.cuh"
+#include "kernels/tma_sm90.cuh"
+#include "kernels/vec_io.cuh"
+#include "kernels/wgmma_sm90.cuh"
+
+namespace draftfeed::cuda::hopper {
+
+using sm90::kArchWgmma;
+
+constexpr int kBM = 128, kBN = 256, kBK = 128;
+constexpr int kStages = 4;
+constexpr int kMathThreads = 256, kLoadThreads = 128;
+constexpr int kThreads = kMathThreads + kLoadThreads;
+constexpr int kGroupM = 16;
+constexpr uint32_t kABytes = kBM * kBK, kBHalfBytes = 128 * kBK, kBBytes = 2 * kBHalfBytes;
+// A stage's activation scales: TMA needs a box's innermost start 16-byte
+// aligned, so it loads kScaleBox rows from the item's first row rounded down
+// to a multiple of 4 (a MoE tile starts anywhere); the stage's slot is padded
+// to keep the next one 128-byte aligned.
+constexpr int kScaleBox = kBM + 8;
+constexpr uint32_t kScaleBytes = 640;
+static_assert(kScaleBox * 4 <= kScaleBytes && kScaleBytes % 128 == 0, "scale slot");
+// Stages, 2·kStages mbarriers, slack to align the base to 1024 (128B swizzle).
+constexpr int kSmemBytes = kStages * (kABytes + kBBytes + kScaleBytes) + 2 * kStages * 8 + 1024;
+static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of sm_90");
+// The loader warpgroup gives registers to the math ones (setmaxnreg).
+constexpr int kLoadRegs = 56, kMathRegs = 224;
+static_assert(kLoadThreads * kLoadRegs + kMathThreads * kMathRegs <= 64 * 1024,
+              "setmaxnreg budget");
+
+// kDense: Y = X·Wᵀ over an M x N grid of tiles. The grouped forms walk
+// MoePermute's tile map (tile = up to 128 expert-sorted rows of one expert)
+// times column tiles: kMoeDown reads its rows of A in place (TMA); kMoeGateUp
+// gathers them (each sorted row is token row_token[r] of X, copied by the
+// loader warpgroup with cp.async) and reads gate rows c0.. and up rows
+// I + c0.. of the expert as its two weight halves, so that a thread holds
+// gate and up of the same output and writes SiLU(gate)·up.
+enum class Mode { kDense, kMoeDown, kMoeGateUp };
+
+struct Params {
+  bf16* y;
+  int64_t ldy;
+  const float* w_scale;
+  int64_t w_scale_stride;
+  int m;  // dense: rows (m_pad)
+  int n;  // output columns
+  int m_blocks, n_blocks, k_blocks, tiles;
+  int n_scale_rows;  // dense: ceil(n / 128)
+  // Grouped forms.
+  const int4* tile_map;
+  int64_t w_rows_per_expert;      // D (down) or 2I (gate_up)
+  int64_t w_scale_expert_stride;  // floats between experts' block scales
+  // kMoeGateUp's gather: X's rows x_row_bytes apart (e4m3 or bf16), FP8's
+  // scales [k/128][x_scale_stride] by token.
+  const uint8_t* x;
+  int64_t x_row_bytes;
+  const float* x_scale;
+  int64_t x_scale_stride;
+  const int32_t* row_token;
+};
+
+// One work item: a 128-row x 256-column (gate_up: 128 gate + 128 up) tile.
+struct Work {
+  bool valid;
+  int a_row;           // first row of A (dense, down) / of the sorted rows (gate_up)
+  int rows;            // rows of A that are this tile's (the rest are not stored)
+  int b_row0, b_row1;  // first W row of each 128-row half
+  const float* ws0;    // each half's weight-block scales (row of K blocks)
+  const float* ws1;    // null: half 1 is past n (scale 0)
+  int out_col;
+};
+
+[[maybe_unused]] __device__ __forceinline__ void TileCoords(int t, const Params& p, int* mb,
+                                                            int* nb) {
+  const int per_group = kGroupM * p.n_blocks;
+  const int first = (t / per_group) * kGroupM, within = t % per_group;
+  const int rows = min(kGroupM, p.m_blocks - first);
+  *mb = first + within % rows;
+  *nb = within / rows;
+}
+
+template <Mode kMode>
+[[maybe_unused]] __device__ __forceinline__ Work Decode(int t, const Params& p) {
+  Work w;
+  const int64_t stride = p.w_scale_stride;
+  if constexpr (kMode == Mode::kDense) {
+    int mb, nb;
+    TileCoords(t, p, &mb, &nb);
+    w.valid = true;
+    w.a_row = mb * kBM;
+    w.rows = p.m - w.a_row;
+    w.b_row0 = nb * kBN;
+    w.b_row1 = w.b_row0 + 128;
+    w.ws0 = p.w_scale + 2 * nb * stride;
+    w.ws1 = 2 * nb + 1 < p.n_scale_rows ? w.ws0 + stride : nullptr;
+    w.out_col = nb * kBN;
+  } else {
+    const int4 e = p.tile_map[t / p.n_blocks];
+    const int nt = t % p.n_blocks;
+    w.valid = e.x >= 0;
+    w.a_row = e.y;
+    w.rows = e.z - e.y;
+    const float* wse = p.w_scale + e.x * p.w_scale_expert_stride;
+    const int w0 = static_cast<int>(e.x * p.w_rows_per_expert);
+    if constexpr (kMode == Mode::kMoeDown) {
+      w.b_row0 = w0 + nt * kBN;
+      w.b_row1 = w.b_row0 + 128;
+      w.ws0 = wse + 2 * nt * stride;
+      w.ws1 = nt * kBN + 128 < p.n ? w.ws0 + stride : nullptr;
+      w.out_col = nt * kBN;
+    } else {
+      const int c0 = nt * 128;
+      w.b_row0 = w0 + c0;
+      w.b_row1 = w0 + p.n + c0;  // the up rows start at I
+      w.ws0 = wse + (c0 / 128) * stride;
+      w.ws1 = wse + ((p.n + c0) / 128) * stride;
+      w.out_col = c0;
+    }
+  }
+  return w;
+}
+
+// K-major operand, 128-byte swizzle: 8-row groups 1024 bytes apart (sbo),
+// lbo unused.
+[[maybe_unused]] __device__ __forceinline__ uint64_t Desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | uint64_t{1} << 16 |
+         uint64_t{1024 >> 4} << 32 | uint64_t{1} << 62;
+}
+
+template <int N>
+[[maybe_unused]] __device__ __forceinline__ void FenceRegs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// d (+)= A(64 rows at a) · B(128 rows at b)ᵀ over one 128-byte K block: four
+// wgmma m64n128 (k32 e4m3 or k16 bf16), each 32 bytes further along the
+// swizzled 128-byte rows (descriptor addresses count 16-byte units).
+// kFirstScaleD 0: the first product overwrites d. Callers fence and commit.
+template <bool kFp8, int kFirstScaleD>
+[[maybe_unused]] __device__ __forceinline__ void IssueBlock(float (&d)[64], uint32_t a,
+                                                            uint32_t b) {
+  const uint64_t a0 = Desc(a), b0 = Desc(b);
+  if constexpr (kFp8) {
+    sm90::WgmmaE4m3N128::SS<kFirstScaleD>(d, a0, b0);
+  } else {
+    sm90::Wgmma<128>::SS<kFirstScaleD>(d, a0, b0);
+  }
+#pragma unroll
+  for (int kk = 1; kk < 4; ++kk) {
+    if constexpr (kFp8) {
+      sm90::WgmmaE4m3N128::SS<1>(d, a0 + 2 * kk, b0 + 2 * kk);
+    } else {
+      sm90::Wgmma<128>::SS<1>(d, a0 + 2 * kk, b0 + 2 * kk);
+    }
+  }
+}
+
+// 16 bytes (4 with the second form) global -> shared; zero-filled when !valid.
+[[maybe_unused]] __device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src,
+                                                           bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+[[maybe_unused]] __device__ __forceinline__ void CpAsync4(uint32_t dst, const void* src,
+                                                          bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0)
+               : "memory");
+}
+
+// The block size is the path's: 384 in the sm_90a pass, 128 (an empty body)
+// elsewhere, read back by HopperGemmsAvailable from the loaded binary.
+// kFp8: e4m3 operands with block scales (a K block = 128 values), each
+// block's partial promoted into fp32 with its two scales; else bf16 operands
+// (a K block = 64 values, the same 128 bytes a row) accumulated straight into
+// fp32 by the tensor cores, with no scales.
+template <Mode kMode, bool kFp8>
+__global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
+    HopperGemmKernel(const __grid_constant__ CUtensorMap tm_x,
+                     const __grid_constant__ CUtensorMap tm_w,
+                     const __grid_constant__ CUtensorMap tm_s, const Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kGather = kMode == Mode::kMoeGateUp;
+  constexpr int kBKElems = kFp8 ? 128 : 64;  // a K block's values: TMA's coordinate unit
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t base = (raw + 1023) & ~uint32_t{1023};
+  const uint32_t a_smem = base;
+  const uint32_t b_smem = base + kStages * kABytes;
+  const uint32_t s_smem = b_smem + kStages * kBBytes;
+  const uint32_t bars = s_smem + kStages * kScaleBytes;
+  const auto full = [&](int st) { return bars + 8 * st; };
+  const auto empty = [&](int st) { return bars + 8 * (kStages + st); };
+  const float* s_scales = reinterpret_cast<const float*>(smem_raw + (s_smem - raw));
+  constexpr int kScaleSlot = kScaleBytes / 4;  // floats per stage
+  // Bytes TMA brings into a stage (the gather brings A and the scales itself).
+  constexpr uint32_t kTmaBytes =
+      kBBytes + (kGather ? 0 : kABytes) + (kGather || !kFp8 ? 0 : kScaleBox * 4);
+
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      // The TMA issuer's arrive (with the bytes), plus, gathering, every
+      // loader thread's once its copies have landed.
+      sm90::MbarInit(full(st), kGather ? 1 + kLoadThreads : 1);
+      // Every math thread releases (a one-lane arrive would be a branch
+      // between wgmma instructions, which ptxas serializes).
+      sm90::MbarInit(empty(st), kMathThreads);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid >= kMathThreads) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kLoadRegs));
+    const int lt = tid - kMathThreads;
+    if (!kGather && lt != 0) return;
+    int st = 0, prev = -1;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+      const Work w = Decode<kMode>(t, p);
+      if (!w.valid) continue;
+      // Gathering: this thread copies 16-byte chunk lt % 8 of tile rows
+      // lt / 8 + 16i, and (FP8) row lt's activation scale.
+      const uint8_t* src[8];
+      bool ok[8];
+      const float* s_src = p.x_scale;
+      bool s_ok = false;
+      if constexpr (kGather) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int r = lt / 8 + 16 * i;
+          ok[i] = r < w.rows;
+          const int64_t token = ok[i] ? __ldg(p.row_token + w.a_row + r) : 0;
+          src[i] = p.x + token * p.x_row_bytes + (lt % 8) * 16;
+        }
+        if constexpr (kFp8) {
+          s_ok = lt < w.rows;
+          s_src += s_ok ? __ldg(p.row_token + w.a_row + lt) : 0;
+        }
+      }
+      for (int kb = 0; kb < p.k_blocks; ++kb) {
+        sm90::MbarWait(empty(st), phase ^ 1);
+        if (lt == 0) {
+          sm90::MbarExpectTx(full(st), kTmaBytes);
+          if constexpr (!kGather) {
+            sm90::TmaLoad2d(a_smem + st * kABytes, tm_x, kb * kBKElems, w.a_row, full(st));
+            if constexpr (kFp8) {
+              sm90::TmaLoad2d(s_smem + st * kScaleBytes, tm_s, w.a_row & ~3, kb, full(st));
+            }
+          }
+          sm90::TmaLoad2d(b_smem + st * kBBytes, tm_w, kb * kBKElems, w.b_row0, full(st));
+          sm90::TmaLoad2d(b_smem + st * kBBytes + kBHalfBytes, tm_w, kb * kBKElems, w.b_row1,
+                          full(st));
+        }
+        if constexpr (kGather) {
+          // Rows as TMA's 128-byte swizzle lays them out: 16-byte unit u of
+          // row r at unit u ^ (r % 8).
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int r = lt / 8 + 16 * i;
+            CpAsync16(a_smem + st * kABytes + r * 128 + (((lt % 8) ^ (r % 8)) << 4),
+                      src[i] + kb * kBK, ok[i]);
+          }
+          if constexpr (kFp8) {
+            CpAsync4(s_smem + st * kScaleBytes + (w.a_row % 4 + lt) * 4,
+                     s_src + kb * p.x_scale_stride, s_ok);
+          }
+          asm volatile("cp.async.commit_group;\n" ::: "memory");
+          // The previous stage's copies have landed: make them visible to
+          // the tensor cores' (async-proxy) reads, then count them in.
+          if (prev >= 0) {
+            asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            sm90::MbarArrive(full(prev));
+          }
+          prev = st;
+        }
+        if (++st == kStages) {
+          st = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    if constexpr (kGather) {
+      if (prev >= 0) {
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        sm90::MbarArrive(full(prev));
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kMathRegs));
+
+  // Math warpgroups. This thread's rows in the tile: r0 and r0 + 8; its
+  // columns in each 8-column group j of a half: 8j + 2(lane % 4) and + 1.
+  const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+  const int r0 = wg * 64 + warp * 16 + lane / 4;
+  int st = 0;
+  uint32_t phase = 0;
+  const auto advance = [&] {
+    if (++st == kStages) {
+      st = 0;
+      phase ^= 1;
+    }
+  };
+  for (int t = blockIdx.x; t < p.tiles; t += gridDim.x) {
+    const Work w = Decode<kMode>(t, p);
+    if (!w.valid) continue;
+    float acc[2][64];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
+    }
+    if constexpr (kFp8) {
+      for (int kb = 0; kb < p.k_blocks; ++kb) {
+        const float sw0 = __ldg(w.ws0 + kb);
+        const float sw1 = w.ws1 != nullptr ? __ldg(w.ws1 + kb) : 0.f;
+        sm90::MbarWait(full(st), phase);
+        const float* sx = s_scales + st * kScaleSlot + w.a_row % 4;  // row 0 of the item
+        const float sx0 = sx[r0], sx1 = sx[r0 + 8];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float part[64];
+          FenceRegs(part);  // nothing may touch part between the fence and the products
+          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+          IssueBlock<true, 0>(part, a_smem + st * kABytes + wg * 64 * 128,
+                              b_smem + st * kBBytes + h * kBHalfBytes);
+          asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          FenceRegs(part);
+          const float sw = h == 0 ? sw0 : sw1;
+          const float s0 = sx0 * sw, s1 = sx1 * sw;
+#pragma unroll
+          for (int i = 0; i < 64; ++i) acc[h][i] = fmaf(part[i], (i & 2) ? s1 : s0, acc[h][i]);
+        }
+        sm90::MbarArrive(empty(st));
+        advance();
+      }
+    } else {
+      // bf16: the tensor cores accumulate K block kb + 1 onto kb's sums
+      // while the previous stage is released; one group in flight.
+      FenceRegs(acc[0]);
+      FenceRegs(acc[1]);
+      const auto issue = [&] {
+        sm90::MbarWait(full(st), phase);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          IssueBlock<false, 1>(acc[h], a_smem + st * kABytes + wg * 64 * 128,
+                               b_smem + st * kBBytes + h * kBHalfBytes);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        const int issued = st;
+        advance();
+        return issued;
+      };
+      int prev = issue();
+      for (int kb = 1; kb < p.k_blocks; ++kb) {
+        const int cur = issue();
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        sm90::MbarArrive(empty(prev));
+        prev = cur;
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      FenceRegs(acc[0]);
+      FenceRegs(acc[1]);
+      sm90::MbarArrive(empty(prev));
+    }
+    // Epilogue: bf16 pairs straight from the accumulator layout.
+    const int col0 = 2 * (lane % 4);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r0 + 8 * r;
+      if (row >= w.rows) continue;
+      bf16* dst = p.y + static_cast<int64_t>(w.a_row + row) * p.ldy + w.out_col;
+      if constexpr (kMode == Mode::kMoeGateUp) {
+        // Gate in acc[0], up at the same place in acc[1]; n % 128 == 0.
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const float* g = acc[0] + 4 * j + 2 * r;
+          const float* u = acc[1] + 4 * j + 2 * r;
+          *reinterpret_cast<__nv_bfloat162*>(dst + col0 + 8 * j) =
+              __floats2bfloat162_rn(vec::Silu(g[0]) * u[0], vec::Silu(g[1]) * u[1]);
+        }
+      } else {
+        const int cols = p.n - w.out_col;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const int col = col0 + 128 * h + 8 * j;
+            if (col < cols) {
+              *reinterpret_cast<__nv_bfloat162*>(dst + col) =
+                  __floats2bfloat162_rn(acc[h][4 * j + 2 * r], acc[h][4 * j + 2 * r + 1]);
+            }
+          }
+        }
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace draftfeed::cuda::hopper
