@@ -277,11 +277,18 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 1 : 2) GroupedGemmKernel(Gemm
   }
 }
 
+// The tile map entries a launch walks: every routing of num_rows rows fits
+// in MoeMaxTiles of them, which must fit in the routing's map.
+bool RoutedTiles(int64_t num_rows, int num_experts, const MoeRouting& routing, int64_t* tiles) {
+  *tiles = MoeMaxTiles(num_rows, num_experts);
+  return *tiles <= routing.max_tiles;
+}
+
 template <Epilogue kEpilogue, bool kFp8 = false>
 cudaError_t Launch(const GemmParams& p, int num_experts, int64_t num_rows,
                    const MoeRouting& routing, cudaStream_t stream) {
-  const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
-  if (tiles > routing.max_tiles) return cudaErrorInvalidValue;
+  int64_t tiles = 0;
+  if (!RoutedTiles(num_rows, num_experts, routing, &tiles)) return cudaErrorInvalidValue;
   const int64_t blocks = tiles * p.n_tiles;
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
   if (blocks == 0) return cudaSuccess;
@@ -343,9 +350,9 @@ GemmParams DownParams(const void* act, const void* down, int64_t hidden, int64_t
 
 // Row stride of a [rows, k] weight's block scales (fp8_gemm_operands.cuh).
 int64_t Fp8Stride(int64_t k) { return ((k + kMoeFp8Block - 1) / kMoeFp8Block + 3) / 4 * 4; }
-// hopper_gemm.cu's wgmma kernels take the bf16 experts where the GPU runs
-// them and the widths are whole 128-column tiles (every Qwen MoE's are);
-// the mma.sync kernels below take the rest.
+// hopper_gemm.cu's wgmma kernels take the experts where the GPU runs them
+// and the widths are whole 128-column tiles (every Qwen MoE's are; FP8 ones
+// must be); the mma.sync kernels below take the rest.
 bool UseHopperGemms(int64_t hidden, int64_t inter) {
   return hidden % 128 == 0 && inter % 128 == 0 && HopperGemmsAvailable();
 }
@@ -363,8 +370,8 @@ cudaError_t MoeGateUpSwiGlu(const bf16* x, int64_t x_stride, const bf16* gate_up
     return cudaErrorInvalidValue;
   }
   if (UseHopperGemms(hidden, inter)) {
-    const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
-    if (tiles > routing.max_tiles) return cudaErrorInvalidValue;
+    int64_t tiles = 0;
+    if (!RoutedTiles(num_rows, num_experts, routing, &tiles)) return cudaErrorInvalidValue;
     return HopperMoeGateUpSwiGlu(x, x_stride, gate_up, hidden, inter, num_experts, routing.tile_map,
                                  tiles, routing.row_token, act, stream);
   }
@@ -380,8 +387,8 @@ cudaError_t MoeDown(const bf16* act, const bf16* down, int64_t hidden, int64_t i
     return cudaErrorInvalidValue;
   }
   if (UseHopperGemms(hidden, inter)) {
-    const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
-    if (tiles > routing.max_tiles) return cudaErrorInvalidValue;
+    int64_t tiles = 0;
+    if (!RoutedTiles(num_rows, num_experts, routing, &tiles)) return cudaErrorInvalidValue;
     return HopperMoeDown(act, num_rows, down, hidden, inter, num_experts, routing.tile_map, tiles,
                          y, stream);
   }
@@ -397,9 +404,9 @@ cudaError_t MoeGateUpSwiGluFp8(const uint8_t* xq, const float* x_scale, int64_t 
       !Aligned16(xq) || !Aligned16(gate_up) || !Aligned16(act)) {
     return cudaErrorInvalidValue;
   }
-  if (HopperGemmsAvailable()) {
-    const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
-    if (tiles > routing.max_tiles) return cudaErrorInvalidValue;
+  if (UseHopperGemms(hidden, inter)) {
+    int64_t tiles = 0;
+    if (!RoutedTiles(num_rows, num_experts, routing, &tiles)) return cudaErrorInvalidValue;
     return Fp8MoeGateUpSwiGlu(xq, x_scale, x_scale_stride, gate_up, gate_up_scale, hidden, inter,
                               num_experts, routing.tile_map, tiles, routing.row_token, act, stream);
   }
@@ -420,9 +427,9 @@ cudaError_t MoeDownFp8(const uint8_t* actq, const float* act_scale, int64_t act_
       !Aligned16(actq) || !Aligned16(down) || !Aligned16(y)) {
     return cudaErrorInvalidValue;
   }
-  if (HopperGemmsAvailable()) {
-    const int64_t tiles = MoeMaxTiles(num_rows, num_experts);
-    if (tiles > routing.max_tiles) return cudaErrorInvalidValue;
+  if (UseHopperGemms(hidden, inter)) {
+    int64_t tiles = 0;
+    if (!RoutedTiles(num_rows, num_experts, routing, &tiles)) return cudaErrorInvalidValue;
     return Fp8MoeDown(actq, act_scale, act_scale_stride, down, down_scale, hidden, inter,
                       num_experts, routing.tile_map, tiles, y, stream);
   }
