@@ -28,8 +28,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/status_macros.h"
 #include "gtest/gtest.h"
 #include "server/model/cpu_engine.h"
 #include "server/model/model.h"
@@ -96,13 +96,7 @@ bool ReportListsGoldens(const std::string& file) {
 absl::StatusOr<std::vector<float>> ReadFloats(const SafetensorsFile& f, const std::string& name,
                                               const std::string& dtype,
                                               const std::vector<int64_t>& shape) {
-  const SafetensorsTensor* t = f.Find(name);
-  if (t == nullptr) return absl::NotFoundError(absl::StrCat(f.path(), ": no tensor ", name));
-  if (t->dtype != dtype || t->shape != shape) {
-    return absl::InvalidArgumentError(absl::StrCat(f.path(), ": ", name, " is ", t->dtype, " [",
-                                                   absl::StrJoin(t->shape, ", "), "], expected ",
-                                                   dtype, " [", absl::StrJoin(shape, ", "), "]"));
-  }
+  DF_ASSIGN_OR_RETURN(const SafetensorsTensor* t, testing::ExpectTensor(f, name, dtype, shape));
   const size_t n = t->nbytes / (dtype == "F32" ? 4 : 2);
   std::vector<float> out(n);
   if (dtype == "F32") {

@@ -20,9 +20,23 @@ namespace {
 
 constexpr int kThreads = 2;
 
-absl::StatusOr<const SafetensorsTensor*> Expect(const SafetensorsFile& f, const std::string& name,
-                                                const std::string& dtype,
-                                                const std::vector<int64_t>& shape) {
+// The mapping may be unaligned: copy instead of casting.
+template <typename T>
+absl::StatusOr<std::vector<T>> Read(const SafetensorsFile& f, const std::string& name,
+                                    const std::string& dtype, const std::vector<int64_t>& shape) {
+  absl::StatusOr<const SafetensorsTensor*> t = ExpectTensor(f, name, dtype, shape);
+  if (!t.ok()) return t.status();
+  std::vector<T> out((*t)->nbytes / sizeof(T));
+  std::memcpy(out.data(), (*t)->data, (*t)->nbytes);
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<const SafetensorsTensor*> ExpectTensor(const SafetensorsFile& f,
+                                                      const std::string& name,
+                                                      const std::string& dtype,
+                                                      const std::vector<int64_t>& shape) {
   const SafetensorsTensor* t = f.Find(name);
   if (t == nullptr) return absl::NotFoundError(absl::StrCat(f.path(), ": no tensor ", name));
   if (t->dtype != dtype || t->shape != shape) {
@@ -32,19 +46,6 @@ absl::StatusOr<const SafetensorsTensor*> Expect(const SafetensorsFile& f, const 
   }
   return t;
 }
-
-// The mapping may be unaligned: copy instead of casting.
-template <typename T>
-absl::StatusOr<std::vector<T>> Read(const SafetensorsFile& f, const std::string& name,
-                                    const std::string& dtype, const std::vector<int64_t>& shape) {
-  absl::StatusOr<const SafetensorsTensor*> t = Expect(f, name, dtype, shape);
-  if (!t.ok()) return t.status();
-  std::vector<T> out((*t)->nbytes / sizeof(T));
-  std::memcpy(out.data(), (*t)->data, (*t)->nbytes);
-  return out;
-}
-
-}  // namespace
 
 std::filesystem::path DataDir() { return TestDataDir(); }
 

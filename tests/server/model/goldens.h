@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/model/cpu_engine.h"
 #include "server/model/model.h"
+#include "server/model/safetensors.h"
 #include "tests/server/model/golden_moe_routing.h"
 
 namespace draftfeed::testing {
@@ -56,6 +57,13 @@ constexpr double kBf16Unit = 1.0 / 256.0;
 constexpr double kMinCosine = 0.999;
 
 std::filesystem::path DataDir();
+
+// Tensor `name` of a goldens file, checked to be `dtype` of `shape`
+// (NOT_FOUND / INVALID_ARGUMENT naming the file and the tensor otherwise).
+absl::StatusOr<const SafetensorsTensor*> ExpectTensor(const SafetensorsFile& f,
+                                                      const std::string& name,
+                                                      const std::string& dtype,
+                                                      const std::vector<int64_t>& shape);
 
 // A [T, K, H] capture (ours) or a golden [T, N, H] / [T, H] viewed as one
 // [T, H] layer; contiguous copy of layer `k` of `k_total`.
