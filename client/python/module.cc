@@ -43,7 +43,7 @@ struct DLManagedTensor {
 
 struct DlpackHolder {
   std::shared_ptr<HiddenBatch> batch;
-  int64_t shape[3];  // [T, K, H]; fp8_e4m3: [T, bytes_per_token]
+  int64_t shape[3];  // [T, K, H]; raw rows (fp8_e4m3, target outputs): [T, bytes_per_token]
   DLManagedTensor managed;
 };
 
@@ -106,8 +106,12 @@ class PyResult {
                                        static_cast<size_t>(batch_->num_layers),
                                        static_cast<size_t>(batch_->hidden_size)};
     switch (batch_->encoding) {
-      case Encoding::kBf16:
-        return View(batch_->bf16().data(), shape);
+      case Encoding::kBf16: {
+        // Rows hold target outputs after the states when asked: stride by the row.
+        const auto H = static_cast<ssize_t>(batch_->hidden_size);
+        return StridedView(reinterpret_cast<const uint16_t*>(batch_->buffer.get()), shape,
+                           {static_cast<ssize_t>(batch_->bytes_per_token), 2 * H, 2});
+      }
       case Encoding::kFp8E4m3: {
         // The e4m3 codes, a strided view past each token's scales.
         const auto H = static_cast<ssize_t>(batch_->hidden_size);
@@ -133,19 +137,48 @@ class PyResult {
                        {static_cast<ssize_t>(batch_->bytes_per_token), 4});
   }
 
-  py::capsule Dlpack() const {
-    const DLDataType dtype = DlpackType(batch_->encoding);  // throws before anything is made
-    const bool fp8 = batch_->encoding == Encoding::kFp8E4m3;
+  // The result's rows as bytes [T, bytes_per_token], no copy (host results).
+  py::array raw() const {
+    if (batch_->device >= 0) {
+      throw py::value_error("this result is in GPU memory: use dlpack_capsule(raw=True)");
+    }
+    return View(reinterpret_cast<const uint8_t*>(batch_->buffer.get()),
+                {static_cast<size_t>(batch_->num_tokens),
+                 static_cast<size_t>(batch_->bytes_per_token)});
+  }
+  // Where the target outputs sit in a row (offsets from its start; -1: not asked).
+  py::dict outputs() const {
+    const TargetOutputOffsets& o = batch_->outputs;
+    py::dict d;
+    d["argmax"] = o.argmax;
+    d["top_k_ids"] = o.top_k_ids;
+    d["top_k_logprobs"] = o.top_k_logprobs;
+    d["probs_scale"] = o.probs_scale;
+    d["probs"] = o.probs;
+    d["top_k"] = o.top_k;
+    d["num_draft"] = o.num_draft;
+    d["probs_encoding"] = std::string(EncodingName(o.probs_encoding));
+    return d;
+  }
+
+  // `raw`: the rows as bytes [T, bytes_per_token] (what fp8_e4m3 results and
+  // rows with target outputs export, for the Python layer to view apart).
+  py::capsule Dlpack(bool raw_rows) const {
+    const bool rows = raw_rows || batch_->encoding == Encoding::kFp8E4m3 ||
+                     batch_->outputs.probs >= 0 || batch_->outputs.argmax >= 0 ||
+                     batch_->outputs.top_k_ids >= 0;
+    const DLDataType dtype =  // throws before anything is made
+        rows ? DLDataType{kDLUInt, 8, 1} : DlpackType(batch_->encoding);
     auto* h = new DlpackHolder;
     h->batch = batch_;
     h->shape[0] = batch_->num_tokens;
-    h->shape[1] = fp8 ? batch_->bytes_per_token : batch_->num_layers;
+    h->shape[1] = rows ? batch_->bytes_per_token : batch_->num_layers;
     h->shape[2] = batch_->hidden_size;
     DLTensor& t = h->managed.dl_tensor;
     t.dtype = dtype;
     t.data = batch_->buffer.get();
     t.device = batch_->device >= 0 ? DLDevice{2, batch_->device} : DLDevice{1, 0};
-    t.ndim = fp8 ? 2 : 3;
+    t.ndim = rows ? 2 : 3;
     t.shape = h->shape;
     t.strides = nullptr;  // compact row-major
     t.byte_offset = 0;
@@ -225,12 +258,27 @@ py::dict DescriptionDict(const TargetDescription& d) {
   r["nccl_across_hosts"] = d.nccl_across_hosts;
   r["max_credits"] = d.max_credits;
   r["max_capture_layers"] = d.max_capture_layers;
+  if (d.target_outputs.max_draft_vocab > 0) {
+    py::dict offer;
+    offer["max_top_k"] = d.target_outputs.max_top_k;
+    offer["max_draft_vocab"] = d.target_outputs.max_draft_vocab;
+    offer["draft_probs_encodings"] = d.target_outputs.draft_probs_encodings;
+    r["target_outputs"] = offer;
+  } else {
+    r["target_outputs"] = py::none();
+  }
   py::dict layout;
   layout["tp"] = d.layout.tp;
   layout["moe_parallel"] = d.layout.moe_parallel;
   layout["rank_weight_bytes"] = d.layout.rank_weight_bytes;
   r["layout"] = layout;
   return r;
+}
+
+Encoding EncodingFromName(const std::string& e, const char* what) {
+  if (e == "bf16") return Encoding::kBf16;
+  if (e == "fp8_e4m3") return Encoding::kFp8E4m3;
+  throw py::value_error(std::string(what) + " must be 'bf16' or 'fp8_e4m3', got '" + e + "'");
 }
 
 std::vector<int32_t> ToInt32Vector(const py::array& a, const char* what) {
@@ -270,15 +318,21 @@ class PyFeed {
         o.verify_checksum = py::cast<bool>(value);
       else if (k == "fp8_raw")
         o.fp8_raw = py::cast<bool>(value);
-      else if (k == "encoding") {
-        const std::string e = py::cast<std::string>(value);
-        if (e == "bf16")
-          o.encoding = Encoding::kBf16;
-        else if (e == "fp8_e4m3")
-          o.encoding = Encoding::kFp8E4m3;
-        else
-          throw py::value_error("encoding must be 'bf16' or 'fp8_e4m3', got '" + e + "'");
-      } else if (k == "connect_timeout_s")
+      else if (k == "encoding")
+        o.encoding = EncodingFromName(py::cast<std::string>(value), "encoding");
+      else if (k == "argmax")
+        o.target_outputs.argmax = py::cast<bool>(value);
+      else if (k == "top_k")
+        o.target_outputs.top_k = py::cast<int32_t>(value);
+      else if (k == "draft_vocab") {
+        if (!value.is_none()) {
+          o.target_outputs.draft_vocab =
+              ToInt32Vector(py::cast<py::array>(value), "draft_vocab");
+        }
+      } else if (k == "probs_encoding")
+        o.target_outputs.probs_encoding =
+            EncodingFromName(py::cast<std::string>(value), "probs_encoding");
+      else if (k == "connect_timeout_s")
         o.connect_timeout_s = py::cast<double>(value);
       else if (k == "batch_timeout_s")
         o.batch_timeout_s = py::cast<double>(value);
@@ -454,7 +508,9 @@ PYBIND11_MODULE(_draftfeed, m) {
       .def_property_readonly("hidden_bits", &PyResult::hidden_bits)
       .def_property_readonly("fp8_scales", &PyResult::fp8_scales)
       .def_property_readonly("device", &PyResult::device)
-      .def("dlpack_capsule", &PyResult::Dlpack);
+      .def_property_readonly("raw", &PyResult::raw)
+      .def_property_readonly("outputs", &PyResult::outputs)
+      .def("dlpack_capsule", &PyResult::Dlpack, py::arg("raw") = false);
   py::class_<PyFeed>(m, "Feed")
       .def_static("open", &PyFeed::Open)
       .def("submit", &PyFeed::Submit)

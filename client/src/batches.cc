@@ -3,6 +3,7 @@
 // finished batch's checks before it is handed out.
 #include "absl/strings/str_cat.h"
 #include "client/src/feed_impl.h"
+#include "client/src/target_outputs.h"
 
 namespace draftfeed {
 namespace {
@@ -193,6 +194,7 @@ void Feed::Impl::FinishBatch(Target* t, uint64_t id, Pending& p, const v1::Batch
     r.hidden_size = hidden_size;
     r.encoding = Public(t->encoding);
     r.bytes_per_token = t->bytes_per_token;
+    r.outputs = RowOffsets(outputs, outputs_layout, t->hidden_bytes_per_token);
     r.num_bytes = p.bytes;
     r.buffer = std::move(p.buffer);
     r.device = p.device;

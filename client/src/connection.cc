@@ -104,6 +104,13 @@ absl::Status Feed::Impl::ConnectOnce(Target* t, bool first) {
   open->set_expected_fingerprint(info->fingerprint);
   open->set_max_inflight_batches(options.credits_per_target);
   open->set_client_name(options.client_name);
+  if (!outputs.empty()) {
+    v1::TargetOutputs* asked = open->mutable_target_outputs();
+    asked->set_argmax(outputs.argmax);
+    asked->set_top_k(outputs.top_k);
+    asked->mutable_draft_vocab()->Add(outputs.draft_vocab.begin(), outputs.draft_vocab.end());
+    asked->set_draft_probs_encoding(static_cast<v1::Encoding>(outputs.probs_encoding));
+  }
   absl::StatusOr<std::unique_ptr<TransportOffer>> offer = transports->Offer(t->address, open);
   if (!offer.ok()) {
     conn->stream.TryCancel();
@@ -138,8 +145,20 @@ absl::Status Feed::Impl::ConnectOnce(Target* t, bool first) {
                                                               opened.layers_size(),
                                                               " layers of the ", K(), " asked")));
   }
-  const int64_t bytes_per_token =
+  // A target of before target outputs ignores the field it does not know and
+  // would send rows without them.
+  if (opened.target_outputs_bytes() != outputs_layout.bytes) {
+    return abandon(absl::FailedPreconditionError(absl::StrCat(
+        "target ", t->address, " (version ", opened.info().server_version(), ") answers with ",
+        opened.target_outputs_bytes(), " bytes of target outputs per token where ",
+        outputs_layout.bytes, " were asked",
+        outputs_layout.bytes > 0 && opened.target_outputs_bytes() == 0
+            ? ": it does not serve target outputs (argmax, top_k, draft_vocab); upgrade it"
+            : "")));
+  }
+  const int64_t hidden_bytes_per_token =
       CaptureBytesPerToken(*encoding, opened.layers_size(), opened.info().hidden_size());
+  const int64_t bytes_per_token = hidden_bytes_per_token + outputs_layout.bytes;
   absl::StatusOr<std::unique_ptr<StreamTransport>> transport =
       (*offer)->Accept(opened, StreamSlot{this, conn.get(), t->address, bytes_per_token});
   if (!transport.ok()) return abandon(transport.status());
@@ -150,6 +169,7 @@ absl::Status Feed::Impl::ConnectOnce(Target* t, bool first) {
   t->credits = std::max(1, opened.max_inflight_batches());
   t->encoding = *encoding;
   t->bytes_per_token = bytes_per_token;
+  t->hidden_bytes_per_token = hidden_bytes_per_token;
   t->conn = conn;
   t->state = State::kLive;
   t->backoff_s = options.reconnect_backoff_min_s;

@@ -1,12 +1,14 @@
 // The public Feed: opening (the first target fixes the model), Submit and
 // Next against the batch table, Close, and the statistics.
 #include <cmath>
+#include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/src/feed_impl.h"
 #include "client/src/target_info.h"
+#include "client/src/target_outputs.h"
 #include "common/fp8_capture.h"
 #include "common/status_macros.h"
 #include "common/thread_name.h"
@@ -17,22 +19,43 @@ namespace {
 // An fp8_e4m3 result in host memory, dequantised into a bf16 buffer from the
 // pool (the fp8 one goes back to it). Runs outside the feed's lock, on the
 // caller of Next(): ~1 ns a value (draftfeed-bench-codec).
+// Target outputs after the hidden states are copied over unchanged, at their
+// new offsets.
 absl::Status DequantiseToBf16(HostBufferPool& pool, HiddenBatch& r) {
   const int64_t T = r.num_tokens, K = r.num_layers, H = r.hidden_size;
-  const size_t bytes = static_cast<size_t>(T * K * H * 2);
+  const int64_t fp8_hidden = CaptureBytesPerToken(CaptureEncoding::kFp8E4m3, K, H);
+  const int64_t tail = r.bytes_per_token - fp8_hidden;  // the target outputs' bytes
+  const int64_t row = K * H * 2 + tail;
+  const size_t bytes = static_cast<size_t>(T * row);
   std::shared_ptr<std::byte> bf16 = pool.Acquire(bytes);
   if (bf16 == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", bytes, " bytes to dequantise batch ", r.batch_id));
   }
-  DF_RETURN_IF_ERROR(
-      DecodeFp8CaptureToBf16(r.bytes(), T, K, H,
-                             std::span<uint16_t>(reinterpret_cast<uint16_t*>(bf16.get()),
-                                                 static_cast<size_t>(T * K * H))));
+  auto* out = reinterpret_cast<uint16_t*>(bf16.get());
+  if (tail == 0) {
+    DF_RETURN_IF_ERROR(DecodeFp8CaptureToBf16(r.bytes(), T, K, H,
+                                              std::span<uint16_t>(out, static_cast<size_t>(T * K * H))));
+  } else {
+    for (int64_t t = 0; t < T; ++t) {
+      const std::span<const std::byte> in = r.bytes().subspan(t * r.bytes_per_token, fp8_hidden);
+      std::byte* dst = bf16.get() + t * row;
+      DF_RETURN_IF_ERROR(DecodeFp8CaptureToBf16(
+          in, 1, K, H,
+          std::span<uint16_t>(reinterpret_cast<uint16_t*>(dst), static_cast<size_t>(K * H))));
+      std::memcpy(dst + K * H * 2, r.bytes().data() + t * r.bytes_per_token + fp8_hidden,
+                  static_cast<size_t>(tail));
+    }
+  }
+  const int64_t shift = K * H * 2 - fp8_hidden;
+  for (int64_t* offset : {&r.outputs.argmax, &r.outputs.top_k_ids, &r.outputs.top_k_logprobs,
+                          &r.outputs.probs_scale, &r.outputs.probs}) {
+    if (*offset >= 0) *offset += shift;
+  }
   r.buffer = std::move(bf16);
   r.num_bytes = bytes;
   r.encoding = Encoding::kBf16;
-  r.bytes_per_token = K * H * 2;
+  r.bytes_per_token = row;
   return absl::OkStatus();
 }
 
@@ -44,8 +67,10 @@ Feed::~Feed() { (void)Close(); }
 
 absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
   if (options.targets.empty()) return absl::InvalidArgumentError("FeedOptions.targets is empty");
-  if (options.layers.empty()) {
-    return absl::InvalidArgumentError("FeedOptions.layers is empty: name the layer ids to capture");
+  DF_ASSIGN_OR_RETURN(TargetOutputs outputs, CheckedTargetOutputs(options.target_outputs));
+  if (options.layers.empty() && outputs.empty()) {
+    return absl::InvalidArgumentError(
+        "FeedOptions.layers is empty: name the layer ids to capture (or ask for target_outputs)");
   }
   if (options.prefetch < 1) return absl::InvalidArgumentError("FeedOptions.prefetch must be >= 1");
   if (options.credits_per_target < 1) {
@@ -73,6 +98,8 @@ absl::StatusOr<std::unique_ptr<Feed>> Feed::Open(const FeedOptions& options) {
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->outputs_layout = LayoutOf(outputs);
+  impl->outputs = std::move(outputs);
   impl->window = FeedWindow(options.stats_window_s);
   impl->read_handoff = options.read_handoff.value_or(std::thread::hardware_concurrency() >= 4);
   // Idle cap: the prefetch window plus one batch in the trainer's hands. A

@@ -31,6 +31,7 @@
 #include "common/capture_encoding.h"
 #include "common/host_buffer_pool.h"
 #include "common/payload_checksum.h"
+#include "common/target_outputs.h"
 #include "draftfeed/client.h"
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 
@@ -75,7 +76,8 @@ struct Feed::Impl final : BatchSink {
     int32_t credits = 1;
     // The live stream's capture, as its Opened said.
     CaptureEncoding encoding = CaptureEncoding::kBf16;
-    int64_t bytes_per_token = 0;
+    int64_t bytes_per_token = 0;  // the row: hidden states, then target outputs
+    int64_t hidden_bytes_per_token = 0;
     int64_t attempts = 0;
     double backoff_s = 0;
     Clock::time_point next_attempt{};
@@ -157,8 +159,12 @@ struct Feed::Impl final : BatchSink {
     return static_cast<CaptureEncoding>(options.encoding);
   }
   int64_t RequestedBytesPerToken() const {
-    return CaptureBytesPerToken(RequestedEncoding(), K(), hidden_size);
+    return CaptureBytesPerToken(RequestedEncoding(), K(), hidden_size) + outputs_layout.bytes;
   }
+  // FeedOptions::target_outputs as the wire's, and its per-token layout
+  // (bytes 0 when nothing is asked); fixed at Open.
+  TargetOutputs outputs;
+  TargetOutputsLayout outputs_layout;
 
   // connection.cc
   // `dns_name`: the dns:/// name `address` was resolved from ("" if none).

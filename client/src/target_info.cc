@@ -51,6 +51,14 @@ TargetDescription Describe(const std::string& address, const v1::TargetInfo& inf
   d.nccl_across_hosts = info.nccl_across_hosts();
   d.max_credits = info.max_credits();
   d.max_capture_layers = info.max_capture_layers();
+  if (info.has_target_outputs()) {
+    d.target_outputs.max_top_k = info.target_outputs().max_top_k();
+    d.target_outputs.max_draft_vocab = info.target_outputs().max_draft_vocab();
+    for (int e : info.target_outputs().draft_probs_encodings()) {
+      d.target_outputs.draft_probs_encodings.push_back(
+          WireName(v1::Encoding_Name(static_cast<v1::Encoding>(e)), "ENCODING_"));
+    }
+  }
   if (info.has_layout()) {
     d.layout.tp = std::max(1, info.layout().tp());
     d.layout.moe_parallel = info.layout().moe_parallel();

@@ -326,7 +326,8 @@ void CpuForward::Block(BlockKind kind, const LayerF32& w, const Batch& b, const 
   std::abort();  // BlocksOfLayer gives a mixer and an MLP only
 }
 
-void CpuForward::Run(const ForwardInput& in, float* out, const AllReduce& all_reduce) const {
+void CpuForward::Run(const ForwardInput& in, float* out, const AllReduce& all_reduce,
+                     float* final_states) const {
   const ModelConfig& c = rank_.config;
   const int64_t d = c.hidden_size;
   const int64_t num_layers = c.num_layers;
@@ -348,6 +349,9 @@ void CpuForward::Run(const ForwardInput& in, float* out, const AllReduce& all_re
     slot[static_cast<size_t>(id + 1)] = kk;
     last_layer = std::max<int64_t>(last_layer, id == kFinalLayerId ? num_layers - 1 : id);
   }
+  // Target outputs read the final state: every rank of a group goes the
+  // whole depth (their all-reduces pair up), the capture rank keeps it.
+  if (in.wants_outputs()) last_layer = num_layers - 1;
   auto capture = [&](const Buffer& state, int64_t kk) {
     if (out == nullptr) return;
     for (int64_t t = 0; t < b.tokens; ++t) {
@@ -370,9 +374,10 @@ void CpuForward::Run(const ForwardInput& in, float* out, const AllReduce& all_re
     AddInto(h, m);
     if (slot[static_cast<size_t>(i + 1)] >= 0) capture(h, slot[static_cast<size_t>(i + 1)]);
   }
-  if (slot[0] >= 0 && out != nullptr) {
+  if ((slot[0] >= 0 && out != nullptr) || final_states != nullptr) {
     cpu::RmsNorm(h.data(), final_norm_.data(), b.tokens, d, eps_, norm_kind_, u.data());
-    capture(u, slot[0]);
+    if (slot[0] >= 0) capture(u, slot[0]);
+    if (final_states != nullptr) std::copy(u.begin(), u.end(), final_states);
   }
 }
 
@@ -404,21 +409,50 @@ absl::Status CpuForward::CheckFloatOutput(const ForwardInput& in, int64_t hidden
 
 absl::Status CpuForward::WriteCapture(std::span<const float> states, const ForwardInput& in,
                                       int64_t hidden, std::span<std::byte> out) {
+  const auto tokens = static_cast<int64_t>(in.token_ids.size());
+  const auto layers = static_cast<int64_t>(in.layers.size());
+  const int64_t values = layers * hidden;  // per token
+  const int64_t row = tokens > 0 ? static_cast<int64_t>(out.size()) / tokens : 0;
+  const int64_t hidden_bytes = CaptureBytesPerToken(in.encoding, layers, hidden);
   if (in.encoding == CaptureEncoding::kFp8E4m3) {
-    return EncodeFp8Capture(states, static_cast<int64_t>(in.token_ids.size()),
-                            static_cast<int64_t>(in.layers.size()), hidden, out);
+    if (row == hidden_bytes) return EncodeFp8Capture(states, tokens, layers, hidden, out);
+    for (int64_t t = 0; t < tokens && values > 0; ++t) {
+      DF_RETURN_IF_ERROR(EncodeFp8Capture(states.subspan(t * values, values), 1, layers, hidden,
+                                          out.subspan(t * row, hidden_bytes)));
+    }
+    return absl::OkStatus();
   }
-  for (size_t i = 0; i < states.size(); ++i) {
-    const uint16_t bits = FloatToBf16(states[i]);
-    out[2 * i] = static_cast<std::byte>(bits & 0xff);
-    out[2 * i + 1] = static_cast<std::byte>(bits >> 8);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::byte* dst = out.data() + t * row;
+    const float* src = states.data() + t * values;
+    for (int64_t i = 0; i < values; ++i) {
+      const uint16_t bits = FloatToBf16(src[i]);
+      dst[2 * i] = static_cast<std::byte>(bits & 0xff);
+      dst[2 * i + 1] = static_cast<std::byte>(bits >> 8);
+    }
   }
   return absl::OkStatus();
+}
+
+absl::Status CpuForward::ForwardRows(const ForwardInput& in, const Model& model, int64_t n,
+                                     const RunFn& run, CpuTargetOutputs& outputs,
+                                     std::span<std::byte> out) {
+  const int64_t d = model.config.hidden_size;
+  const auto tokens = static_cast<int64_t>(in.token_ids.size());
+  std::vector<float> states(static_cast<size_t>(n));
+  std::vector<float> final_states(static_cast<size_t>(in.wants_outputs() ? tokens * d : 0));
+  run(states.data(), in.wants_outputs() ? final_states.data() : nullptr);
+  DF_RETURN_IF_ERROR(WriteCapture(states, in, d, out));
+  if (!in.wants_outputs()) return absl::OkStatus();
+  return outputs.Write(final_states, tokens, *in.outputs, out.data(),
+                       RowBytesPerToken(model.config, in),
+                       CaptureBytesPerToken(in.encoding, static_cast<int64_t>(in.layers.size()), d));
 }
 
 struct CpuEngine::Impl {
   const Model* model = nullptr;
   CpuForward forward;
+  std::unique_ptr<CpuTargetOutputs> outputs;
 
   // Validates the input; returns T·K·H, the number of output elements.
   absl::StatusOr<int64_t> CheckInput(const ForwardInput& in) const {
@@ -458,6 +492,7 @@ absl::StatusOr<std::unique_ptr<CpuEngine>> CpuEngine::Create(const Model* model,
   auto impl = std::make_unique<Impl>();
   impl->model = model;
   impl->forward = *std::move(forward);
+  impl->outputs = std::make_unique<CpuTargetOutputs>(model, num_threads);
   return std::unique_ptr<CpuEngine>(new CpuEngine(std::move(impl)));
 }
 
@@ -474,9 +509,15 @@ absl::Status CpuEngine::ForwardFloat(const ForwardInput& in, std::span<float> ou
 absl::Status CpuEngine::Forward(const ForwardInput& in, std::span<std::byte> out) {
   DF_ASSIGN_OR_RETURN(const int64_t n, impl_->CheckInput(in));
   DF_RETURN_IF_ERROR(CheckCaptureOutput(*this, in, out.size()));
-  std::vector<float> states(static_cast<size_t>(n));
-  impl_->forward.Run(in, states.data(), nullptr);
-  return CpuForward::WriteCapture(states, in, impl_->model->config.hidden_size, out);
+  const CpuForward& forward = impl_->forward;
+  return CpuForward::ForwardRows(
+      in, *impl_->model, n,
+      [&](float* states, float* final_states) {
+        forward.Run(in, states, nullptr, final_states);
+      },
+      *impl_->outputs, out);
 }
+
+bool CpuEngine::serves_target_outputs() const { return impl_->outputs->served(); }
 
 }  // namespace draftfeed

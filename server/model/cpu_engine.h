@@ -23,6 +23,7 @@ class CpuEngine final : public Engine {
     return {CaptureEncoding::kBf16, CaptureEncoding::kFp8E4m3};
   }
   absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override;
+  bool serves_target_outputs() const override;
   // Same forward, fp32 capture (the residual stream is fp32 throughout here).
   absl::Status ForwardFloat(const ForwardInput& in, std::span<float> out);
 

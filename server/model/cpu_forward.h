@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/cpu/rmsnorm.h"
+#include "server/model/cpu_target_outputs.h"
 #include "server/model/engine.h"
 #include "server/model/model.h"
 #include "server/model/weight_layout.h"
@@ -43,8 +44,11 @@ class CpuForward {
                                            int num_threads);
 
   // Writes the [T, K, H] fp32 capture into `out` (null on ranks that do not
-  // capture). `in` must have passed ValidateForwardInput.
-  void Run(const ForwardInput& in, float* out, const AllReduce& all_reduce) const;
+  // capture), and the post-final-norm states [T, H] into `final_states` when
+  // it is not null (what lm_head reads for target outputs). `in` must have
+  // passed ValidateForwardInput.
+  void Run(const ForwardInput& in, float* out, const AllReduce& all_reduce,
+           float* final_states = nullptr) const;
 
   // What both CPU engines check and write around Run. The capture's element
   // count T x K x H of a valid `in` (any token count: the budget is the
@@ -56,9 +60,18 @@ class CpuForward {
                                        int64_t n);
   // The fp32 states as the capture in `in.encoding`: little-endian bf16 bits
   // written bytewise (so `out` needs no alignment), or fp8_e4m3 encoded from
-  // the fp32 values (its only error e4m3's rounding).
+  // the fp32 values (its only error e4m3's rounding). Token t's bytes start
+  // at t * RowBytesPerToken (its target outputs, when asked, follow them).
   static absl::Status WriteCapture(std::span<const float> states, const ForwardInput& in,
                                    int64_t hidden, std::span<std::byte> out);
+  // What both CPU engines' Forward does after its checks: runs `run` (a
+  // forward writing the [T, K, H] states and, when target outputs are asked,
+  // the final-norm states), then writes each token's row: the capture, then
+  // its target outputs from `outputs`.
+  using RunFn = std::function<void(float* states, float* final_states)>;
+  static absl::Status ForwardRows(const ForwardInput& in, const Model& model, int64_t n,
+                                  const RunFn& run, CpuTargetOutputs& outputs,
+                                  std::span<std::byte> out);
 
  private:
   struct AttentionWeights {

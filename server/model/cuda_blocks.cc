@@ -321,6 +321,12 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
     return absl::InvalidArgumentError(
         absl::StrCat(K, " capture layers; this engine has ", options.max_layers, " slots"));
   }
+  // Target outputs take the whole forward (lm_head reads the final norm) on
+  // every rank, so that a tensor-parallel group's all-reduces pair up; the
+  // capturing rank alone computes them. Their buffers are made before any
+  // work is enqueued, so that a failed allocation leaves nothing running.
+  const bool outputs = in.wants_outputs();
+  if (outputs && options.rank.capture) DF_RETURN_IF_ERROR(PrepareTargetOutputs(in, current));
   times.ms.clear();
   const int32_t nseq = static_cast<int32_t>(in.seq_lens.size());
   int32_t max_len = 0;
@@ -347,6 +353,7 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
       last = std::max<int64_t>(last, id);
     }
   }
+  if (outputs) last = L - 1;
   const float eps = static_cast<float>(model->config.rms_norm_eps);
   DF_RETURN_IF_ERROR(Timed("embed", [&]() -> absl::Status {
     cudaError_t e = cuda::PositionsFromCuSeqlens(d_cu, nseq, T, d_pos, stream);
@@ -397,6 +404,7 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
                         "final norm");
     }));
   }
+  if (outputs && options.rank.capture) DF_RETURN_IF_ERROR(TargetOutputsForward(in, current));
   capture_tokens = T;
   capture_slots = K;
   if (sync) DF_CUDA(cudaStreamSynchronize(stream));

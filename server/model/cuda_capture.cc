@@ -66,26 +66,40 @@ void CudaEngine::Impl::CopyLoop() {
 
 absl::StatusOr<const void*> CudaEngine::Impl::Payload(int b, const ForwardInput& in,
                                                       cudaStream_t s) {
-  if (in.encoding != CaptureEncoding::kFp8E4m3) return captures[b];
-  if (fp8_captures[0] == nullptr || fp8_captures[1] == nullptr) {
-    const size_t bytes =
-        static_cast<size_t>(options.max_tokens *
-                            CaptureBytesPerToken(CaptureEncoding::kFp8E4m3, options.max_layers, D));
-    for (uint8_t*& p : fp8_captures) {
-      if (p != nullptr) continue;
-      if (const cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
-        p = nullptr;
-        return absl::ResourceExhaustedError(
-            absl::StrCat("cannot allocate the two ", bytes >> 20,
-                         " MiB fp8_e4m3 capture buffers: ", cudaGetErrorString(e)));
+  const int64_t T = static_cast<int64_t>(in.token_ids.size());
+  const int64_t K = static_cast<int64_t>(in.layers.size());
+  const void* hidden = captures[b];
+  if (in.encoding == CaptureEncoding::kFp8E4m3 && K > 0) {
+    if (fp8_captures[0] == nullptr || fp8_captures[1] == nullptr) {
+      const size_t bytes =
+          static_cast<size_t>(options.max_tokens * CaptureBytesPerToken(CaptureEncoding::kFp8E4m3,
+                                                                        options.max_layers, D));
+      for (uint8_t*& p : fp8_captures) {
+        if (p != nullptr) continue;
+        if (const cudaError_t e = cudaMalloc(&p, bytes); e != cudaSuccess) {
+          p = nullptr;
+          return absl::ResourceExhaustedError(
+              absl::StrCat("cannot allocate the two ", bytes >> 20,
+                           " MiB fp8_e4m3 capture buffers: ", cudaGetErrorString(e)));
+        }
       }
     }
+    // Encoded from the bf16 capture: the final norm's fp32 values never exist
+    // in memory (its kernel writes bf16), so every slot is encoded alike.
+    DF_CUDA(cuda::EncodeFp8Capture(captures[b], T, K, D, fp8_captures[b], s));
+    hidden = fp8_captures[b];
   }
-  // Encoded from the bf16 capture: the final norm's fp32 values never exist
-  // in memory (its kernel writes bf16), so every slot is encoded alike.
-  DF_CUDA(cuda::EncodeFp8Capture(captures[b], static_cast<int64_t>(in.token_ids.size()),
-                                 static_cast<int64_t>(in.layers.size()), D, fp8_captures[b], s));
-  return fp8_captures[b];
+  if (!in.wants_outputs()) return hidden;
+  // The forward wrote each token's outputs after its hidden part: the rows
+  // go out whole, so the checksum, the host copy and a device sink carry
+  // them with no change of their own.
+  const size_t hidden_bytes = static_cast<size_t>(CaptureBytesPerToken(in.encoding, K, D));
+  const size_t row = static_cast<size_t>(RowBytesPerToken(model->config, in));
+  if (hidden_bytes > 0 && T > 0) {
+    DF_CUDA(cudaMemcpy2DAsync(rows[b], row, hidden, hidden_bytes, hidden_bytes,
+                              static_cast<size_t>(T), cudaMemcpyDeviceToDevice, s));
+  }
+  return rows[b];
 }
 
 void CudaEngine::Impl::StopCopier() {
@@ -133,6 +147,7 @@ absl::Status CudaEngine::ForwardAsync(const ForwardInput& in, std::span<std::byt
 absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSink& sink,
                                          CopiedCallback on_sent) {
   DF_RETURN_IF_ERROR(CheckEncodingServed(*this, in.encoding));
+  DF_RETURN_IF_ERROR(CheckOutputsServed(*this, in));
   Impl& m = *impl_;
   // TakeBuffer waits out any copy or send still reading the buffer; the one
   // this batch's sink starts keeps it busy until its DeviceWait returns.
@@ -150,8 +165,7 @@ absl::Status CudaEngine::ForwardToDevice(const ForwardInput& in, const DeviceSin
   view.data = *payload;
   view.bytes = m.CaptureBytes(in);
   view.encoding = in.encoding;
-  view.bytes_per_token =
-      CaptureBytesPerToken(in.encoding, static_cast<int64_t>(in.layers.size()), m.D);
+  view.bytes_per_token = RowBytesPerToken(m.model->config, in);
   view.device = m.options.device;
   view.stream = m.send_stream;
   // The sink is called while the forward runs, so its host-side work (an

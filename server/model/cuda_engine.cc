@@ -12,6 +12,7 @@ CudaEngine::CudaEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CudaEngine::~CudaEngine() {
   if (impl_) {
     impl_->StopCopier();  // every pending copy's callback runs first
+    impl_->FreeTargetOutputs();
     for (cudaEvent_t e : impl_->copied) {
       if (e) cudaEventDestroy(e);
     }
@@ -58,6 +59,8 @@ std::vector<CaptureEncoding> CudaEngine::encodings() const {
 }
 
 int64_t CudaEngine::max_capture_layers() const { return impl_->options.max_layers; }
+
+bool CudaEngine::serves_target_outputs() const { return impl_->ServesTargetOutputs(); }
 
 int64_t CudaEngine::weight_bytes() const { return static_cast<int64_t>(impl_->weights.used()); }
 int64_t CudaEngine::workspace_bytes() const { return static_cast<int64_t>(impl_->workspace_total); }

@@ -96,6 +96,9 @@ class CudaEngine final : public Engine {
   // bf16, and fp8_e4m3 encoded on the GPU from the bf16 capture.
   std::vector<CaptureEncoding> encodings() const override;
   int64_t max_capture_layers() const override;
+  // Where the model has lm_head (or ties it to the embedding): uploaded on
+  // the first batch that asks for target outputs.
+  bool serves_target_outputs() const override;
 
   int64_t weight_bytes() const;
   int64_t workspace_bytes() const;

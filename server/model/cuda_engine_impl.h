@@ -5,6 +5,8 @@
 //   cuda_blocks.cc     the forward: per-layer blocks and the capture slots;
 //   cuda_capture.cc    the double-buffered capture, its copy thread and the
 //                      device sink;
+//   cuda_target_outputs.cc  lm_head, its logits and the target outputs
+//                      written into whole payload rows;
 //   cuda_engine.cc     creation, teardown and the accessors.
 #pragma once
 
@@ -167,6 +169,24 @@ struct CudaEngine::Impl {
   bool busy[2] = {false, false};    // a copy (or send) out of this buffer is not retired yet
   bool stop_copier = false;
   std::thread copier;
+  // Target outputs (cuda_target_outputs.cc), everything made on the first
+  // batch that asks for them. A batch with outputs sends whole rows (its
+  // hidden capture, then each token's outputs): `rows` are payloads of
+  // max_tokens rows of the widest row asked so far, double-buffered with the
+  // captures; the outputs are written there by the forward, the hidden part
+  // copied in by Payload.
+  const bf16* lm_head = nullptr;  // [V, D]: `embed` when tied, else lm_head_owned
+  bf16* lm_head_owned = nullptr;
+  float* logits = nullptr;  // [logits_tokens, V] fp32: one chunk of tokens
+  int64_t logits_tokens = 0;
+  uint8_t* rows[2] = {nullptr, nullptr};
+  size_t rows_bytes[2] = {0, 0};
+  // The draft vocabulary's ids and the kernel's index of them, for the last
+  // list asked (rebuilt only when a batch asks another).
+  int32_t* draft_ids = nullptr;  // [kMaxDraftVocab]
+  void* draft_index = nullptr;   // DraftIndexBytes(V, kMaxDraftVocab)
+  std::vector<int32_t> draft_indexed;
+  bool draft_built = false;
   void* gdn_ws = nullptr;
   // FP8 GEMM inputs: the activation quantised per token and 128 group, and
   // which activation it holds (reset at each block, whose inputs are fresh).
@@ -226,8 +246,21 @@ struct CudaEngine::Impl {
   }
   // The payload of buffer b's capture in `in.encoding`: the bf16 capture
   // itself, or its fp8_e4m3 encoding, enqueued on `s` (which must be ordered
-  // after the forward).
+  // after the forward). With target outputs asked, rows[b] instead: the
+  // forward wrote each token's outputs there, and the hidden part is copied
+  // in beside them here (cudaMemcpy2DAsync, row pitch RowBytesPerToken).
   absl::StatusOr<const void*> Payload(int b, const ForwardInput& in, cudaStream_t s);
+  // Whether lm_head can be had: a checkpoint's, the embedding where tied, or
+  // (real-size random models) one drawn on the device.
+  bool ServesTargetOutputs() const;
+  // Everything a batch with outputs needs, before its forward is enqueued:
+  // lm_head on the device, the logits chunk, rows buffer b, the draft index.
+  absl::Status PrepareTargetOutputs(const ForwardInput& in, int b);
+  absl::Status UploadLmHead();
+  // After the final layer: the final norm into `u`, then per chunk of tokens
+  // the lm_head GEMM into `logits` and the outputs into rows[b], on `stream`.
+  absl::Status TargetOutputsForward(const ForwardInput& in, int b);
+  void FreeTargetOutputs();
   void CopyLoop();
   void StopCopier();
   absl::Status UploadWeights();

@@ -75,6 +75,10 @@ class CublasLtPlans {
 // column-major terms that is Yᵀ[N, M] = (W as K×N)ᵀ · (X as K×M): a "TN" GEMM.
 class CublasLtGemm : public CublasLtPlans {
  public:
+  ~CublasLtGemm() {
+    for (auto& [key, plan] : f32_plans_) plan.Destroy();
+  }
+
   // Time the candidate algorithms of each new shape once and keep the fastest
   // (cuBLASLt's first heuristic pick is often a few % off the best).
   void set_autotune(bool on) { autotune_ = on; }
@@ -83,10 +87,25 @@ class CublasLtGemm : public CublasLtPlans {
   // wider output (the bf16 tail of a partly FP8 fused projection).
   absl::Status Run(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, int64_t m,
                    int64_t n, int64_t k, cudaStream_t stream, int64_t ldy = 0) {
-    if (ldy == 0) ldy = n;
+    return RunAs(CUDA_R_16BF, x, w, y, m, n, k, stream, ldy == 0 ? n : ldy, plans_, tuned_);
+  }
+
+  // The same with an fp32 Y: lm_head's logits, whose softmax a bf16 rounding
+  // (2^-8 relative, ~0.1 absolute at logit 30) would blur.
+  absl::Status RunF32(const __nv_bfloat16* x, const __nv_bfloat16* w, float* y, int64_t m,
+                      int64_t n, int64_t k, cudaStream_t stream) {
+    return RunAs(CUDA_R_32F, x, w, y, m, n, k, stream, n, f32_plans_, f32_tuned_);
+  }
+
+ private:
+  using Tuned = std::map<std::tuple<int64_t, int64_t, int64_t>, cublasLtMatmulAlgo_t>;
+
+  absl::Status RunAs(cudaDataType_t y_type, const void* x, const void* w, void* y, int64_t m,
+                     int64_t n, int64_t k, cudaStream_t stream, int64_t ldy,
+                     std::map<PlanKey, Plan>& plans, Tuned& tuned) {
     auto key = std::make_tuple(m, n, k, ldy);
-    auto it = plans_.find(key);
-    if (it == plans_.end()) {
+    auto it = plans.find(key);
+    if (it == plans.end()) {
       Plan p;
       DF_CUBLAS_OK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
       const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
@@ -96,9 +115,12 @@ class CublasLtGemm : public CublasLtPlans {
           cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
       DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, k));
       DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, k));
-      DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.c, CUDA_R_16BF, n, m, ldy));
-      DF_RETURN_IF_ERROR(ChooseAlgo(p, x, w, y, m, n, k, stream));
-      it = plans_.emplace(key, p).first;
+      DF_CUBLAS_OK(cublasLtMatrixLayoutCreate(&p.c, y_type, n, m, ldy));
+      if (absl::Status s = ChooseAlgo(p, x, w, y, m, n, k, stream, tuned); !s.ok()) {
+        p.Destroy();
+        return s;
+      }
+      it = plans.emplace(key, p).first;
     }
     const Plan& plan = it->second;
     const float alpha = 1.0f, beta = 0.0f;
@@ -107,15 +129,14 @@ class CublasLtGemm : public CublasLtPlans {
     return absl::OkStatus();
   }
 
- private:
   // Shapes whose M differs only a little share the tuned algorithm (checked
   // for the exact layout), so a trainer's varying batch sizes tune rarely.
   static int64_t Bucket(int64_t m) { return (m + 2047) / 2048; }
 
-  absl::Status ChooseAlgo(Plan& p, const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y,
-                          int64_t m, int64_t n, int64_t k, cudaStream_t stream) {
-    auto tuned = tuned_.find(std::make_tuple(Bucket(m), n, k));
-    if (tuned != tuned_.end()) {
+  absl::Status ChooseAlgo(Plan& p, const void* x, const void* w, void* y, int64_t m, int64_t n,
+                          int64_t k, cudaStream_t stream, Tuned& tuned_algos) {
+    auto tuned = tuned_algos.find(std::make_tuple(Bucket(m), n, k));
+    if (tuned != tuned_algos.end()) {
       cublasLtMatmulHeuristicResult_t check{};
       if (cublasLtMatmulAlgoCheck(handle_, p.desc, p.a, p.b, p.c, p.c, &tuned->second, &check) ==
           CUBLAS_STATUS_SUCCESS) {
@@ -160,12 +181,14 @@ class CublasLtGemm : public CublasLtPlans {
       cudaEventDestroy(start);
       cudaEventDestroy(stop);
     }
-    tuned_[std::make_tuple(Bucket(m), n, k)] = p.algo;
+    tuned_algos[std::make_tuple(Bucket(m), n, k)] = p.algo;
     return absl::OkStatus();
   }
 
   bool autotune_ = true;
-  std::map<std::tuple<int64_t, int64_t, int64_t>, cublasLtMatmulAlgo_t> tuned_;
+  Tuned tuned_;
+  std::map<PlanKey, Plan> f32_plans_;
+  Tuned f32_tuned_;
 };
 
 }  // namespace draftfeed

@@ -47,10 +47,11 @@ absl::Status ValidateForwardInput(const ModelConfig& config, const ForwardInput&
   }
   const std::string valid_layers =
       absl::StrCat("valid layer ids are -1 (final norm) and 0..", config.num_layers - 1);
-  if (in.layers.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("no layers to capture: layers is empty; ", valid_layers));
+  if (in.layers.empty() && !in.wants_outputs()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "no layers to capture: layers is empty and no target outputs are asked; ", valid_layers));
   }
+  if (in.outputs != nullptr) DF_RETURN_IF_ERROR(ValidateTargetOutputs(*in.outputs, config.vocab_size));
   std::unordered_map<int32_t, size_t> first_seen;
   for (size_t i = 0; i < in.layers.size(); ++i) {
     const int32_t id = in.layers[i];
@@ -67,10 +68,22 @@ absl::Status ValidateForwardInput(const ModelConfig& config, const ForwardInput&
   return absl::OkStatus();
 }
 
+int64_t RowBytesPerToken(const ModelConfig& config, const ForwardInput& in) {
+  const int64_t hidden = CaptureBytesPerToken(in.encoding, static_cast<int64_t>(in.layers.size()),
+                                              config.hidden_size);
+  return hidden + (in.wants_outputs() ? LayoutOf(*in.outputs).bytes : 0);
+}
+
 size_t CaptureBytes(const ModelConfig& config, const ForwardInput& in) {
-  return in.token_ids.size() *
-         static_cast<size_t>(CaptureBytesPerToken(
-             in.encoding, static_cast<int64_t>(in.layers.size()), config.hidden_size));
+  return in.token_ids.size() * static_cast<size_t>(RowBytesPerToken(config, in));
+}
+
+absl::Status CheckOutputsServed(const Engine& engine, const ForwardInput& in) {
+  if (!in.wants_outputs() || engine.serves_target_outputs()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "target outputs (argmax, top_k, draft_vocab) are not served by ", engine.device_name(),
+      ": the model has no lm_head (the checkpoint stores none and does not tie it to the "
+      "embedding)"));
 }
 
 absl::Status CheckEncodingServed(const Engine& engine, CaptureEncoding encoding) {
@@ -88,12 +101,14 @@ absl::Status CheckEncodingServed(const Engine& engine, CaptureEncoding encoding)
 
 absl::Status CheckCaptureOutput(const Engine& engine, const ForwardInput& in, size_t out_bytes) {
   DF_RETURN_IF_ERROR(CheckEncodingServed(engine, in.encoding));
+  DF_RETURN_IF_ERROR(CheckOutputsServed(engine, in));
   const size_t need = CaptureBytes(engine.model().config, in);
   if (out_bytes != need) {
     return absl::InvalidArgumentError(absl::StrCat(
         "output has ", out_bytes, " bytes; the ", std::string(EncodingName(in.encoding)),
         " capture of ", in.token_ids.size(), " tokens x ", in.layers.size(), " layers x ",
-        engine.model().config.hidden_size, " values takes ", need));
+        engine.model().config.hidden_size, " values",
+        in.wants_outputs() ? " with its target outputs" : "", " takes ", need));
   }
   return absl::OkStatus();
 }

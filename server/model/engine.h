@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "common/capture_encoding.h"
 #include "common/status_macros.h"
+#include "common/target_outputs.h"
 #include "server/model/model.h"
 
 namespace draftfeed {
@@ -29,6 +30,11 @@ struct ForwardInput {
   std::span<const int32_t> layers;     // K capture ids, in output order
   // How the capture is written; an engine refuses one it does not serve.
   CaptureEncoding encoding = CaptureEncoding::kBf16;
+  // What the batch asks of lm_head (common/target_outputs.h); null or empty:
+  // hidden states only. Each token's outputs follow its K layers in its row.
+  // `layers` may then be empty.
+  const TargetOutputs* outputs = nullptr;
+  bool wants_outputs() const { return outputs != nullptr && !outputs->empty(); }
 };
 
 class Engine {
@@ -38,7 +44,8 @@ class Engine {
   virtual std::string device_name() const = 0;
   // The capture encodings this engine writes.
   virtual std::vector<CaptureEncoding> encodings() const { return {CaptureEncoding::kBf16}; }
-  // Writes the [T, K, H] capture in `in.encoding` into `out`, which must be
+  // Writes the [T, K, H] capture in `in.encoding`, each token's target
+  // outputs after its K layers (when asked), into `out`, which must be
   // exactly CaptureBytes(model().config, in) bytes. Input errors are
   // INVALID_ARGUMENT naming the bad field; `out` is then untouched.
   virtual absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) = 0;
@@ -68,6 +75,11 @@ class Engine {
 
   // Most layers one batch may capture (its capture slots); 0 = no limit.
   virtual int64_t max_capture_layers() const { return 0; }
+
+  // Whether the engine computes target outputs (ForwardInput::outputs): it
+  // holds lm_head (a checkpoint's, or the embedding where tied). An engine
+  // that cannot refuses a batch asking for them with FAILED_PRECONDITION.
+  virtual bool serves_target_outputs() const { return false; }
 
   // How the engine holds one model instance: over how many ranks (1: the
   // whole model on one device), the MoE strategy of a sharded MoE model ("ep"
@@ -118,8 +130,15 @@ class Engine {
 absl::Status ValidateForwardInput(const ModelConfig& config, const ForwardInput& in,
                                   int64_t max_tokens);
 
-// Bytes of `in`'s capture: T * CaptureBytesPerToken(in.encoding, K, H).
+// Bytes of one token's row: CaptureBytesPerToken(in.encoding, K, H), plus its
+// target outputs' bytes when asked.
+int64_t RowBytesPerToken(const ModelConfig& config, const ForwardInput& in);
+// Bytes of `in`'s capture: T * RowBytesPerToken(config, in).
 size_t CaptureBytes(const ModelConfig& config, const ForwardInput& in);
+
+// FAILED_PRECONDITION unless `engine` serves the target outputs `in` asks
+// for; OK when it asks none.
+absl::Status CheckOutputsServed(const Engine& engine, const ForwardInput& in);
 
 // INVALID_ARGUMENT naming the encoding when `engine` does not serve it.
 absl::Status CheckEncodingServed(const Engine& engine, CaptureEncoding encoding);

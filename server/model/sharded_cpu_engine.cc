@@ -55,6 +55,7 @@ struct ShardedCpuEngine::Impl {
   ShardingPlan plan;
   std::vector<RankWeights> weights;  // per rank; the forwards read their embeddings in place
   std::vector<CpuForward> ranks;
+  std::unique_ptr<CpuTargetOutputs> outputs;
   int64_t rank_weight_bytes = 0;
 
   absl::StatusOr<int64_t> CheckInput(const ForwardInput& in) const {
@@ -63,12 +64,14 @@ struct ShardedCpuEngine::Impl {
 
   // Every rank's forward on its own thread (rank 0 on the caller's); the
   // capture is rank 0's.
-  void Run(const ForwardInput& in, float* out) const {
+  void Run(const ForwardInput& in, float* out, float* final_states = nullptr) const {
     const int tp = plan.tp;
     InProcessAllReduce reduce(tp);
     auto forward = [&](int r) {
-      ranks[static_cast<size_t>(r)].Run(in, r == plan.capture_rank ? out : nullptr,
-                                        [&reduce, r](CpuForward::Buffer& m) { reduce.Run(r, m); });
+      const bool capture = r == plan.capture_rank;
+      ranks[static_cast<size_t>(r)].Run(in, capture ? out : nullptr,
+                                        [&reduce, r](CpuForward::Buffer& m) { reduce.Run(r, m); },
+                                        capture ? final_states : nullptr);
     };
     std::vector<std::thread> threads;
     threads.reserve(static_cast<size_t>(tp - 1));
@@ -126,6 +129,7 @@ absl::StatusOr<std::unique_ptr<ShardedCpuEngine>> ShardedCpuEngine::Create(const
     impl->ranks.push_back(*std::move(f));
   }
   impl->plan = std::move(plan);
+  impl->outputs = std::make_unique<CpuTargetOutputs>(model, num_threads);
   return std::unique_ptr<ShardedCpuEngine>(new ShardedCpuEngine(std::move(impl)));
 }
 
@@ -154,9 +158,13 @@ absl::Status ShardedCpuEngine::ForwardFloat(const ForwardInput& in, std::span<fl
 absl::Status ShardedCpuEngine::Forward(const ForwardInput& in, std::span<std::byte> out) {
   DF_ASSIGN_OR_RETURN(const int64_t n, impl_->CheckInput(in));
   DF_RETURN_IF_ERROR(CheckCaptureOutput(*this, in, out.size()));
-  std::vector<float> states(static_cast<size_t>(n));
-  impl_->Run(in, states.data());
-  return CpuForward::WriteCapture(states, in, impl_->model->config.hidden_size, out);
+  const Impl& impl = *impl_;
+  return CpuForward::ForwardRows(
+      in, *impl.model, n,
+      [&](float* states, float* final_states) { impl.Run(in, states, final_states); }, *impl.outputs,
+      out);
 }
+
+bool ShardedCpuEngine::serves_target_outputs() const { return impl_->outputs->served(); }
 
 }  // namespace draftfeed

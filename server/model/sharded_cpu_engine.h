@@ -32,6 +32,9 @@ class ShardedCpuEngine final : public Engine {
     return {CaptureEncoding::kBf16, CaptureEncoding::kFp8E4m3};
   }
   absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override;
+  // The capture rank computes them with the whole lm_head (the vocabulary is
+  // not cut across ranks).
+  bool serves_target_outputs() const override;
   // Same forward, fp32 capture (rank 0's residual stream).
   absl::Status ForwardFloat(const ForwardInput& in, std::span<float> out);
 

@@ -66,6 +66,12 @@ absl::StatusOr<TensorParallelCudaEngine::LoneRank> CreateRank(const Model* model
     specs = w->specs;
     out.slices = *std::move(w);
   }
+  // Target outputs, in their simple form: the capture rank computes them with
+  // the whole lm_head (uploaded there on the first batch that asks), the
+  // vocabulary not yet cut across the ranks; the others only run the full
+  // forward, so that every layer's all-reduce pairs up. A tied head is the
+  // rank's embedding, which every rank holds whole.
+  if (r == plan.capture_rank) rank_model->weights.lm_head = model->weights.lm_head;
   CudaEngineOptions o = options;
   o.device = device;
   o.rank.rank = r;
@@ -222,6 +228,10 @@ std::vector<CaptureEncoding> TensorParallelCudaEngine::encodings() const {
 
 int64_t TensorParallelCudaEngine::max_capture_layers() const {
   return rank(impl_->plan.capture_rank).max_capture_layers();
+}
+
+bool TensorParallelCudaEngine::serves_target_outputs() const {
+  return rank(impl_->plan.capture_rank).serves_target_outputs();
 }
 
 absl::Status TensorParallelCudaEngine::Forward(const ForwardInput& in, std::span<std::byte> out) {

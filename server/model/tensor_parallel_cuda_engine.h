@@ -37,6 +37,8 @@ class TensorParallelCudaEngine final : public Engine {
   ParallelLayout layout() const override;
   std::vector<CaptureEncoding> encodings() const override;
   int64_t max_capture_layers() const override;
+  // The capture rank's: it computes the target outputs with the whole lm_head.
+  bool serves_target_outputs() const override;
   absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override;
   absl::Status ForwardAsync(const ForwardInput& in, std::span<std::byte> out,
                             CopiedCallback on_copied) override;

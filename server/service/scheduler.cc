@@ -216,10 +216,10 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
   result.queue_ms = MsSince(entry.enqueued);
   result.tokens = c->tokens;
   result.encoding = item.encoding;
-  result.bytes_per_token = CaptureBytesPerToken(
-      item.encoding, static_cast<int64_t>(item.layers.size()), engine->model().config.hidden_size);
+  ForwardInput input{item.token_ids, item.seq_lens, item.layers, item.encoding};
+  input.outputs = item.outputs.get();
+  result.bytes_per_token = RowBytesPerToken(engine->model().config, input);
   result.bytes = static_cast<size_t>(c->tokens * result.bytes_per_token);
-  const ForwardInput input{item.token_ids, item.seq_lens, item.layers, item.encoding};
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status status;
   bool copy_pending = false;

@@ -45,8 +45,9 @@
 
 namespace draftfeed {
 
-// The captured states of one batch, [T, K, H] in `encoding`, in a pooled
-// host buffer of tokens * bytes_per_token bytes.
+// The captured states of one batch, [T, K, H] in `encoding` (each token's
+// target outputs after its K layers, when asked), in a pooled host buffer of
+// tokens * bytes_per_token bytes.
 struct ForwardResult {
   std::shared_ptr<std::byte> capture;  // null when the capture went from the device
   size_t bytes = 0;
@@ -66,6 +67,7 @@ struct WorkItem {
   std::vector<int32_t> seq_lens;
   std::vector<int32_t> layers;
   CaptureEncoding encoding = CaptureEncoding::kBf16;
+  std::shared_ptr<const TargetOutputs> outputs;  // null: hidden states only
   // Called exactly once on the engine's completion thread, in the order the
   // engine took its items: with the result, or with the error that stopped
   // it (cancelled items get CANCELLED without running). It may take its time

@@ -39,11 +39,41 @@ absl::StatusOr<CaptureEncoding> ResolveEncoding(const TargetService& service, v1
                    })));
 }
 
-absl::Status ValidateLayers(const ModelConfig& config, std::span<const int32_t> layers) {
+absl::Status ValidateLayers(const ModelConfig& config, std::span<const int32_t> layers,
+                            const TargetOutputs* outputs) {
   // Token checks need a batch; reuse the shared validator with one token.
   const int32_t token = 0;
   const int32_t len = 1;
-  return ValidateForwardInput(config, ForwardInput{{&token, 1}, {&len, 1}, layers}, 1);
+  ForwardInput in{{&token, 1}, {&len, 1}, layers};
+  in.outputs = outputs;
+  return ValidateForwardInput(config, in, 1);
+}
+
+// Open.target_outputs as the engines take it; null when it asks nothing.
+absl::StatusOr<std::shared_ptr<const TargetOutputs>> PlanTargetOutputs(
+    const TargetService& service, const v1::TargetOutputs& asked) {
+  auto outputs = std::make_shared<TargetOutputs>();
+  outputs->argmax = asked.argmax();
+  outputs->top_k = asked.top_k();
+  outputs->draft_vocab.assign(asked.draft_vocab().begin(), asked.draft_vocab().end());
+  const v1::Encoding wire = asked.draft_probs_encoding() == v1::ENCODING_UNSPECIFIED
+                                ? v1::ENCODING_BF16
+                                : asked.draft_probs_encoding();
+  if (wire != v1::ENCODING_BF16 && wire != v1::ENCODING_FP8_E4M3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target_outputs.draft_probs_encoding ", WireEncodingName(wire),
+                     " is not offered for draft probabilities; offered: bf16, fp8_e4m3"));
+  }
+  outputs->probs_encoding = *EncodingFromWire(wire);
+  if (outputs->empty()) return std::shared_ptr<const TargetOutputs>();
+  DF_RETURN_IF_ERROR(ValidateTargetOutputs(*outputs, service.model().config.vocab_size));
+  if (!service.serves_target_outputs()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "target_outputs (argmax, top_k, draft_vocab) asked, but this target cannot compute them: ",
+        service.model().id, " has no lm_head (its checkpoint stores none and does not tie it to "
+        "the embedding); TargetInfo.target_outputs is absent on such targets"));
+  }
+  return std::shared_ptr<const TargetOutputs>(std::move(outputs));
 }
 
 }  // namespace
@@ -59,7 +89,8 @@ absl::StatusOr<StreamPlan> PlanStream(const TargetService& service, const v1::Op
   DF_ASSIGN_OR_RETURN(plan.encoding, ResolveEncoding(service, open.encoding()));
   DF_RETURN_IF_ERROR(CheckTransportKnown(open.transport()));
   plan.layers.assign(open.layers().begin(), open.layers().end());
-  DF_RETURN_IF_ERROR(ValidateLayers(model.config, plan.layers));
+  DF_ASSIGN_OR_RETURN(plan.outputs, PlanTargetOutputs(service, open.target_outputs()));
+  DF_RETURN_IF_ERROR(ValidateLayers(model.config, plan.layers, plan.outputs.get()));
   DF_RETURN_IF_ERROR(service.CheckCaptureLayers(plan.layers.size()));
   const ServiceOptions& opt = service.options();
   plan.credits = open.max_inflight_batches() <= 0
@@ -68,21 +99,22 @@ absl::StatusOr<StreamPlan> PlanStream(const TargetService& service, const v1::Op
   return plan;
 }
 
-absl::StatusOr<BatchPlan> PlanBatch(const TargetService& service,
-                                    std::span<const int32_t> stream_layers,
-                                    CaptureEncoding encoding, const v1::Batch& batch) {
+absl::StatusOr<BatchPlan> PlanBatch(const TargetService& service, const StreamPlan& stream,
+                                    const v1::Batch& batch) {
   BatchPlan out;
   out.token_ids.assign(batch.token_ids().begin(), batch.token_ids().end());
   out.seq_lens.assign(batch.seq_lens().begin(), batch.seq_lens().end());
   if (batch.layers_size() > 0) {
     out.layers.assign(batch.layers().begin(), batch.layers().end());
   } else {
-    out.layers.assign(stream_layers.begin(), stream_layers.end());
+    out.layers = stream.layers;
   }
-  out.encoding = encoding;
-  absl::Status valid = ValidateForwardInput(
-      service.model().config, ForwardInput{out.token_ids, out.seq_lens, out.layers, out.encoding},
-      service.options().max_batch_tokens);
+  out.encoding = stream.encoding;
+  out.outputs = stream.outputs;
+  ForwardInput in{out.token_ids, out.seq_lens, out.layers, out.encoding};
+  in.outputs = out.outputs.get();
+  absl::Status valid =
+      ValidateForwardInput(service.model().config, in, service.options().max_batch_tokens);
   if (valid.ok()) valid = service.CheckCaptureLayers(out.layers.size());
   if (!valid.ok()) {
     return absl::Status(valid.code(),

@@ -4,11 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/capture_encoding.h"
+#include "common/target_outputs.h"
 #include "draftfeed/v1/draftfeed.pb.h"
 
 namespace draftfeed {
@@ -18,11 +20,16 @@ class TargetService;
 struct StreamPlan {
   std::vector<int32_t> layers;  // the stream's default capture layers
   CaptureEncoding encoding = CaptureEncoding::kBf16;
+  // What the stream asks of lm_head, checked; null when nothing. Shared by
+  // every batch of the stream (a draft vocabulary is up to 256 KiB).
+  std::shared_ptr<const TargetOutputs> outputs;
   int32_t credits = 0;  // batches in flight at once
 };
 
-// FAILED_PRECONDITION: another model; INVALID_ARGUMENT: an encoding the
-// target does not serve, or bad layers; UNIMPLEMENTED: an unknown transport.
+// FAILED_PRECONDITION: another model, or target outputs asked of a target
+// without lm_head; INVALID_ARGUMENT: an encoding the target does not serve,
+// bad layers or bad target outputs (naming the field); UNIMPLEMENTED: an
+// unknown transport.
 absl::StatusOr<StreamPlan> PlanStream(const TargetService& service, const v1::Open& open);
 
 // What one Batch on a stream of `stream_layers` and `encoding` asks the engine: its tokens,
@@ -34,9 +41,9 @@ struct BatchPlan {
   std::vector<int32_t> seq_lens;
   std::vector<int32_t> layers;
   CaptureEncoding encoding = CaptureEncoding::kBf16;
+  std::shared_ptr<const TargetOutputs> outputs;
 };
-absl::StatusOr<BatchPlan> PlanBatch(const TargetService& service,
-                                    std::span<const int32_t> stream_layers,
-                                    CaptureEncoding encoding, const v1::Batch& batch);
+absl::StatusOr<BatchPlan> PlanBatch(const TargetService& service, const StreamPlan& stream,
+                                    const v1::Batch& batch);
 
 }  // namespace draftfeed

@@ -162,8 +162,8 @@ void StreamReactor::OnDone() {
         .token_name = token_name_,
         .refused = !opened_ && !broken_ && !finish_status_.ok(),
         .transport = transport_kind_,
-        .layers = layers_,
-        .encoding = static_cast<v1::Encoding>(encoding_),
+        .layers = plan_.layers,
+        .encoding = static_cast<v1::Encoding>(plan_.encoding),
         .batches = batches_served_,
         .tokens = tokens_served_,
         .payload_bytes = payload_bytes_,
@@ -266,8 +266,7 @@ void StreamReactor::HandleOpen() {
     return;
   }
   credits_ = plan->credits;
-  layers_ = std::move(plan->layers);
-  encoding_ = plan->encoding;
+  plan_ = *std::move(plan);
   absl::StatusOr<std::unique_ptr<StreamTransport>> transport =
       OpenStreamTransport(service_->transport_env(), open, link_);
   if (!transport.ok()) {
@@ -289,8 +288,17 @@ void StreamReactor::SendOpened(const TransportOpened& transport) {
   StreamResponse resp;
   v1::Opened* opened = resp.mutable_opened();
   *opened->mutable_info() = service_->Info();
-  for (int32_t l : layers_) opened->add_layers(l);
-  opened->set_encoding(static_cast<v1::Encoding>(encoding_));
+  for (int32_t l : plan_.layers) opened->add_layers(l);
+  opened->set_encoding(static_cast<v1::Encoding>(plan_.encoding));
+  if (plan_.outputs != nullptr) {
+    const TargetOutputs& o = *plan_.outputs;
+    v1::TargetOutputs* granted = opened->mutable_target_outputs();
+    granted->set_argmax(o.argmax);
+    granted->set_top_k(o.top_k);
+    granted->mutable_draft_vocab()->Add(o.draft_vocab.begin(), o.draft_vocab.end());
+    granted->set_draft_probs_encoding(static_cast<v1::Encoding>(o.probs_encoding));
+    opened->set_target_outputs_bytes(LayoutOf(o).bytes);
+  }
   opened->set_transport(transport.transport);
   opened->set_max_inflight_batches(credits_);
   opened->set_chunk_bytes(opt.chunk_bytes);
@@ -319,7 +327,7 @@ void StreamReactor::HandleRequest() {
                 absl::UnavailableError("target is shutting down; send this batch elsewhere"));
     return;
   }
-  absl::StatusOr<BatchPlan> planned = PlanBatch(*service_, layers_, encoding_, *batch);
+  absl::StatusOr<BatchPlan> planned = PlanBatch(*service_, plan_, *batch);
   if (!planned.ok()) {
     RejectBatch(batch_id, planned.status());
     return;
@@ -329,10 +337,11 @@ void StreamReactor::HandleRequest() {
   item.seq_lens = std::move(planned->seq_lens);
   item.layers = std::move(planned->layers);
   item.encoding = planned->encoding;
+  item.outputs = std::move(planned->outputs);
   item.stream = sched_stream_;
-  item.result_bytes = static_cast<int64_t>(item.token_ids.size()) *
-                      CaptureBytesPerToken(item.encoding, static_cast<int64_t>(item.layers.size()),
-                                           service_->model().config.hidden_size);
+  ForwardInput shape{item.token_ids, item.seq_lens, item.layers, item.encoding};
+  shape.outputs = item.outputs.get();
+  item.result_bytes = static_cast<int64_t>(CaptureBytes(service_->model().config, shape));
   std::shared_ptr<ReactorLink> link = link_;
   item.cancelled = [link] { return link->cancelled(); };
   item.done = [link, batch_id, charged = item.result_bytes](absl::StatusOr<ForwardResult> r) {

@@ -19,6 +19,7 @@
 #include "common/capture_encoding.h"
 #include "draftfeed/v1/draftfeed.pb.h"
 #include "server/service/scheduler.h"
+#include "server/service/stream_open.h"
 #include "server/service/stream_transport.h"
 #include "server/service/target_metrics.h"
 
@@ -126,8 +127,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   grpc::ByteBuffer raw_resp_;
   v1::StreamRequest req_;
   std::deque<Outgoing> outbox_;
-  std::vector<int32_t> layers_;
-  CaptureEncoding encoding_ = CaptureEncoding::kBf16;
+  StreamPlan plan_;  // layers, encoding and target outputs, from Open
   absl::Status finish_status_;
   int32_t credits_ = 0;
   int64_t inflight_ = 0;   // batches (accepted or rejected) whose last message is not yet written

@@ -85,6 +85,14 @@ v1::TargetInfo TargetService::Info() const {
   }
   info.set_max_credits(options_.max_credits);
   info.set_max_capture_layers(static_cast<int32_t>(max_capture_layers()));
+  if (serves_target_outputs()) {
+    v1::TargetOutputsOffer* offer = info.mutable_target_outputs();
+    offer->set_max_top_k(static_cast<int32_t>(std::min<int64_t>(kMaxTopK, m.config.vocab_size)));
+    offer->set_max_draft_vocab(
+        static_cast<int32_t>(std::min<int64_t>(kMaxDraftVocab, m.config.vocab_size)));
+    offer->add_draft_probs_encodings(v1::ENCODING_BF16);
+    offer->add_draft_probs_encodings(v1::ENCODING_FP8_E4M3);
+  }
   const Engine::ParallelLayout layout = engines_.front()->layout();
   info.mutable_layout()->set_tp(layout.tp);
   info.mutable_layout()->set_moe_parallel(layout.moe_parallel);
@@ -106,6 +114,11 @@ std::vector<CaptureEncoding> TargetService::encodings() const {
     });
   }
   return served;
+}
+
+bool TargetService::serves_target_outputs() const {
+  return std::all_of(engines_.begin(), engines_.end(),
+                     [](const Engine* e) { return e->serves_target_outputs(); });
 }
 
 int64_t TargetService::max_capture_layers() const {

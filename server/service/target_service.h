@@ -112,6 +112,8 @@ class TargetService final
   // Most layers one batch may capture on every engine (0 = no limit), and
   // the error for a stream or batch that asks for more.
   int64_t max_capture_layers() const;
+  // Whether every engine computes target outputs (they all hold lm_head).
+  bool serves_target_outputs() const;
   absl::Status CheckCaptureLayers(size_t asked) const;
   // What the stream transports need of this target.
   TransportEnv transport_env() const;

@@ -83,7 +83,12 @@ void CheckBatch(const draftfeed::BatchPlan& b, const draftfeed::Model& model,
     sum += n;
   }
   Require(sum == static_cast<int64_t>(b.token_ids.size()), "lengths that add up to the tokens");
-  Require(!b.layers.empty(), "at least one layer");
+  Require(!b.layers.empty() || (b.outputs != nullptr && !b.outputs->empty()),
+          "at least one layer, or target outputs");
+  if (b.outputs != nullptr) {
+    Require(draftfeed::ValidateTargetOutputs(*b.outputs, model.config.vocab_size).ok(),
+            "target outputs within their limits");
+  }
   CheckLayers(b.layers, model.config.num_layers);
 }
 
@@ -101,8 +106,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } else {
     messages.emplace_back(reinterpret_cast<const char*>(data), size);
   }
-  std::vector<int32_t> stream_layers = {0, 1, 2, 3, -1};
-  draftfeed::CaptureEncoding encoding = draftfeed::CaptureEncoding::kBf16;
+  draftfeed::StreamPlan stream;
+  stream.layers = {0, 1, 2, 3, -1};
   for (const std::string& bytes : messages) {
     grpc::Slice slice(bytes.data(), bytes.size());
     grpc::ByteBuffer raw(&slice, 1);
@@ -115,10 +120,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       const ServiceOptions& opt = fx.service->options();
       Require(plan->credits >= 1 && plan->credits <= opt.max_credits, "credits in range");
       CheckLayers(plan->layers, fx.model->config.num_layers);
-      if (!plan->layers.empty()) stream_layers = plan->layers;
-      encoding = plan->encoding;
+      if (!plan->layers.empty() || plan->outputs != nullptr) stream = *std::move(plan);
     } else if (req.msg_case() == draftfeed::v1::StreamRequest::kBatch) {
-      auto batch = draftfeed::PlanBatch(*fx.service, stream_layers, encoding, req.batch());
+      auto batch = draftfeed::PlanBatch(*fx.service, stream, req.batch());
       if (!batch.ok()) {
         const std::string msg(batch.status().message());
         Require(msg.rfind("batch ", 0) == 0, "a batch error that names the batch");

@@ -59,6 +59,34 @@ inline constexpr std::string_view EncodingName(Encoding e) {
   return "unknown";
 }
 
+// What a feed asks of the targets' lm_head, per token, beside the hidden
+// states (EAGLE-3's training target). Computed on the target from fp32 logits
+// of the post-final-norm state; ties go to the lowest id.
+struct TargetOutputOptions {
+  bool argmax = false;  // the full-vocabulary argmax (int32)
+  int32_t top_k = 0;    // top-k ids and log-probs over the full vocabulary; 0: none, <= 256
+  // Target token ids (<= 65,536, distinct, any order): the softmax of the
+  // logits at these ids, columns in this order. Empty: none.
+  std::vector<int32_t> draft_vocab;
+  // kBf16, or kFp8E4m3 (one fp32 scale per token: p = code * scale).
+  Encoding probs_encoding = Encoding::kBf16;
+  bool empty() const { return !argmax && top_k == 0 && draft_vocab.empty(); }
+};
+
+// Where a token's target outputs sit in its row: byte offsets from the start
+// of the row (-1: not asked). The wire's layout (draftfeed.proto's
+// TargetOutputs), mirrored so that this header stands alone.
+struct TargetOutputOffsets {
+  int64_t argmax = -1;          // int32
+  int64_t top_k_ids = -1;       // int32 [top_k], best first
+  int64_t top_k_logprobs = -1;  // fp32 [top_k]
+  int64_t probs_scale = -1;     // fp32 (fp8_e4m3 probs)
+  int64_t probs = -1;           // bf16 [num_draft], or e4m3 [num_draft]
+  int32_t top_k = 0;
+  int64_t num_draft = 0;
+  Encoding probs_encoding = Encoding::kBf16;
+};
+
 // TLS to targets started with --tls_cert. Any field set turns TLS on.
 struct TlsOptions {
   // TLS with the system's trust store when no `ca_file` is given.
@@ -79,8 +107,12 @@ struct FeedOptions {
   // "host:port" or any gRPC target string (e.g. "dns:///targets.ns.svc:50051").
   std::vector<std::string> targets;
   // Layer ids to capture, in output order: i = raw output of decoder layer i
-  // (transformers' hidden_states[i+1]), -1 = post-final-norm state.
+  // (transformers' hidden_states[i+1]), -1 = post-final-norm state. May be
+  // empty when target_outputs asks for something.
   std::vector<int32_t> layers;
+  // Per-token outputs of the targets' lm_head (HiddenBatch::argmax, ...);
+  // a target without lm_head refuses the stream (FAILED_PRECONDITION).
+  TargetOutputOptions target_outputs;
   // Batches submitted but not yet returned by Next(); Submit blocks beyond it.
   int32_t prefetch = 8;
   // The same bound in hidden-state bytes (T * bytes per token); a single batch
@@ -176,6 +208,12 @@ struct TargetDescription {
   bool nccl_across_hosts = false;       // offers NCCL to trainers on other hosts too
   int32_t max_credits = 0;              // most in-flight batches a stream may have
   int32_t max_capture_layers = 0;       // most layer ids a stream may capture; 0 = no limit
+  // What TargetOutputOptions it serves; all zero / empty when it has no lm_head.
+  struct OutputsOffer {
+    int32_t max_top_k = 0;
+    int32_t max_draft_vocab = 0;
+    std::vector<std::string> draft_probs_encodings;  // "bf16", "fp8_e4m3"
+  } target_outputs;
   // How one model instance is held (the first engine's; replicas alike).
   struct Layout {
     int32_t tp = 1;                 // ranks holding one instance (1: one device holds it)
@@ -227,6 +265,28 @@ struct HiddenBatch {
     }
     return s;
   }
+  // Target outputs (FeedOptions::target_outputs), in each token's row after
+  // its hidden states; `outputs` says where (offsets from the row's start).
+  TargetOutputOffsets outputs;
+  // Token t's full-vocabulary argmax (host results that asked for it; else -1).
+  int32_t argmax(int64_t t) const {
+    int32_t v = -1;
+    if (outputs.argmax >= 0 && !bytes().empty()) {
+      std::memcpy(&v, bytes().data() + t * bytes_per_token + outputs.argmax, 4);
+    }
+    return v;
+  }
+  // Token t's top-k ids and log-probs into `ids` and `logprobs` (top_k each).
+  void top_k(int64_t t, std::span<int32_t> ids, std::span<float> logprobs) const {
+    if (outputs.top_k_ids < 0 || bytes().empty()) return;
+    const std::byte* row = bytes().data() + t * bytes_per_token;
+    const auto k = static_cast<size_t>(outputs.top_k);
+    std::memcpy(ids.data(), row + outputs.top_k_ids, 4 * std::min(k, ids.size()));
+    std::memcpy(logprobs.data(), row + outputs.top_k_logprobs, 4 * std::min(k, logprobs.size()));
+  }
+  // Token t's draft-vocabulary probabilities widened to fp32 into `probs`
+  // (num_draft values; bf16 exactly, e4m3 as code * scale).
+  void draft_probs(int64_t t, std::span<float> probs) const;
   // As sent in BatchDone (verified when asked): of the bytes sent, so of the
   // fp8_e4m3 payload for a result dequantised on the way in.
   uint64_t checksum = 0;
