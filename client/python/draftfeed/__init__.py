@@ -28,6 +28,7 @@ from ._native import load as _load_native
 _draftfeed = _load_native()  # or an ImportError naming the Python it was built for
 
 from . import layers  # noqa: E402  draftfeed.layers.dflash(L), .eagle3(L)
+from . import outputs as _outputs  # noqa: E402
 from .stats import ProgressBar, flatten as _flatten_stats  # noqa: E402
 from .tls import Tls, _native_tls, _native_token  # noqa: E402
 
@@ -97,8 +98,8 @@ def _fp8_torch(raw, num_layers: int, hidden_size: int):
     codes = raw[:, :kh].unflatten(1, (num_layers, hidden_size))
     if hasattr(torch, "float8_e4m3fn"):
         codes = codes.view(torch.float8_e4m3fn)
-    scale_bytes = raw[:, kh:]
-    if kh % 4:  # a float32 view needs 4-byte aligned rows
+    scale_bytes = raw[:, kh:kh + 4 * num_layers]  # target outputs, if any, follow
+    if kh % 4 or raw.shape[1] % 4:  # a float32 view needs 4-byte aligned rows
         scale_bytes = scale_bytes.contiguous()
     return codes, scale_bytes.view(torch.float32)
 
@@ -169,6 +170,50 @@ class Result:
 
     device = property(lambda self: self._r.device,
                       doc="-1: host memory (gRPC); else the CUDA device holding it (NCCL)")
+
+    # Target outputs (Feed(argmax=True, top_k=k, draft_vocab=ids)): numpy for host results,
+    # torch tensors on the GPU for NCCL ones.
+    argmax = property(lambda self: _outputs.argmax(self._r),
+                      doc="int32 [T]: the target's full-vocabulary argmax (ties: lowest id)")
+    top_k_ids = property(lambda self: _outputs.top_k(self._r)[0],
+                         doc="int32 [T, k]: the target's top-k ids over its vocabulary, best "
+                             "first")
+    top_k_logprobs = property(lambda self: _outputs.top_k(self._r)[1],
+                              doc="float32 [T, k]: their log-probabilities (log_softmax over "
+                                  "the full vocabulary)")
+
+    @property
+    def draft_probs(self):
+        """float32 [T, Vd]: the target's softmax over the draft vocabulary (columns in the
+        order of Feed(draft_vocab=...)); numpy for host results, torch on the GPU for NCCL
+        ones. For a torch tensor on a device, `draft_probs_torch(device)` moves the encoded
+        bytes and widens them there."""
+        if self._r.device >= 0:
+            return self.draft_probs_torch()
+        return _outputs.draft_probs_numpy(self._r, E4M3_VALUES)
+
+    def draft_probs_torch(self, device=None, non_blocking: bool = True, dtype=None):
+        """draft_probs as a torch tensor (float32 unless `dtype`) on `device` (default: where
+        the result is)."""
+        return _outputs.draft_probs_torch(self._r, E4M3_VALUES, device, non_blocking, dtype)
+
+    def argmax_torch(self, device=None, non_blocking: bool = True):
+        """argmax as a torch int32 tensor [T] on `device` (default: where the result is)."""
+        import torch
+
+        t = self.argmax
+        t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+        return t if device is None else t.to(device, non_blocking=non_blocking)
+
+    def top_k_torch(self, device=None, non_blocking: bool = True):
+        """(ids int32 [T, k], logprobs float32 [T, k]) as torch tensors on `device`."""
+        import torch
+
+        out = []
+        for t in _outputs.top_k(self._r):
+            t = torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+            out.append(t if device is None else t.to(device, non_blocking=non_blocking))
+        return tuple(out)
 
     @property
     def hidden(self):
@@ -257,12 +302,18 @@ class Result:
         dtype = getattr(torch, dtype_name)
         try:
             t = torch.utils.dlpack.from_dlpack(self)
+            if t.dtype == torch.uint8:  # rows with target outputs: the hidden bytes, viewed
+                k, h = self._r.num_layers, self._r.hidden_size
+                hidden = t[:, :_outputs.hidden_bytes(self._r)]
+                if t.shape[1] % 2:
+                    hidden = hidden.contiguous()
+                t = hidden.view(dtype).unflatten(1, (k, h))
         except (TypeError, RuntimeError, BufferError):
             if self._r.device >= 0:
                 raise
             # Older torch without this dtype's DLPack import: the same bytes,
             # reinterpreted (signed integers of the same width, which torch has).
-            bits = self._r.hidden_bits
+            bits = np.ascontiguousarray(self._r.hidden_bits)
             t = torch.from_numpy(bits.view(np.dtype(f"i{bits.dtype.itemsize}"))).view(dtype)
         if device is not None:
             t = t.to(device, non_blocking=non_blocking)
@@ -323,6 +374,15 @@ class Feed:
       tls: TLS to targets started with --tls_cert: True (the system's trust store) or
         draftfeed.Tls(ca=..., cert=..., key=...) (cert and key: mutual TLS). None: plaintext.
       token: bearer token for targets started with --auth_tokens_file, sent on every call.
+      draft_vocab: target token ids (<= 65,536, distinct, any order; or a
+        draftfeed.vocab.DraftVocab): the targets also send, per token, the softmax of their
+        logits at these ids (EAGLE-3's target distribution), `Result.draft_probs` [T, Vd].
+      top_k: the targets also send their top-k ids and log-probs over the full vocabulary
+        (k <= 256): `Result.top_k_ids`, `Result.top_k_logprobs` [T, k].
+      argmax: the targets also send their full-vocabulary argmax (`Result.argmax` [T]; with
+        draft_vocab, EAGLE-3's position mask is vocab.position_mask(argmax, loss_mask)).
+      probs_encoding: the draft probabilities on the wire: "bf16" (default) or "fp8_e4m3"
+        (one float32 scale per token). With any of these, `layers` may be empty.
       fp8_raw: with encoding="fp8_e4m3", keep results as sent: `Result.encoding` is then
         "fp8_e4m3" and `Result.values` / `Result.scales` / `Result.fp8()` give the codes and
         scales (`torch()` still dequantises on request).
@@ -340,7 +400,8 @@ class Feed:
                  transport: str = "grpc", cuda_device: int = -1, encoding: str = "bf16",
                  fp8_raw: bool = False, tls=None, token: Optional[str] = None,
                  progress: bool = False, stats_window_s: float = 30.0,
-                 nccl_across_hosts: bool = False, **advanced):
+                 nccl_across_hosts: bool = False, draft_vocab=None, top_k: int = 0,
+                 argmax: bool = False, probs_encoding: str = "bf16", **advanced):
         if isinstance(targets, str):
             targets = [targets]
         opts = dict(prefetch=int(prefetch), prefetch_bytes=int(prefetch_bytes),
@@ -353,7 +414,14 @@ class Feed:
                     transport=str(transport), cuda_device=int(cuda_device),
                     nccl_across_hosts=bool(nccl_across_hosts),
                     encoding=str(encoding), fp8_raw=bool(fp8_raw), tls=_native_tls(tls),
-                    token=_native_token(token), stats_window_s=float(stats_window_s))
+                    token=_native_token(token), stats_window_s=float(stats_window_s),
+                    argmax=bool(argmax), top_k=int(top_k), probs_encoding=str(probs_encoding))
+        if draft_vocab is not None:
+            ids = np.asarray(getattr(draft_vocab, "ids", draft_vocab))  # a vocab.DraftVocab too
+            if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+                raise ValueError(f"draft_vocab must be a 1-D sequence of token ids, got shape "
+                                 f"{ids.shape} of {ids.dtype}")
+            opts["draft_vocab"] = np.ascontiguousarray(ids, dtype=np.int32)
         # reconnect_backoff_min_s, reconnect_backoff_max_s, dns_refresh_s, nccl_socket_ifname,
         # nccl_setup_timeout_s, nccl_timeout_s
         opts.update(advanced)
