@@ -1,11 +1,14 @@
 // draftfeed-bench: engine and GEMM benchmarks on one GPU.
 //
 //   draftfeed-bench engine --model random:qwen3.6-27b --tokens 16384 --iters 5
+//   draftfeed-bench engine --capture 3 --draft_vocab 32000 --argmax   (EAGLE-3's feed)
 //   draftfeed-bench gemm --model random:qwen3.6-27b --tokens 16384
 //   draftfeed-bench write-random --model random:qwen3-8b --out DIR --shards 4
 //   draftfeed-bench load --model DIR --device 0 --repeats 3
 //
 // `engine` prints tokens/s, achieved TFLOP/s (matmul + attention FLOPs),
+// with target outputs asked (--draft_vocab, --top_k, --argmax) the same batch
+// hidden-only and with them, interleaved, and their ratio, then
 // a per-op-family time table from a profiled run, and GPU memory. `gemm`
 // times cuBLASLt alone at the model's projection shapes: the ceiling.
 // `write-random` and `load` (load_bench.h): a cold checkpoint load onto the
@@ -15,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -24,6 +28,8 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_batches.h"
 #include "bench/load_bench.h"
+#include "common/status_macros.h"
+#include "common/target_outputs.h"
 #include "server/model/cuda_engine.h"
 #include "server/model/cuda_gemm.h"
 #include "server/model/model.h"
@@ -42,6 +48,12 @@ ABSL_FLAG(bool, fp8_expert_gemms, true,
 ABSL_FLAG(std::string, fp8_gemm, "auto",
           "FP8 models' dense projections: auto or cublaslt (cuBLASLt's block-scaled GEMM), or "
           "draftfeed (draftfeed's Hopper FP8 GEMM).");
+ABSL_FLAG(int32_t, draft_vocab, 0,
+          "Target outputs: draft-vocabulary probabilities over this many ids (the most "
+          "frequent-looking: a seeded sample of the vocabulary); 0: none.");
+ABSL_FLAG(int32_t, top_k, 0, "Target outputs: top-k ids and log-probs; 0: none.");
+ABSL_FLAG(bool, argmax, false, "Target outputs: the full-vocabulary argmax.");
+ABSL_FLAG(std::string, probs_encoding, "bf16", "Draft probabilities: bf16 or fp8_e4m3.");
 
 namespace draftfeed {
 namespace {
@@ -116,18 +128,57 @@ int RunEngineBench() {
               static_cast<long long>(tokens), lens.size(), absl::GetFlag(FLAGS_min_len),
               absl::GetFlag(FLAGS_max_len), k);
   ForwardInput in{ids, lens, layers};
-  if (absl::Status s = (*engine)->ForwardOnDevice(in); !s.ok()) {  // warm-up (plans, clocks)
-    std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str());
-    return 1;
+  TargetOutputs outputs{.argmax = absl::GetFlag(FLAGS_argmax), .top_k = absl::GetFlag(FLAGS_top_k)};
+  if (const int32_t vd = absl::GetFlag(FLAGS_draft_vocab); vd > 0) {
+    std::vector<int32_t> all(static_cast<size_t>(c.vocab_size));
+    for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int32_t>(i);
+    std::mt19937_64 rng(absl::GetFlag(FLAGS_seed) + 2);
+    std::shuffle(all.begin(), all.end(), rng);
+    all.resize(static_cast<size_t>(std::min<int64_t>(vd, c.vocab_size)));
+    outputs.draft_vocab = std::move(all);
   }
-  std::vector<double> secs;
-  for (int i = 0; i < absl::GetFlag(FLAGS_iters); ++i) {
+  outputs.probs_encoding = absl::GetFlag(FLAGS_probs_encoding) == "fp8_e4m3"
+                               ? CaptureEncoding::kFp8E4m3
+                               : CaptureEncoding::kBf16;
+  ForwardInput with = in;
+  with.outputs = &outputs;
+  auto run = [&](const ForwardInput& x) -> absl::StatusOr<double> {
     const auto t0 = std::chrono::steady_clock::now();
-    if (absl::Status s = (*engine)->ForwardOnDevice(in); !s.ok()) {
-      std::fprintf(stderr, "error: %s\n", std::string(s.message()).c_str());
+    DF_RETURN_IF_ERROR((*engine)->ForwardOnDevice(x));
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  // Warm-up (plans, clocks; with outputs, lm_head's upload and buffers).
+  for (const ForwardInput* x : {&in, &with}) {
+    if (x == &with && outputs.empty()) break;
+    if (absl::StatusOr<double> s = run(*x); !s.ok()) {
+      std::fprintf(stderr, "error: %s\n", std::string(s.status().message()).c_str());
       return 1;
     }
-    secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::vector<double> secs, secs_with;
+  for (int i = 0; i < absl::GetFlag(FLAGS_iters); ++i) {
+    // Interleaved, so that clocks and heat weigh on both alike.
+    for (const ForwardInput* x : {&in, &with}) {
+      if (x == &with && outputs.empty()) break;
+      absl::StatusOr<double> s = run(*x);
+      if (!s.ok()) {
+        std::fprintf(stderr, "error: %s\n", std::string(s.status().message()).c_str());
+        return 1;
+      }
+      (x == &in ? secs : secs_with).push_back(*s);
+    }
+  }
+  if (!outputs.empty()) {
+    const double m_with = Median(secs_with), m = Median(secs);
+    const int64_t hidden_bytes = CaptureBytesPerToken(CaptureEncoding::kBf16, k, c.hidden_size);
+    std::printf(
+        "target outputs (argmax %s, top_k %d, draft vocab %zu %s): median %.1f ms per batch = "
+        "%.0f tokens/s, %.3fx the hidden-only %.0f tokens/s; bytes per token %lld hidden + "
+        "%lld outputs\n",
+        outputs.argmax ? "yes" : "no", outputs.top_k, outputs.draft_vocab.size(),
+        std::string(EncodingName(outputs.probs_encoding)).c_str(), m_with * 1e3, tokens / m_with,
+        m / m_with, tokens / m, static_cast<long long>(hidden_bytes),
+        static_cast<long long>(LayoutOf(outputs).bytes));
   }
   size_t free1 = 0;
   cudaMemGetInfo(&free1, &total);

@@ -21,6 +21,8 @@
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "bench/bench_batches.h"
+#include "common/target_outputs.h"
 #include "draftfeed/client.h"
 #include "server/model/cpu_engine.h"
 #if DRAFTFEED_HAVE_CUDA
@@ -66,6 +69,12 @@ ABSL_FLAG(std::string, encoding, "bf16",
           "Capture encoding on the wire: bf16, or fp8_e4m3 (the trainer gets it dequantised to "
           "bf16 on the way in unless --fp8_raw).");
 ABSL_FLAG(bool, fp8_raw, false, "With --encoding fp8_e4m3: the trainer keeps the fp8 bytes.");
+ABSL_FLAG(int32_t, draft_vocab, 0,
+          "Target outputs on both paths: draft-vocabulary probabilities over this many ids (a "
+          "seeded sample of the vocabulary); 0: none.");
+ABSL_FLAG(int32_t, top_k, 0, "Target outputs: top-k ids and log-probs; 0: none.");
+ABSL_FLAG(bool, argmax, false, "Target outputs: the full-vocabulary argmax.");
+ABSL_FLAG(std::string, probs_encoding, "bf16", "Draft probabilities: bf16 or fp8_e4m3.");
 
 namespace draftfeed {
 namespace {
@@ -98,6 +107,33 @@ std::string Rates(const std::vector<double>& r) {
       r, ", ", [](std::string* out, double v) { absl::StrAppend(out, static_cast<int64_t>(v)); });
 }
 
+// The target outputs the flags ask for (empty: hidden states only), made once.
+const TargetOutputs& Outputs(const ModelConfig& c) {
+  static const TargetOutputs outputs = [&] {
+    TargetOutputs o{.argmax = absl::GetFlag(FLAGS_argmax), .top_k = absl::GetFlag(FLAGS_top_k)};
+    std::vector<int32_t> all(static_cast<size_t>(c.vocab_size));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), std::mt19937_64(absl::GetFlag(FLAGS_seed) + 2));
+    all.resize(static_cast<size_t>(std::clamp<int64_t>(absl::GetFlag(FLAGS_draft_vocab), 0,
+                                                       c.vocab_size)));
+    o.draft_vocab = std::move(all);
+    o.probs_encoding = absl::GetFlag(FLAGS_probs_encoding) == "fp8_e4m3"
+                           ? CaptureEncoding::kFp8E4m3
+                           : CaptureEncoding::kBf16;
+    return o;
+  }();
+  return outputs;
+}
+
+// A batch's forward input with the flags' target outputs.
+ForwardInput Input(const ModelConfig& c, const std::vector<int32_t>& ids,
+                   const std::vector<int32_t>& lens, const std::vector<int32_t>& layers,
+                   CaptureEncoding enc) {
+  ForwardInput in{ids, lens, layers, enc};
+  in.outputs = &Outputs(c);
+  return in;
+}
+
 CaptureEncoding Encoding() {
   return absl::GetFlag(FLAGS_encoding) == "fp8_e4m3" ? CaptureEncoding::kFp8E4m3
                                                      : CaptureEncoding::kBf16;
@@ -114,14 +150,16 @@ absl::StatusOr<std::vector<double>> EngineOnly(const Model& model, const std::st
   const CaptureEncoding enc = Encoding();
   const size_t bytes =
       static_cast<size_t>(tokens) *
-      CaptureBytesPerToken(enc, static_cast<int64_t>(layers.size()), model.config.hidden_size);
+      static_cast<size_t>(CaptureBytesPerToken(enc, static_cast<int64_t>(layers.size()),
+                                               model.config.hidden_size) +
+                          LayoutOf(Outputs(model.config)).bytes);
   std::vector<Clock::time_point> finished;
   if (device == "cpu") {
     auto engine = CpuEngine::Create(&model, absl::GetFlag(FLAGS_threads));
     if (!engine.ok()) return engine.status();
     std::vector<std::byte> out(bytes);
     for (const Batch& b : batches) {
-      ForwardInput in{b.ids, b.lens, layers, enc};
+      const ForwardInput in = Input(model.config, b.ids, b.lens, layers, enc);
       if (absl::Status s =
               (*engine)->Forward(in, std::span(out).first(CaptureBytes(model.config, in)));
           !s.ok()) {
@@ -141,7 +179,10 @@ absl::StatusOr<std::vector<double>> EngineOnly(const Model& model, const std::st
   auto engine = CudaEngine::Create(&model, opt);
   if (!engine.ok()) return engine.status();
   for (const Batch& b : batches) {
-    if (absl::Status s = (*engine)->ForwardOnDevice({b.ids, b.lens, layers}); !s.ok()) return s;
+    if (absl::Status s = (*engine)->ForwardOnDevice(Input(model.config, b.ids, b.lens, layers, enc));
+        !s.ok()) {
+      return s;
+    }
     finished.push_back(Clock::now());
   }
   std::vector<double> on_device = WindowRates(finished, warmup, per, tokens);
@@ -164,7 +205,7 @@ absl::StatusOr<std::vector<double>> EngineOnly(const Model& model, const std::st
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] { return done + 2 >= i; });  // buffer i % 3 is free again
     }
-    const ForwardInput in{batches[i].ids, batches[i].lens, layers, enc};
+    const ForwardInput in = Input(model.config, batches[i].ids, batches[i].lens, layers, enc);
     absl::Status s =
         (*engine)->ForwardAsync(in, std::span(bufs[i % 3].get(), CaptureBytes(model.config, in)),
                                 [&, i](Engine::Copied copied) {
@@ -234,7 +275,8 @@ struct EndToEnd {
 };
 
 // (b) A trainer in this process, the target in another.
-absl::StatusOr<EndToEnd> ThroughTarget(const std::string& device, const std::vector<Batch>& batches,
+absl::StatusOr<EndToEnd> ThroughTarget(const ModelConfig& c, const std::string& device,
+                                       const std::vector<Batch>& batches,
                                        const std::vector<int32_t>& layers, int64_t batch_bytes) {
   std::string bin = absl::GetFlag(FLAGS_target_bin);
   if (bin.empty()) {
@@ -271,6 +313,11 @@ absl::StatusOr<EndToEnd> ThroughTarget(const std::string& device, const std::vec
   opt.client_name = "draftfeed-e2e-bench";
   opt.encoding = static_cast<draftfeed::Encoding>(Encoding());
   opt.fp8_raw = absl::GetFlag(FLAGS_fp8_raw);
+  const TargetOutputs& outputs = Outputs(c);
+  opt.target_outputs = {.argmax = outputs.argmax,
+                        .top_k = outputs.top_k,
+                        .draft_vocab = outputs.draft_vocab,
+                        .probs_encoding = static_cast<draftfeed::Encoding>(outputs.probs_encoding)};
   auto feed = Feed::Open(opt);
   if (!feed.ok()) return feed.status();
   // Next() refuses when nothing is outstanding, so batch i is awaited only
@@ -361,7 +408,14 @@ int Run() {
         absl::StrCat("--encoding is bf16 or fp8_e4m3, got '", absl::GetFlag(FLAGS_encoding), "'")));
   }
   const int64_t batch_bytes =
-      tokens * CaptureBytesPerToken(Encoding(), static_cast<int64_t>(layers.size()), c.hidden_size);
+      tokens * (CaptureBytesPerToken(Encoding(), static_cast<int64_t>(layers.size()), c.hidden_size) +
+                LayoutOf(Outputs(c)).bytes);
+  if (!Outputs(c).empty()) {
+    std::printf("target outputs: argmax %s, top_k %d, draft vocab %zu (%s): %lld bytes a token\n",
+                Outputs(c).argmax ? "yes" : "no", Outputs(c).top_k, Outputs(c).draft_vocab.size(),
+                absl::GetFlag(FLAGS_probs_encoding).c_str(),
+                static_cast<long long>(LayoutOf(Outputs(c)).bytes));
+  }
   std::printf(
       "e2e: %s on %s; %lld-token batches (%.1f sequences of %d..%d on average), layers "
       "[%s], %.0f MB of %s states per batch; %d warm-up + %d windows of %d batches\n",
@@ -381,7 +435,7 @@ int Run() {
               bench::Median(copied), Rates(copied).c_str());
   std::fflush(stdout);
 
-  auto e2e = ThroughTarget(device, batches, layers, batch_bytes);
+  auto e2e = ThroughTarget(c, device, batches, layers, batch_bytes);
   if (!e2e.ok()) return Fail(e2e.status());
   const double e2e_rate = bench::Median(e2e->rates);
   const double ratio = e2e_rate / engine_rate;
