@@ -99,7 +99,7 @@ class Engine {
   // done. The forward may still be running when the sink is called; the
   // sink must not read the capture from the host side.
   struct DeviceView {
-    const void* data = nullptr;  // [T, K, H] in `encoding`
+    const void* data = nullptr;  // T rows: [K, H] in `encoding`, then any target outputs
     size_t bytes = 0;            // T * bytes_per_token
     CaptureEncoding encoding = CaptureEncoding::kBf16;
     int64_t bytes_per_token = 0;

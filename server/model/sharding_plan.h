@@ -99,7 +99,8 @@ struct ShardingPlan {
                ? std::string(MoeParallelName(moe))
                : std::string();
   }
-  // Bytes of decoder weights (lm_head excluded: the engines never read it)
+  // Bytes of decoder weights (lm_head excluded: only target outputs read
+  // it, on the capture rank, uploaded when a stream first asks)
   // with every element `element_bytes` wide: one rank's, the whole model's,
   // and the part every rank holds whole. When no KV or GDN key head is
   // shared by ranks, RankWeightBytes * tp == WholeWeightBytes +

@@ -71,11 +71,26 @@ void LogStreamOpened(const grpc::CallbackServerContext& ctx, absl::string_view t
     absl::StrAppend(&who, " certificate ", absl::StrJoin(ids, ","));
   }
   if (!open.client_name().empty()) absl::StrAppend(&who, " client '", open.client_name(), "'");
+  std::string outputs;  // what lm_head adds to each token, when asked
+  if (opened.target_outputs_bytes() > 0) {
+    const v1::TargetOutputs& o = opened.target_outputs();
+    std::vector<std::string> parts;
+    if (o.argmax()) parts.push_back("argmax");
+    if (o.top_k() > 0) parts.push_back(absl::StrCat("top ", o.top_k()));
+    if (o.draft_vocab_size() > 0) {
+      parts.push_back(absl::StrCat(
+          "draft probs over ", o.draft_vocab_size(), " ids ",
+          ShortName(v1::Encoding_Name(o.draft_probs_encoding()), "ENCODING_")));
+    }
+    outputs = absl::StrCat(", target outputs ", absl::StrJoin(parts, " + "), " (",
+                           opened.target_outputs_bytes(), " bytes a token)");
+  }
   std::fprintf(stderr,
-               "draftfeed-target: stream opened from %s%s: layers %s, %s, transport %s%s, %d "
+               "draftfeed-target: stream opened from %s%s: layers %s, %s%s, transport %s%s, %d "
                "credits\n",
                ctx.peer().c_str(), who.c_str(), absl::StrJoin(opened.layers(), ",").c_str(),
                ShortName(v1::Encoding_Name(opened.encoding()), "ENCODING_").c_str(),
+               outputs.c_str(),
                ShortName(v1::Transport_Name(opened.transport()), "TRANSPORT_").c_str(),
                opened.transport_note().empty()
                    ? ""
