@@ -26,6 +26,9 @@ A feed with encoding="fp8_e4m3" gives the same bf16 `hidden` (dequantised on the
 NCCL); with fp8_raw=True too, `hidden` is instead the e4m3 codes ([T, K, H]
 torch.float8_e4m3fn where torch has it, else uint8; [T, K*H] with "t(kh)") and `hidden_scales`
 their float32 scales [T, K]: value = code * scale (draftfeed.dequantize_fp8 does it).
+A feed asking for target outputs (Feed(draft_vocab=..., top_k=..., argmax=True)) adds them too, on
+`device`: `draft_probs` (float32 [T, Vd]), `argmax` (int32 [T]), `top_k_ids` / `top_k_logprobs`
+([T, k]).
 
 torch.distributed: every rank makes its own Feed in its own process (a Feed is not shared across
 processes), after init_process_group. Either give every rank all targets (each feed balances
@@ -202,6 +205,20 @@ class HiddenStateDataset(torch.utils.data.IterableDataset):
             t = t.reshape(t.shape[0], -1)
         return t
 
+    def _target_outputs(self, result, fields: Dict[str, Any]) -> None:
+        """What the feed asked of the targets' lm_head, on `device`: `draft_probs` float32
+        [T, Vd] (its encoded bytes move, then widen there), `argmax` int32 [T], `top_k_ids` and
+        `top_k_logprobs` [T, k]."""
+        asked = result._r.outputs
+        device = self.device if self.device is not None and self.device.type != "cpu" else None
+        if asked["probs"] >= 0:
+            fields["draft_probs"] = result.draft_probs_torch(device, self.non_blocking)
+        if asked["argmax"] >= 0:
+            fields["argmax"] = result.argmax_torch(device, self.non_blocking)
+        if asked["top_k_ids"] >= 0:
+            fields["top_k_ids"], fields["top_k_logprobs"] = result.top_k_torch(
+                device, self.non_blocking)
+
     def _drain(self) -> None:
         """Cancels what is still in flight so the next iteration starts clean (map's own
         exit cancels its batches; this catches any the feed had besides)."""
@@ -232,6 +249,7 @@ class HiddenStateDataset(torch.utils.data.IterableDataset):
             for result in results:
                 fields = self._take(pending, result)
                 fields["hidden"] = self._hidden(result, fields)
+                self._target_outputs(result, fields)
                 fields["batch_id"] = result.batch_id
                 yield fields
         finally:

@@ -139,6 +139,23 @@ def test_torch_accessors(ckpt_target):
     assert np.array_equal(r.torch().view(torch.int16).numpy().view(np.uint16), r.hidden_bits)
 
 
+def test_hidden_state_dataset_hands_out_the_outputs(ckpt_target):
+    torch = pytest.importorskip("torch")
+    from draftfeed.torch import HiddenStateDataset
+
+    want = run(ckpt_target, [1], draft_vocab=DRAFT, top_k=3, argmax=True)
+    with draftfeed.Feed(targets=[ckpt_target.address], layers=[1], draft_vocab=DRAFT, top_k=3,
+                        argmax=True) as feed:
+        got = list(HiddenStateDataset(BATCHES, feed))
+    assert len(got) == len(want)
+    for w, g in zip(want, got):
+        assert torch.equal(g["draft_probs"], torch.from_numpy(w.draft_probs))
+        assert torch.equal(g["argmax"], torch.from_numpy(w.argmax))
+        assert torch.equal(g["top_k_ids"], torch.from_numpy(w.top_k_ids))
+        assert torch.equal(g["top_k_logprobs"], torch.from_numpy(w.top_k_logprobs))
+        assert g["hidden"].shape == (w.num_tokens, 1, H)
+
+
 @pytest.mark.parametrize("kw, field", [
     (dict(draft_vocab=[3, 9, 3]), "draft_vocab lists id 3 twice"),
     (dict(draft_vocab=[1, VOCAB]), r"draft_vocab\[1\] is 512"),
