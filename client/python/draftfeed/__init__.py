@@ -438,20 +438,27 @@ class Feed:
         if progress and self._bar is None and self.progress_every_s <= 0:
             self.progress_every_s = 10.0
 
+    def _live(self, what: str):
+        """The native feed, or FAILED_PRECONDITION naming the call once close() has run."""
+        if self._feed is None:
+            raise DraftfeedError(9, f"Feed.{what}: this feed is closed")
+        return self._feed
+
     @property
     def target(self) -> dict:
         """Description of the first target (model id, fingerprint, sizes)."""
-        return self._feed.target()
+        return self._live("target").target()
 
     def add_target(self, address: str) -> None:
         """Adds a target to the running feed; it receives work once connected."""
-        _check(self._feed.add_target(address))
+        _check(self._live("add_target").add_target(address))
 
     def submit(self, token_ids, seq_lens) -> int:
         """Queues one packed batch; returns its batch id. Blocks beyond `prefetch`."""
+        feed = self._live("submit")
         token_ids = np.ascontiguousarray(token_ids, dtype=np.int32)
         seq_lens = np.ascontiguousarray(seq_lens, dtype=np.int32)
-        batch_id = _check(self._feed.submit(token_ids, seq_lens))
+        batch_id = _check(feed.submit(token_ids, seq_lens))
         self._outstanding += 1
         return batch_id
 
@@ -461,8 +468,13 @@ class Feed:
         Raises DraftfeedError for a batch the target refused (the feed stays
         usable) or when no target has been reachable for unavailable_timeout_s.
         """
-        self._outstanding -= 1
-        r = Result(_check(self._feed.next()))
+        feed = self._live("next")
+        try:
+            r = Result(_check(feed.next()))
+        finally:
+            # The native feed's count, not a guess: a next() refused for want of a
+            # submission (or a feed closing) took no batch, a refused batch did.
+            self._outstanding = int(feed.stats()["outstanding"])
         if self._bar is not None:
             feed = self._feed
             self._bar.update(self._outstanding, lambda: feed.stats()["window_tokens_per_s"])
@@ -508,8 +520,9 @@ class Feed:
         ids = [] if batch_ids is None else [int(b) for b in batch_ids]
         if batch_ids is not None and not ids:
             return 0
-        n = int(self._feed.cancel(ids))
-        self._outstanding -= n
+        feed = self._live("cancel")
+        n = int(feed.cancel(ids))
+        self._outstanding = int(feed.stats()["outstanding"])
         return n
 
     def stats(self, flat: bool = False) -> dict:
