@@ -509,7 +509,8 @@ TEST_F(ValidateForwardInputTest, LayerIdOutOfRange) {
 
 TEST_F(ValidateForwardInputTest, NoLayers) {
   EXPECT_EQ(Error({1}, {1}, {}),
-            "no layers to capture: layers is empty; valid layer ids are -1 (final norm) and 0..3");
+            "no layers to capture: layers is empty and no target outputs are asked; valid layer "
+            "ids are -1 (final norm) and 0..3");
 }
 
 TEST_F(ValidateForwardInputTest, DuplicateLayers) {
