@@ -5,7 +5,8 @@ Opens its own draftfeed.Feed over every target of the split (the feed balances),
 batches of synthetic tokens (draftfeed.packing.pack_sequences) and runs one drafter step per
 batch:
 
-- `none`: no drafter work (used to measure a target's rate alone),
+- `none`: no drafter work (used to measure a target's rate alone, and the link's: --stream says
+  what it receives),
 - `synthetic`: a matmul chain costing about --flops-per-token FLOPs per token (forward only),
 - `dflash`: the small DFlash-style drafter of client/python/examples/train_drafter.py
   (fc over the K concatenated layers, one transformer block, loss, backward, AdamW step),
@@ -13,6 +14,26 @@ batch:
   fc [K*H -> H], --drafter-layers Qwen-style decoder layers (GQA attention inside 16-token
   draft blocks, SwiGLU MLP of ~3.4 H), a norm and an lm head over --draft-vocab ids, bf16
   autocast over fp32 weights, cross-entropy, backward, AdamW step.
+- `eagle3`: an EAGLE-3-style drafter at the target's width trained on the target's own
+  distribution, which the target computes and streams: the Feed asks for 3 EAGLE-3 layers
+  (draftfeed.layers.eagle3(L)[:3]; 3 evenly spaced ones on targets under its 7 layers, such
+  as the 4-layer tiny-random) with `draft_vocab=ids, argmax=True`, so each batch brings
+  hidden [T, 3, H], `Result.draft_probs` [T, Vd] and `Result.argmax` [T]. The model: fc
+  [3H -> H], the target's token embedding (frozen, bf16, [V, H]), one decoder block whose
+  attention reads [embed(next token); hidden] (2H wide; causal inside 256-token blocks, the
+  cost shape, not EAGLE-3's exact masking) and a SwiGLU MLP, a norm and a head Linear(H -> Vd);
+  --ttt-steps feeds the block its own output again (EAGLE-3's training-time test, one token
+  further each step). Loss = -sum(position_mask * target_p * log_softmax(draft_logits)) over
+  the positions in the draft sequence, position_mask = t2d[argmax] (draftfeed.vocab), bf16
+  autocast over fp32 weights, backward, AdamW step. No lm_head in the trainer.
+- `eagle3-lmhead`: the same drafter the old way: the Feed asks for the 3 layers and -1 (the
+  final-norm state) and no target outputs; the trainer holds a random lm_head [V, H] (bf16,
+  the drafter's compute dtype) and each step computes logits = h_final @ lm_head.T [T, V],
+  argmax over them and target_p = softmax(logits[:, draft_ids]) itself, then the same step.
+
+Draft vocabulary of both eagle3 kinds: --draft-vocab-size ids (default min(32000, V)), the
+first N of a permutation of the target's V ids seeded with 0, ascending (draftfeed.vocab
+.DraftVocab), the same in every trainer.
 
 Transport (--transport, GPU modes): with `nccl` the feed hands each batch over as a CUDA tensor
 on --cuda-device (used as is, no host copy); with `grpc` the host buffer goes to the drafter's
@@ -26,9 +47,15 @@ as before (gRPC into host memory), so older client builds still run the CPU mode
 Protocol with the orchestrator: warm-up (--warmup-tokens), then create --ready-file, wait for
 --go-file, run --tokens measured tokens, print ONE JSON line on stdout (the report).
 
-`--calibrate` instead times drafter steps on random hidden states of the target's shape (no
-feed; only --hidden-size/--num-layers needed) and prints {"drafter_tokens_per_s": ...}, with
-the host-to-device copy of one batch timed separately (`h2d_ms`; 0 on the CPU).
+`--calibrate` instead times drafter steps on random inputs of the target's shape (no feed; only
+--hidden-size/--num-layers, and for the eagle3 kinds --target-vocab-size, needed: eagle3 gets
+random hidden [T, 3, H], probabilities [T, Vd] and argmax; eagle3-lmhead random hidden
+[T, 4, H] and runs its lm_head GEMM) and prints {"drafter_tokens_per_s": ...}, with the
+host-to-device copy of one batch of what the stream carries timed separately (`h2d_ms`; 0 on
+the CPU) and the drafter's memory: `trainer_bytes` is torch.cuda.max_memory_allocated on a GPU
+and, on the CPU (no allocator peak), the bytes of the tensors the path holds (`held_bytes`:
+weights, grads, AdamW state, inputs, lm_head, the target-distribution stage, autograd-saved
+activations), `trainer_bytes_kind` says which.
 """
 
 import argparse
@@ -133,13 +160,197 @@ def full_drafter(num_layers, hidden_size, draft_vocab, n_layers, block=16):
     return Model()
 
 
+# ---------------------------------------------------------------------------- EAGLE-3
+
+EAGLE3_KINDS = ("eagle3", "eagle3-lmhead")
+STREAMS = ("hidden",) + EAGLE3_KINDS
+
+
+def draftfeed_module(name):
+    """draftfeed.<name> (pure-Python `layers`, `vocab`): the installed package's, else the
+    source tree's file on its own, so --calibrate needs no compiled client."""
+    try:
+        return importlib.import_module(f"draftfeed.{name}")
+    except ImportError:
+        path = REPO / "client" / "python" / "draftfeed" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"draftfeed_{name}_for_splits", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up
+        spec.loader.exec_module(mod)
+        return mod
+
+
+def eagle3_layers(num_layers):
+    """EAGLE-3's three feature layers, draftfeed.layers.eagle3(L)[:3] (its -1 is the final
+    state, which only eagle3-lmhead asks for). The recipe needs 7 layers; a shallower target
+    (the CI's 4-layer tiny-random) gets 3 evenly spaced distinct ones, 0, L/2 and L-1."""
+    try:
+        return draftfeed_module("layers").eagle3(int(num_layers))[:3]
+    except ValueError:
+        if num_layers < 3:
+            raise ValueError(f"eagle3: a target of {num_layers} layers has no 3 distinct "
+                             f"feature layers") from None
+        return sorted({int(round(i * (num_layers - 1) / 2)) for i in range(3)})
+
+
+def default_draft_vocab_size(target_vocab, size=0):
+    """--draft-vocab-size: `size`, or min(32000, V); at most the 65,536 a target serves."""
+    size = int(size) or min(32000, int(target_vocab))
+    if not 0 < size <= min(65536, int(target_vocab)):
+        raise SystemExit(f"--draft-vocab-size {size}: needs 1..min(65536, target vocab "
+                         f"{target_vocab})")
+    return size
+
+
+def draft_vocabulary(target_vocab, size=0):
+    """The eagle3 kinds' DraftVocab: the first N ids of a permutation of the V target ids
+    seeded with 0, ascending; the same in every trainer of a split (not the trainer's seed)."""
+    size = default_draft_vocab_size(target_vocab, size)
+    perm = np.random.default_rng(0).permutation(int(target_vocab))
+    return draftfeed_module("vocab").DraftVocab(np.sort(perm[:size]), int(target_vocab))
+
+
+def probs_bytes_per_token(draft_vocab_size, probs_encoding="bf16"):
+    """Target-output bytes per token of a draft_vocab + argmax stream: bf16 probs Vd*2 (fp8_e4m3:
+    Vd codes + a float32 scale), then the int32 argmax."""
+    vd = int(draft_vocab_size)
+    return (vd + 4 if probs_encoding == "fp8_e4m3" else 2 * vd) + 4
+
+
+def stream_spec(stream, layers, num_layers, hidden_size, target_vocab, draft_vocab_size=0,
+                probs_encoding="bf16"):
+    """What the Feed asks for: {"layers", "outputs" (Feed keywords), "vocab" (DraftVocab or
+    None), "bytes_per_token"}. `layers`: ids, or "eagle3" (the eagle3 kinds' 3 feature
+    layers of this target); stream "hidden": the layers as given, bf16; "eagle3": the 3
+    feature layers + draft probs and argmax; "eagle3-lmhead": the 3 feature layers and -1."""
+    if stream not in STREAMS:
+        raise ValueError(f"stream {stream!r} is not one of {', '.join(STREAMS)}")
+    if isinstance(layers, str):
+        layers = (eagle3_layers(num_layers) if layers == "eagle3"
+                  else [int(x) for x in layers.split(",") if x.strip()])
+    layers = [int(x) for x in layers]
+    H = int(hidden_size)
+    if stream == "hidden":
+        return {"layers": layers, "outputs": {}, "vocab": None,
+                "bytes_per_token": 2 * len(layers) * H}
+    if len(layers) != 3 or -1 in layers:
+        raise SystemExit(f"--layers {','.join(map(str, layers))}: the {stream} drafter takes 3 "
+                         f"feature layers (not -1; 'eagle3' picks EAGLE-3's)")
+    vocab = draft_vocabulary(target_vocab, draft_vocab_size)
+    if stream == "eagle3":
+        return {"layers": layers, "vocab": vocab,
+                "outputs": {"draft_vocab": vocab.ids, "argmax": True,
+                            "probs_encoding": probs_encoding},
+                "bytes_per_token": 2 * 3 * H + probs_bytes_per_token(vocab.size, probs_encoding)}
+    return {"layers": layers + [-1], "outputs": {}, "vocab": vocab,
+            "bytes_per_token": 2 * 4 * H}
+
+
+def tensor_bytes(tensors):
+    return int(sum(t.numel() * t.element_size() for t in tensors if t is not None))
+
+
+def eagle3_drafter(hidden_size, target_vocab, draft_vocab, block=256):
+    """The eagle3 kinds' model at the target's width (see the module docstring):
+    `forward(features [T, 3, H], next_tokens [T], hidden=None) -> (hidden [T, H], logits
+    [T, Vd])`; `hidden` given (a TTT step after the first) replaces the fused features."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class RMSNorm(nn.Module):  # the examples' (torch.nn.RMSNorm is newer than CI's torch),
+        def __init__(self, dim, eps=1e-6):  # here so that --calibrate needs no draftfeed
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(dim))
+            self.eps = eps
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    H = hidden_size
+    head_dim, heads, kv_heads = attention_heads(H)
+    inter = 256 * max(1, round(3.4 * H / 256))
+
+    def attention(q, k, v):  # causal inside each block
+        if hasattr(F, "scaled_dot_product_attention"):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        S = q.shape[-2]
+        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1)
+        s = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(causal, float("-inf"))
+        return s.softmax(-1) @ v
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3 * H, H, bias=False)
+            # EAGLE-3 embeds the next token with the target's embedding, frozen: a bf16
+            # buffer (random here), not a parameter.
+            self.register_buffer("embed", (torch.randn(target_vocab, H) * 0.02).to(
+                torch.bfloat16))
+            self.input_norm, self.hidden_norm = RMSNorm(H), RMSNorm(H)
+            self.q = nn.Linear(2 * H, heads * head_dim, bias=False)
+            self.kv = nn.Linear(2 * H, 2 * kv_heads * head_dim, bias=False)
+            self.o = nn.Linear(heads * head_dim, H, bias=False)
+            self.post_norm, self.norm = RMSNorm(H), RMSNorm(H)
+            self.gate_up = nn.Linear(H, 2 * inter, bias=False)
+            self.down = nn.Linear(inter, H, bias=False)
+            self.head = nn.Linear(H, draft_vocab, bias=False)
+
+        def forward(self, features, next_tokens, hidden=None):
+            T = next_tokens.shape[0]
+            x = self.fc(features.reshape(T, -1)) if hidden is None else hidden
+            e = self.embed[next_tokens]
+            z = torch.cat([self.input_norm(e), self.hidden_norm(x)], -1)  # [T, 2H]
+            pad = -T % block
+            z = F.pad(z, (0, 0, 0, pad))
+            B, S = z.shape[0] // block, block
+            q = self.q(z).view(B, S, heads, head_dim).transpose(1, 2)
+            k, v = self.kv(z).view(B, S, 2, kv_heads, head_dim).unbind(2)
+            k = k.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+            v = v.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)
+            a = attention(q, k, v).transpose(1, 2).reshape(B * S, heads * head_dim)[:T]
+            x = x + self.o(a)  # EAGLE-3's residual is the hidden input
+            g, u = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+            x = x + self.down(F.silu(g) * u)
+            return x, self.head(self.norm(x))
+
+    return Model()
+
+
+class SavedBytes:
+    """Bytes autograd saves for backward inside the `with` (the activations a step holds),
+    each tensor once, the ones in `exclude` (weights, inputs: counted elsewhere) left out."""
+
+    def __init__(self, torch_mod, exclude=()):
+        self.torch, self.exclude, self.seen, self.bytes = torch_mod, set(exclude), set(), 0
+
+    def pack(self, t):
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if t.data_ptr() not in self.exclude and key not in self.seen:
+            self.seen.add(key)
+            self.bytes += t.numel() * t.element_size()
+        return t
+
+    def __enter__(self):
+        self.ctx = self.torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc)
+
+
 class Drafter:
-    """A drafter step: `step(hidden [T,K,H] bf16 torch, token_ids int32 np, seq_lens int32 np)`."""
+    """A drafter step: `step(hidden [T,K,H] bf16 torch, token_ids int32 np, seq_lens int32 np,
+    outputs=None)`; the eagle3 kind takes `outputs` = (draft probs float32 [T, Vd], argmax [T])
+    on its device. The eagle3 kinds need `spec` (stream_spec's: the draft vocabulary)."""
 
     def __init__(self, kind, num_layers, hidden_size, flops_per_token, device, vocab, seed,
-                 drafter_layers=1, draft_vocab=32768):
+                 drafter_layers=1, draft_vocab=32768, spec=None, ttt_steps=1):
         self.kind = kind
         self.flops_per_token = 0.0
+        self.held = {}
+        self.lm_head = None
         if kind == "none":
             return
         import torch
@@ -180,12 +391,105 @@ class Drafter:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.0,
                                          **extra)
             self.flops_per_token = 6.0 * sum(p.numel() for p in self.model.parameters())
+        elif kind in EAGLE3_KINDS:
+            dv = spec["vocab"]
+            self.dvocab, self.ttt_steps = dv, max(1, int(ttt_steps))
+            V, H = dv.target_vocab_size, hidden_size
+            where = self.device if hasattr(self.device, "__enter__") else contextlib.nullcontext()
+            with where:
+                self.model = eagle3_drafter(H, V, dv.size)
+                if kind == "eagle3-lmhead":
+                    # The target's lm_head, in the drafter's compute dtype (bf16), frozen.
+                    self.lm_head = torch.randn(V, H, device=self.device,
+                                               dtype=torch.bfloat16).mul_(H ** -0.5)
+            self.model.to(self.device)
+            self.draft_ids = torch.from_numpy(dv.ids.astype(np.int64)).to(self.device)
+            extra = {"fused": True} if self.device.type == "cuda" else {}
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.0,
+                                         **extra)
+            # 6 FLOPs per trained parameter per token and TTT step (fc once), plus the lm_head
+            # GEMM's 2*V*H (forward only) for eagle3-lmhead.
+            n = sum(p.numel() for p in self.model.parameters())
+            fc = self.model.fc.weight.numel()
+            self.flops_per_token = 6.0 * (fc + self.ttt_steps * (n - fc)) + (
+                2.0 * V * H if self.lm_head is not None else 0.0)
         else:
             raise ValueError(f"unknown drafter {kind!r}")
 
-    def step(self, hidden, token_ids, seq_lens):
+    def held_total(self):
+        """Bytes the path holds at its peak, from the `held` tally (CPU: what is reported as
+        the trainer's memory): the persistent tensors (weights and frozen buffers, lm_head,
+        grads, AdamW state), the batch's inputs, and the larger of its two stages: the target
+        distribution made from the lm_head (logits [T, V] + probs + argmax; 0 for eagle3, whose
+        probs are inputs) and the training step (autograd-saved activations + probs/mask)."""
+        h = self.held
+        if not h:
+            return None
+        return (h["weights"] + h["lm_head"] + h["grads"] + h["optimizer"] + h["inputs"]
+                + max(h["target_stage"], h["train_stage"]))
+
+    def eagle3_step(self, hidden, token_ids, seq_lens, outputs):
+        torch = self.torch
+        F = torch.nn.functional
+        dev = self.device
+        T = hidden.shape[0]
+        held = {}
+        if self.kind == "eagle3":
+            probs, argmax = outputs  # the target's: [T, Vd] float32, [T] int32
+            features = hidden
+            held["inputs"] = tensor_bytes([hidden, probs, argmax])
+            target_stage = 0
+        else:
+            features = hidden[:, :3]
+            with torch.no_grad():  # what the target would have sent, made here
+                logits = hidden[:, 3].to(self.lm_head.dtype) @ self.lm_head.t()  # [T, V]
+                argmax = logits.argmax(-1)
+                probs = logits.index_select(1, self.draft_ids).float().softmax(-1)
+            held["inputs"] = tensor_bytes([hidden])
+            target_stage = tensor_bytes([logits, probs, argmax])
+            del logits
+        pmask = self.dvocab.position_mask(argmax).float()  # t2d[argmax]
+        tok = torch.from_numpy(np.asarray(token_ids, dtype=np.int64)).to(dev)
+        sl = torch.from_numpy(np.asarray(seq_lens, dtype=np.int64)).to(dev)
+        seq = torch.repeat_interleave(torch.arange(len(sl), device=dev), sl)
+        ends = torch.cumsum(sl, 0)[seq]  # exclusive end of each token's sequence
+        t = torch.arange(T, device=dev)
+        exclude = {x.data_ptr() for x in list(self.model.parameters())
+                   + list(self.model.buffers()) + [hidden, probs]}
+        loss, x = 0.0, None
+        with SavedBytes(torch, exclude) as saved, torch.autocast(dev.type, dtype=torch.bfloat16):
+            for j in range(self.ttt_steps):
+                # Position t embeds token t+1+j and learns the target's distribution there,
+                # inside t's own sequence only.
+                src = t + 1 + j
+                valid = src < ends
+                src = src.clamp(max=T - 1)
+                nxt = torch.where(valid, tok[src], torch.zeros_like(tok))
+                x, draft_logits = self.model(features, nxt, x)
+                logp = F.log_softmax(draft_logits.float(), -1)
+                m = pmask[src] * valid
+                loss = loss - (m[:, None] * probs[src] * logp).sum() / valid.sum().clamp(min=1)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+        loss.item()  # synchronise: the step's time is its GPU time
+        held["weights"] = tensor_bytes(list(self.model.parameters()) + list(self.model.buffers()))
+        held["lm_head"] = tensor_bytes([self.lm_head])
+        held["grads"] = tensor_bytes([p.grad for p in self.model.parameters()])
+        held["optimizer"] = tensor_bytes([v for st in self.opt.state.values()
+                                          for v in st.values() if torch.is_tensor(v)])
+        held["target_stage"] = target_stage
+        held["activations"] = saved.bytes
+        held["train_stage"] = saved.bytes + tensor_bytes(
+            [pmask] + ([probs, argmax] if self.kind == "eagle3-lmhead" else []))
+        for k, v in held.items():
+            self.held[k] = max(v, self.held.get(k, 0))
+
+    def step(self, hidden, token_ids, seq_lens, outputs=None):
         if self.kind == "none":
             return
+        if self.kind in EAGLE3_KINDS:
+            return self.eagle3_step(hidden, token_ids, seq_lens, outputs)
         torch = self.torch
         T = hidden.shape[0]
         if self.kind == "synthetic":
@@ -261,9 +565,11 @@ def to_drafter(result, transport, device, device_side):
 
 
 def open_feed(draftfeed, targets, layers, prefetch, prefetch_bytes, credits, transport,
-              cuda_device):
+              cuda_device, outputs=None):
+    """`outputs`: the target-output keywords (draft_vocab=, argmax=, probs_encoding=)."""
     kwargs = dict(targets=targets, layers=layers, prefetch=prefetch,
-                  prefetch_bytes=prefetch_bytes, ordered=False, credits_per_target=credits)
+                  prefetch_bytes=prefetch_bytes, ordered=False, credits_per_target=credits,
+                  **(outputs or {}))
     if transport:
         import inspect
         if "transport" not in inspect.signature(draftfeed.Feed.__init__).parameters:
@@ -299,31 +605,56 @@ def cuda_peak_bytes(torch_mod, device):
 def calibrate(args):
     import torch
     torch.set_num_threads(args.torch_threads)
-    d = Drafter(args.drafter, args.num_layers, args.hidden_size, args.flops_per_token,
-                args.device, args.vocab, args.seed, args.drafter_layers, args.draft_vocab)
     dev = torch.device(args.device)
+    T, H = args.batch_tokens, args.hidden_size
+    spec = None
+    if args.drafter in EAGLE3_KINDS:
+        V = args.target_vocab_size or args.vocab
+        # The layer ids do not matter here, only how many the stream carries (3, or 4 with -1).
+        spec = stream_spec(args.drafter, [0, 1, 2], 3, H, V, args.draft_vocab_size,
+                           args.probs_encoding)
+        k = len(spec["layers"])
+    else:
+        k = args.num_layers
+        spec = stream_spec("hidden", list(range(k)), k, H, args.vocab)
+    d = Drafter(args.drafter, k, H, args.flops_per_token, args.device, args.vocab, args.seed,
+                args.drafter_layers, args.draft_vocab, spec=spec, ttt_steps=args.ttt_steps)
     rng = np.random.default_rng(args.seed)
-    T = args.batch_tokens
     # Made where the drafter runs: a [49152, 5, 5120] batch is 2.5 GB, too slow to randn on
     # the host.
-    hidden = torch.randn(T, args.num_layers, args.hidden_size, device=dev).to(torch.bfloat16)
+    hidden = torch.randn(T, k, H, device=dev).to(torch.bfloat16)
+    outputs = None
+    if args.drafter == "eagle3":
+        # What the target streams: its softmax over the draft ids (bf16 on the wire, float32
+        # once received) and its argmax, drawn from the draft vocabulary (as a frequency-chosen
+        # one mostly holds it).
+        vd = spec["vocab"].size
+        probs = torch.randn(T, vd, device=dev).softmax(-1).to(torch.bfloat16).float()
+        ids = torch.from_numpy(spec["vocab"].ids.astype(np.int64)).to(dev)
+        argmax = ids[torch.randint(0, vd, (T,), device=dev)]
+        outputs = (probs, argmax)
     tokens = rng.integers(0, args.vocab, size=T, dtype=np.int32)
     seq_lens = np.array([T // 2, T - T // 2], dtype=np.int32)
+    if dev.type == "cuda":  # the peak from here on: the drafter and its inputs, no randn temps
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
     for _ in range(3):
-        d.step(hidden, tokens, seq_lens)
+        d.step(hidden, tokens, seq_lens, outputs)
     steps, compute_s, t0 = 0, 0.0, time.perf_counter()
     while steps < 3 or time.perf_counter() - t0 < args.calibrate_s:
         s0 = time.perf_counter()
-        d.step(hidden, tokens, seq_lens)
+        d.step(hidden, tokens, seq_lens, outputs)
         compute_s += time.perf_counter() - s0
         pad(s0, T, args.drafter_rate)
         steps += 1
     dt = time.perf_counter() - t0
+    cuda_peak = cuda_peak_bytes(torch, dev)
     # What gRPC adds to every step on a GPU: the batch's copy from (pageable) host memory,
-    # done in the trainer's thread before the step can start.
+    # done in the trainer's thread before the step can start: every byte the stream carries
+    # per token (hidden states, and the eagle3 kind's probabilities and argmax).
     h2d_ms = 0.0
     if dev.type == "cuda":
-        host = torch.zeros(T, args.num_layers, args.hidden_size, dtype=torch.bfloat16)
+        host = torch.zeros(T, spec["bytes_per_token"], dtype=torch.uint8)
         host.to(dev, non_blocking=True)
         torch.cuda.synchronize(dev)
         reps, c0 = 3, time.perf_counter()
@@ -331,13 +662,31 @@ def calibrate(args):
             host.to(dev, non_blocking=True)
         torch.cuda.synchronize(dev)
         h2d_ms = 1000 * (time.perf_counter() - c0) / reps
-    print(json.dumps({"drafter_tokens_per_s": steps * T / dt, "steps": steps,
+    held = d.held_total()
+    if cuda_peak is not None:
+        trainer_bytes, kind = cuda_peak, "torch.cuda.max_memory_allocated"
+    elif held is not None:
+        trainer_bytes, kind = held, ("tensor bytes the path holds (CPU: no allocator peak; "
+                                     "held_bytes has the parts)")
+    else:
+        trainer_bytes, kind = None, None
+    print(json.dumps({"drafter": args.drafter, "drafter_tokens_per_s": steps * T / dt,
+                      "steps": steps,
                       "compute_tokens_per_s": steps * T / compute_s,
                       "step_ms": 1000 * dt / steps, "h2d_ms": h2d_ms,
                       "flops_per_token": d.flops_per_token,
                       "gflops_per_s": steps * T * d.flops_per_token / dt / 1e9,
                       "peak_rss_bytes": peak_rss_bytes(),
-                      "cuda_peak_allocated_bytes": cuda_peak_bytes(torch, dev)}), flush=True)
+                      "cuda_peak_allocated_bytes": cuda_peak,
+                      "trainer_bytes": trainer_bytes, "trainer_bytes_kind": kind,
+                      "held_bytes": d.held or None,
+                      "lm_head_bytes": tensor_bytes([d.lm_head]),
+                      "layers_streamed": k, "bytes_per_token": spec["bytes_per_token"],
+                      "draft_vocab_size": spec["vocab"].size if spec["vocab"] else None,
+                      "target_vocab_size": spec["vocab"].target_vocab_size
+                      if spec["vocab"] else None,
+                      "ttt_steps": args.ttt_steps if args.drafter in EAGLE3_KINDS else None}),
+          flush=True)
     return 0
 
 
@@ -355,11 +704,17 @@ def run(args):
         import torch
         torch.set_num_threads(args.torch_threads)
     targets = args.targets.split(",")
-    layers = [int(x) for x in args.layers.split(",")]
     info = draftfeed.describe_target(targets[0])
+    # What the feed asks for: the drafter's own stream for the eagle3 kinds, else --stream
+    # (a `none` receiver measuring the link of an eagle3 stream) or the hidden states alone.
+    stream = args.drafter if args.drafter in EAGLE3_KINDS else args.stream
+    spec = stream_spec(stream, args.layers, int(info["num_layers"]), int(info["hidden_size"]),
+                       int(info["vocab_size"]), args.draft_vocab_size, args.probs_encoding)
+    layers = spec["layers"]
     vocab = min(args.vocab, int(info["vocab_size"]))
     drafter = Drafter(args.drafter, len(layers), int(info["hidden_size"]), args.flops_per_token,
-                      args.device, vocab, args.seed, args.drafter_layers, args.draft_vocab)
+                      args.device, vocab, args.seed, args.drafter_layers, args.draft_vocab,
+                      spec=spec, ttt_steps=args.ttt_steps)
     device = torch.device(args.device) if torch is not None else None
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
@@ -374,27 +729,33 @@ def run(args):
             submitted["tokens"] += b.num_tokens
             yield b
 
-    def hidden_of(r):
+    def inputs_of(r):
+        """(hidden, outputs) on the drafter's device; outputs: the eagle3 kind's (draft probs
+        float32 [T, Vd], argmax [T]), which move as their encoded bytes and widen there."""
         if drafter.kind == "none":  # a receiver only: the link's rate, not a copy's
-            return None
-        return to_drafter(r, args.transport or "grpc", device, device_side)
+            return None, None
+        h = to_drafter(r, args.transport or "grpc", device, device_side)
+        if drafter.kind != "eagle3":
+            return h, None
+        return h, (r.draft_probs_torch(device), r.argmax_torch(device))
 
     # Unordered: a drafter trains on whichever batch is ready (no head-of-line wait), and
     # the window grows with the number of targets so each has work from every trainer.
     prefetch = args.prefetch or max(8, 2 * len(targets))
     # The byte bound must hold the window: the default 1 GiB would keep one 2.5 GB batch
     # (49,152 tokens x 5 x 5120 bf16) in flight and idle the target during every step.
-    batch_bytes = args.batch_tokens * len(layers) * int(info["hidden_size"]) * 2
+    batch_bytes = args.batch_tokens * spec["bytes_per_token"]
     prefetch_bytes = max(1 << 30, prefetch * batch_bytes)
     feed = open_feed(draftfeed, targets, layers, prefetch, prefetch_bytes,
-                     args.credits_per_target, args.transport, args.cuda_device)
+                     args.credits_per_target, args.transport, args.cuda_device, spec["outputs"])
     try:
         # Warm-up: connections, the feed's rate estimates, torch's first-call costs.
         for r in feed.map(counted(synthetic_batches(rng, args.warmup_tokens, args.batch_tokens,
                                                     vocab, args.max_seq_len))):
             delivered["batches"] += 1
             delivered["tokens"] += r.num_tokens
-            drafter.step(hidden_of(r), r.token_ids, r.seq_lens)
+            h, outs = inputs_of(r)
+            drafter.step(h, r.token_ids, r.seq_lens, outs)
         if args.ready_file:
             open(args.ready_file, "w").close()
         if args.go_file:
@@ -431,9 +792,9 @@ def run(args):
             send_ms[r.target] = send_ms.get(r.target, 0.0) + float(tm["send_ms"])
             target_tokens[r.target] = target_tokens.get(r.target, 0) + r.num_tokens
             s0 = time.perf_counter()
-            h = hidden_of(r)
+            h, outs = inputs_of(r)
             copy_s += time.perf_counter() - s0  # grpc: pageable host -> GPU, synchronous
-            drafter.step(h, r.token_ids, r.seq_lens)
+            drafter.step(h, r.token_ids, r.seq_lens, outs)
             pad(s0, r.num_tokens, args.drafter_rate)
             drafter_s += time.perf_counter() - s0
             steps += 1
@@ -463,7 +824,11 @@ def run(args):
         "cpu_s": (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime),
         "peak_rss_bytes": peak_rss_bytes(),
         "cuda_peak_allocated_bytes": cuda_peak_bytes(torch, device) if device else None,
+        "held_bytes": drafter.held or None, "held_total_bytes": drafter.held_total(),
         "transport": args.transport or "grpc",
+        "drafter": args.drafter, "stream": stream, "layers": layers,
+        "bytes_per_token": spec["bytes_per_token"],
+        "draft_vocab_size": spec["vocab"].size if spec["vocab"] else None,
     }), flush=True)
     return 0
 
@@ -473,15 +838,28 @@ def main():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--name", default="trainer")
     p.add_argument("--targets", default="", help="comma-separated host:port")
-    p.add_argument("--layers", default="1,2,3")
+    p.add_argument("--layers", default="1,2,3",
+                   help="layer ids; eagle3 kinds: 3 feature ids or 'eagle3' (EAGLE-3's of the "
+                        "target's depth; eagle3-lmhead adds -1)")
     p.add_argument("--tokens", type=int, default=20000, help="measured tokens")
     p.add_argument("--warmup-tokens", type=int, default=2000)
     p.add_argument("--batch-tokens", type=int, default=512, help="packing token budget")
     p.add_argument("--vocab", type=int, default=4096, help="token ids drawn from [0, vocab)")
-    p.add_argument("--drafter", choices=["none", "synthetic", "dflash", "dflash-full"],
-                   default="synthetic")
+    p.add_argument("--drafter", choices=["none", "synthetic", "dflash", "dflash-full",
+                                         *EAGLE3_KINDS], default="synthetic")
     p.add_argument("--drafter-layers", type=int, default=1, help="dflash-full: decoder layers")
     p.add_argument("--draft-vocab", type=int, default=32768, help="dflash-full: lm head size")
+    p.add_argument("--stream", choices=STREAMS, default="hidden",
+                   help="drafter none: receive what this kind's Feed asks for (the eagle3 "
+                        "kinds always ask for their own)")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="eagle3 kinds: draft vocabulary size (0: min(32000, target vocab))")
+    p.add_argument("--probs-encoding", default="bf16", choices=["bf16", "fp8_e4m3"],
+                   help="eagle3: the draft probabilities on the wire")
+    p.add_argument("--ttt-steps", type=int, default=1,
+                   help="eagle3 kinds: training-time-test steps per batch (EAGLE-3 uses ~7)")
+    p.add_argument("--target-vocab-size", type=int, default=0,
+                   help="--calibrate, eagle3 kinds: the target's vocabulary (0: --vocab)")
     p.add_argument("--max-seq-len", type=int, default=256,
                    help="synthetic sequences are 16..this many tokens")
     p.add_argument("--transport", default="", choices=["", "grpc", "nccl", "auto"],

@@ -29,6 +29,24 @@ Modes:
                  once per transport ("1-1/grpc", "1-1/nccl"). bench/run_splits_gpu.sh has the
                  exact commands for 1, 2 and 8 GPUs.
 
+EAGLE-3 drafters (--drafter eagle3 | eagle3-lmhead | eagle3-both; bench/split_trainer.py has
+the models): `eagle3` trains on the target's own distribution, computed on the target from its
+lm_head and streamed (Feed(draft_vocab=ids, argmax=True): hidden [T, 3, H] plus Vd*2 + 4 bytes a
+token of bf16 probabilities and argmax); `eagle3-lmhead` asks for the 3 layers and -1 instead
+and holds the target's lm_head [V, H] itself, making the [T, V] logits every step. --layers
+defaults to `eagle3` for them (draftfeed.layers.eagle3(L)[:3]), --draft-vocab-size to
+min(32000, V). The calibration is per drafter kind: the receiver that times the target and the
+link asks for that kind's stream, so the target's rate includes the outputs it computes and the
+link's tokens/s counts the bytes per token actually streamed; the drafter is timed on random
+inputs of that shape and reports its memory (torch.cuda.max_memory_allocated on a GPU, the
+bytes of the tensors it holds on the CPU). `eagle3-both` calibrates both kinds, prints them side
+by side (rate, trainer memory, lm_head bytes, bytes per token, target and link rates), predicts
+every split for each (labels ".../eagle3", ".../eagle3-lmhead") and runs every split once per
+kind, so the advisor accounts for the lighter trainer; splits.json's advisor holds "drafters"
+and "best_by_drafter", and its calibration the kinds under "by_drafter" (--predict reads them).
+  PYTHONPATH=build/python /usr/bin/python3 bench/splits.py --gpus 2 --splits 1-1 \
+      --model tiny-random --device cpu --drafter eagle3-both --draft-vocab-size 512
+
 Targets are started once and reused by later splits (splits are run from the most targets to
 the fewest; a target whose GPU a split gives to a trainer is stopped), so a 27B random model is
 made once per GPU, not once per split.
@@ -71,6 +89,31 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TRAINER = pathlib.Path(__file__).resolve().parent / "split_trainer.py"
+EAGLE3_KINDS = ("eagle3", "eagle3-lmhead")  # split_trainer.EAGLE3_KINDS
+DRAFTERS = ("synthetic", "dflash", "dflash-full") + EAGLE3_KINDS + ("eagle3-both",)
+
+
+def trainer_module():
+    """bench/split_trainer.py as a module (its helpers need numpy only, no torch)."""
+    mod = sys.modules.get("split_trainer_for_splits")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("split_trainer_for_splits", TRAINER)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def drafter_kinds(drafter):
+    """The drafter kinds a run calibrates and measures: eagle3-both is eagle3 and
+    eagle3-lmhead side by side."""
+    return list(EAGLE3_KINDS) if drafter == "eagle3-both" else [drafter]
+
+
+def stream_of(kind):
+    """What a trainer of this drafter kind receives per token: the eagle3 kinds their own
+    streams (split_trainer.stream_spec), every other kind the --layers hidden states."""
+    return kind if kind in EAGLE3_KINDS else "hidden"
 
 
 # ---------------------------------------------------------------------------- processes
@@ -231,7 +274,8 @@ def trainer_gpu(args, t_count, j):
 
 
 def trainer_cmd(args, name, targets, tokens, warmup, drafter, seed, gpu=0, transport="",
-                extra=()):
+                extra=(), stream="hidden"):
+    """`stream`: what a `none` receiver asks for (an eagle3 kind's stream, for its link)."""
     device = f"cuda:{gpu}" if args.device == "cuda" else "cpu"
     cmd = [sys.executable, str(TRAINER), f"--name={name}", f"--targets={','.join(targets)}",
            f"--layers={args.layers}", f"--tokens={tokens}", f"--warmup-tokens={warmup}",
@@ -240,6 +284,11 @@ def trainer_cmd(args, name, targets, tokens, warmup, drafter, seed, gpu=0, trans
            f"--drafter-rate={args.drafter_rate if drafter != 'none' else 0}",
            f"--drafter-layers={args.drafter_layers}", f"--draft-vocab={args.draft_vocab}",
            f"--max-seq-len={args.max_seq_len}", f"--device={device}", f"--seed={seed}"]
+    if drafter in EAGLE3_KINDS or stream != "hidden":
+        cmd += [f"--draft-vocab-size={args.draft_vocab_size}",
+                f"--probs-encoding={args.probs_encoding}", f"--ttt-steps={args.ttt_steps}"]
+    if stream != "hidden":
+        cmd.append(f"--stream={stream}")
     if transport:
         cmd += [f"--transport={transport}", f"--cuda-device={gpu}"]
     return cmd + list(extra)
@@ -312,8 +361,15 @@ def dflash_layers(num_layers, k):
 def resolve_layers(text, num_layers, model):
     """--layers as the comma-separated ids the trainers ask for. "dflash" / "dflash:K": DFlash's
     K (default 5) layers of this target's depth (1,16,31,46,61 of 64; 1,10,19,28,37 of 40), so
-    one command serves every model. Explicit ids must exist in the target: 0..L-1, or -1 (the
+    one command serves every model; "eagle3": EAGLE-3's 3 feature layers
+    (draftfeed.layers.eagle3(L)[:3]: 1,31,60 of 64; 0,2,3 of a 4-layer target), the eagle3
+    drafters' default (eagle3-lmhead's trainer adds -1). Explicit ids must exist in the target: 0..L-1, or -1 (the
     final norm); a missing one is refused here rather than by every batch."""
+    if text == "eagle3":
+        try:
+            return ",".join(str(i) for i in trainer_module().eagle3_layers(num_layers))
+        except ValueError as e:
+            raise SystemExit(f"--layers eagle3: {e}")
     if text == "dflash" or text.startswith("dflash:"):
         k = text.partition(":")[2] or "5"
         if not k.isdigit() or int(k) < 1:
@@ -337,7 +393,14 @@ def resolve_layers(text, num_layers, model):
 def calibrate(args, pool, workdir, transports):
     """One target streaming to one trainer that only receives (the target's rate from its
     forward_ms, the link's from its send_ms), once per transport; then one drafter alone (timed
-    steps on random hidden states of the right shape on its device)."""
+    steps on random inputs of the right shape on its device).
+
+    Per drafter kind (eagle3-both: eagle3 and eagle3-lmhead): the receiver asks for what that
+    kind's trainers will (its stream: eagle3's 3 layers + draft probabilities + argmax,
+    eagle3-lmhead's 4 layers), so the target's rate includes the outputs it computes and the
+    link's tokens/s counts the bytes per token actually streamed. One kind: its calibration,
+    as before. Several: the first kind's at the top level (what older readers use) and every
+    kind's under "by_drafter"."""
     d = tempfile.mkdtemp(prefix="calibrate-", dir=workdir)
     t = pool.take(1)[0]
     info_cmd = [sys.executable, "-c",
@@ -346,26 +409,56 @@ def calibrate(args, pool, workdir, transports):
     info = json.loads(subprocess.run(info_cmd, check=True, capture_output=True,
                                      text=True).stdout)
     args.layers = resolve_layers(args.layers, int(info["num_layers"]), args.model)
-    print(f"  layers {args.layers} of the target's {info['num_layers']}", flush=True)
+    kinds = drafter_kinds(args.drafter)
+    if any(k in EAGLE3_KINDS for k in kinds):
+        ids = args.layers.split(",")
+        if len(ids) != 3 or "-1" in ids:
+            raise SystemExit(f"--layers {args.layers}: the eagle3 drafters take 3 feature "
+                             f"layers, not -1 (--layers eagle3 picks EAGLE-3's)")
+        args.draft_vocab_size = trainer_module().default_draft_vocab_size(
+            int(info["vocab_size"]), args.draft_vocab_size)
+    print(f"  layers {args.layers} of the target's {info['num_layers']}"
+          + (f"; draft vocabulary {args.draft_vocab_size} of {info['vocab_size']} ids"
+             if any(k in EAGLE3_KINDS for k in kinds) else ""), flush=True)
     if args.device == "cuda":
         tokens = args.calibrate_tokens or 4 * args.batch_tokens
     else:
         tokens = args.calibrate_tokens or max(1000, int(args.target_rate * 1.0)
                                               if args.target_rate > 0 else 20000)
     gpu = trainer_gpu(args, 1, 0)
+    streams, by = {}, {}
+    for kind in kinds:
+        stream = stream_of(kind)
+        if stream not in streams:
+            streams[stream] = calibrate_stream(args, t, d, transports, tokens, gpu, stream)
+        by[kind] = {**streams[stream],
+                    **calibrate_drafter(args, info, kind, transports, gpu),
+                    "model": info}
+    if len(kinds) == 1:
+        return by[kinds[0]]
+    return {**copy.deepcopy(by[kinds[0]]), "by_drafter": by}
+
+
+def calibrate_stream(args, t, workdir, transports, tokens, gpu, stream="hidden"):
+    """The target's rate and the link's, per transport, for one stream: a `none` trainer
+    receiving what the stream carries."""
     links, target = {}, None
     for transport in transports:
         reps, target_cpu = run_trainers(
             [trainer_cmd(args, "calibrate-target", [t.address], tokens, args.batch_tokens, "none",
-                         999, gpu, transport if args.device == "cuda" else "")],
-            d, args.split_timeout_s, [t.proc.pid])
+                         999, gpu, transport if args.device == "cuda" else "", stream=stream)],
+            workdir, args.split_timeout_s, [t.proc.pid])
         rep = reps[0]
         fwd_s = sum(rep["forward_ms_by_target"].values()) / 1000.0
         send_s = sum(rep["send_ms_by_target"].values()) / 1000.0
         links[transport] = {"link_tokens_per_s": link_rate(rep["tokens"], send_s),
                             "delivered_tokens_per_s": steady_rate([rep])[0],
                             "send_s": send_s, "GB_per_s": rep["bytes_received"] / send_s / 1e9
-                            if send_s > 1e-3 else None}
+                            if send_s > 1e-3 else None,
+                            # What one token costs the link: the stream's bytes (hidden states
+                            # and any target outputs), measured and as the stream defines it.
+                            "bytes_per_token": rep["bytes_received"] / max(1, rep["tokens"]),
+                            "stream_bytes_per_token": rep.get("bytes_per_token")}
         if target is None:
             target = {"target_tokens_per_s": rep["tokens"] / fwd_s if fwd_s > 0
                       else rep["tokens_per_s"],
@@ -373,16 +466,25 @@ def calibrate(args, pool, workdir, transports):
                       # Host CPU seconds per token of the feed itself (target process + trainer
                       # client, no drafter work): in CPU mode all emulated devices share this
                       # host's cores.
-                      "pipeline_cpu_s_per_token": (target_cpu + rep["cpu_s"]) / max(1, rep["tokens"])}
+                      "pipeline_cpu_s_per_token": (target_cpu + rep["cpu_s"]) / max(1, rep["tokens"]),
+                      "stream": stream, "bytes_per_token": rep.get("bytes_per_token")}
+    return {**target, "link_by_transport": links}
+
+
+def calibrate_drafter(args, info, kind, transports, gpu):
+    """One drafter of `kind` alone: its rate (per transport: gRPC adds the batch's host->GPU
+    copy) and its memory."""
     k = len(args.layers.split(","))
-    out = subprocess.run(trainer_cmd(args, "calibrate-drafter", [], 0, 0, args.drafter, 998, gpu,
-                                     extra=["--calibrate", f"--hidden-size={info['hidden_size']}",
-                                            f"--num-layers={k}",
-                                            f"--vocab={min(4096, info['vocab_size'])}",
-                                            f"--calibrate-s={args.calibrate_s}"]),
+    extra = ["--calibrate", f"--hidden-size={info['hidden_size']}", f"--num-layers={k}",
+             f"--vocab={min(4096, info['vocab_size'])}", f"--calibrate-s={args.calibrate_s}"]
+    if kind in EAGLE3_KINDS:
+        extra.append(f"--target-vocab-size={info['vocab_size']}")
+    out = subprocess.run(trainer_cmd(args, "calibrate-drafter", [], 0, 0, kind, 998, gpu,
+                                     extra=extra),
                          capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"drafter calibration exited {out.returncode}:\n{out.stderr[-3000:]}")
+        raise RuntimeError(f"drafter calibration ({kind}) exited {out.returncode}:\n"
+                           f"{out.stderr[-3000:]}")
     drep = last_json_line(out.stdout, "drafter calibration")
     # gRPC on a GPU: every step first copies its batch in from host memory (the trainer's
     # thread waits for it); NCCL delivers on the device. Per transport, the drafter rate a
@@ -393,7 +495,7 @@ def calibrate(args, pool, workdir, transports):
         tr: 1.0 / (per_token_s + (h2d_per_token_s if tr == "grpc" else 0.0))
         for tr in transports}
     return {
-        **target,
+        "drafter": kind,
         "drafter_tokens_per_s": drep["drafter_tokens_per_s"],
         "drafter_tokens_per_s_by_transport": drafter_by_transport,
         "drafter_compute_tokens_per_s": drep["compute_tokens_per_s"],
@@ -402,9 +504,58 @@ def calibrate(args, pool, workdir, transports):
         "drafter_flops_per_token": drep["flops_per_token"],
         "drafter_gflops_per_s": drep["gflops_per_s"],
         "drafter_cuda_peak_allocated_bytes": drep.get("cuda_peak_allocated_bytes"),
-        "link_by_transport": links,
-        "model": info,
+        "drafter_peak_rss_bytes": drep.get("peak_rss_bytes"),
+        "drafter_trainer_bytes": drep.get("trainer_bytes"),
+        "drafter_trainer_bytes_kind": drep.get("trainer_bytes_kind"),
+        "drafter_held_bytes": drep.get("held_bytes"),
+        "drafter_lm_head_bytes": drep.get("lm_head_bytes"),
+        "draft_vocab_size": drep.get("draft_vocab_size"),
+        "ttt_steps": drep.get("ttt_steps"),
     }
+
+
+def drafter_calibrations(cal):
+    """{kind: calibration} of a calibration: its by_drafter, else {its drafter (or ""): it}."""
+    return dict(cal.get("by_drafter") or {cal.get("drafter", ""): cal})
+
+
+def drafters_summary(cal, transports):
+    """The drafters side by side: per kind, one trainer's rate and memory, what it streams,
+    the target's rate and the link's for that stream."""
+    out = {}
+    for kind, c in drafter_calibrations(cal).items():
+        out[kind] = {
+            "drafter_tokens_per_s": c["drafter_tokens_per_s"],
+            "drafter_tokens_per_s_by_transport": c.get("drafter_tokens_per_s_by_transport"),
+            "drafter_step_ms": c.get("drafter_step_ms"),
+            "trainer_bytes": c.get("drafter_trainer_bytes"),
+            "trainer_bytes_kind": c.get("drafter_trainer_bytes_kind"),
+            "lm_head_bytes": c.get("drafter_lm_head_bytes"),
+            "bytes_per_token": c.get("bytes_per_token"),
+            "target_tokens_per_s": c["target_tokens_per_s"],
+            "link_tokens_per_s": {tr: c.get("link_by_transport", {}).get(tr, {}).get(
+                "link_tokens_per_s") for tr in transports},
+        }
+    return out
+
+
+def print_drafters(summary, batch_tokens=None, out=sys.stdout):
+    """The side-by-side table of drafters_summary (several kinds only)."""
+    if len(summary) < 2:
+        return
+    print("advisor: drafters side by side (one trainer"
+          + (f", {batch_tokens}-token steps" if batch_tokens else "") + "):", file=out)
+    print(f"  {'drafter':<14} {'tok/s':>9} {'step ms':>8} {'trainer mem':>11} "
+          f"{'lm_head':>9} {'B/token':>8} {'target tok/s':>12} {'link tok/s':>10}", file=out)
+    for kind, v in summary.items():
+        link = [x for x in v["link_tokens_per_s"].values() if x]
+        print(f"  {kind:<14} {v['drafter_tokens_per_s']:>9,.0f} {v['drafter_step_ms'] or 0:>8.1f} "
+              f"{fmt_mem(v['trainer_bytes']):>11} {fmt_mem(v['lm_head_bytes']):>9} "
+              f"{v['bytes_per_token'] or 0:>8,.0f} {v['target_tokens_per_s']:>12,.0f} "
+              f"{(f'{min(link):,.0f}' if link else '-'):>10}", file=out)
+    kinds = {v["trainer_bytes_kind"] for v in summary.values() if v["trainer_bytes_kind"]}
+    if kinds:
+        print(f"  trainer mem: {'; '.join(sorted(kinds))}", file=out, flush=True)
 
 
 def predict(cal, t, d, cpu_mode, transport="grpc", shared_gpu=False, cpu_count=None):
@@ -461,6 +612,32 @@ def predict_all(cal, gpus, transports, cpu_mode, shared=False, cpu_count=None, l
     return out
 
 
+def predict_drafters(cal, gpus, transports, cpu_mode, shared=False, cpu_count=None, label=True):
+    """predict_all for every drafter kind of the calibration (by_drafter): each prediction
+    from that kind's own rates (target with its outputs, drafter, link for its stream), its
+    split labelled "/kind" and its "drafter" set. A calibration of one kind: predict_all."""
+    by = cal.get("by_drafter")
+    if not by:
+        return predict_all(cal, gpus, transports, cpu_mode, shared, cpu_count, label)
+    out = []
+    for kind, sub in by.items():
+        for q in predict_all(sub, gpus, transports, cpu_mode, shared, cpu_count, label):
+            q["split"] += f"/{kind}"
+            q["drafter"] = kind
+            out.append(q)
+    return out
+
+
+def best_by_drafter(predictions):
+    """{drafter kind: its prediction with the most tokens/s} (ties to more targets)."""
+    best = {}
+    for q in predictions:
+        k = q.get("drafter", "")
+        if k not in best or q["tokens_per_s"] > best[k]["tokens_per_s"]:
+            best[k] = q
+    return best
+
+
 def best_by_transport(predictions):
     """{transport: the prediction with the most tokens/s}; ties go to more targets (listed
     first), which leaves more trainers' memory free of a second model copy."""
@@ -497,9 +674,16 @@ def calibration_doc(cal, mode, source, **meta):
     host-cpu term depends on it)."""
     keep = ("target_tokens_per_s", "drafter_tokens_per_s", "drafter_tokens_per_s_by_transport",
             "drafter_compute_tokens_per_s", "drafter_step_ms", "drafter_h2d_ms",
-            "drafter_flops_per_token", "link_by_transport", "pipeline_cpu_s_per_token", "model")
+            "drafter_flops_per_token", "link_by_transport", "pipeline_cpu_s_per_token", "model",
+            "drafter", "stream", "bytes_per_token", "drafter_cuda_peak_allocated_bytes",
+            "drafter_trainer_bytes", "drafter_trainer_bytes_kind", "drafter_held_bytes",
+            "drafter_lm_head_bytes", "draft_vocab_size", "ttt_steps")
+    out = {k: cal[k] for k in keep if k in cal}
+    if cal.get("by_drafter"):
+        out["by_drafter"] = {kind: {k: c[k] for k in keep if k in c}
+                             for kind, c in cal["by_drafter"].items()}
     return {"kind": CALIBRATION_KIND, "version": 1, "mode": mode, "source": source, **meta,
-            "calibration": {k: cal[k] for k in keep if k in cal}}
+            "calibration": out}
 
 
 def load_calibration(path):
@@ -536,9 +720,10 @@ def with_nccl_from_one_gpu(cal):
     term: NCCL between two GPUs of one host moved 6.2M tokens/s of 27B states in the 2-GPU
     calibration of 2026-11-30, 530x one target. A copy; the calibration given is unchanged."""
     out = copy.deepcopy(cal)
-    out.setdefault("drafter_tokens_per_s_by_transport", {})["nccl"] = out["drafter_tokens_per_s"]
-    out.setdefault("link_by_transport", {})["nccl"] = {
-        "link_tokens_per_s": None, "derived": "one-GPU calibration: NCCL not measured"}
+    for c in [out] + list((out.get("by_drafter") or {}).values()):
+        c.setdefault("drafter_tokens_per_s_by_transport", {})["nccl"] = c["drafter_tokens_per_s"]
+        c.setdefault("link_by_transport", {})["nccl"] = {
+            "link_tokens_per_s": None, "derived": "one-GPU calibration: NCCL not measured"}
     return out
 
 
@@ -560,6 +745,11 @@ def print_predictions(predictions, out=sys.stdout):
         print(f"advisor: best split{' over ' + tr if tr else ''} {q['split']} at "
               f"{q['tokens_per_s']:,.0f} tok/s (bottleneck: {q['bottleneck']})", file=out,
               flush=True)
+    by_drafter = best_by_drafter(predictions)
+    if len(by_drafter) > 1:
+        for kind, q in by_drafter.items():
+            print(f"advisor: best split with {kind} {q['split']} at {q['tokens_per_s']:,.0f} "
+                  f"tok/s (bottleneck: {q['bottleneck']})", file=out, flush=True)
 
 
 def predict_main(args):
@@ -601,16 +791,20 @@ def predict_main(args):
     if args.predict < 2:
         raise SystemExit("--predict N needs N >= 2 (one GPU is the shared mode, split 1-1; "
                          "it needs its own calibration run)")
-    predictions = predict_all(cal, args.predict, transports, cpu_mode, cpu_count=cpus,
-                              label=transports != [""])
-    print(f"advisor: {args.predict} GPUs from {source}: one target "
-          f"{cal['target_tokens_per_s']:,.0f} tok/s, one drafter "
-          + ", ".join(f"{v:,.0f} ({tr})" for tr, v in
-                      cal.get("drafter_tokens_per_s_by_transport", {}).items())
-          + f" tok/s; prediction = min(T x target, D x drafter, min(T, D) x link)", flush=True)
+    predictions = predict_drafters(cal, args.predict, transports, cpu_mode, cpu_count=cpus,
+                                   label=transports != [""])
+    for kind, c in drafter_calibrations(cal).items():
+        print(f"advisor: {args.predict} GPUs from {source}: one target "
+              f"{c['target_tokens_per_s']:,.0f} tok/s, one {kind + ' ' if kind else ''}drafter "
+              + ", ".join(f"{v:,.0f} ({tr})" for tr, v in
+                          c.get("drafter_tokens_per_s_by_transport", {}).items())
+              + f" tok/s; prediction = min(T x target, D x drafter, min(T, D) x link)",
+              flush=True)
     if derived_nccl and "nccl" in transports:
         print("advisor: nccl from a one-GPU calibration (gRPC only there): the drafter's own "
               "rate, no host copy; the link not measured, no term", flush=True)
+    print_drafters(drafters_summary(cal, transports),
+                   meta.get("batch_tokens"))
     print_predictions(predictions)
     if args.save_calibration:
         save_calibration(args.save_calibration, calibration_doc(cal, mode, source, **meta))
@@ -625,14 +819,17 @@ def save_calibration(path, doc):
 
 # ---------------------------------------------------------------------------- one split
 
-def run_split(args, pool, t_count, d_count, transport, workdir):
-    label = f"{t_count}-{d_count}" + (f"/{transport}" if args.device == "cuda" else "")
-    d = tempfile.mkdtemp(prefix=f"split{t_count}-{d_count}-{transport}-", dir=workdir)
+def run_split(args, pool, t_count, d_count, transport, workdir, drafter=None, suffix=""):
+    """One split T-D with `drafter` (default --drafter) in every trainer; `suffix` ends its
+    label (eagle3-both: "/eagle3", "/eagle3-lmhead")."""
+    drafter = drafter or args.drafter
+    label = f"{t_count}-{d_count}" + (f"/{transport}" if args.device == "cuda" else "") + suffix
+    d = tempfile.mkdtemp(prefix=f"split{t_count}-{d_count}-{transport}-{drafter}-", dir=workdir)
     targets = pool.take(t_count)
     addrs = [t.address for t in targets]
     per = -(-args.tokens_per_split // d_count)
     warm = -(-args.warmup_tokens // d_count)
-    cmds = [trainer_cmd(args, f"trainer{j}", addrs, per, warm, args.drafter, 100 * j + 7,
+    cmds = [trainer_cmd(args, f"trainer{j}", addrs, per, warm, drafter, 100 * j + 7,
                         trainer_gpu(args, t_count, j),
                         transport if args.device == "cuda" else "")
             for j in range(d_count)]
@@ -668,6 +865,7 @@ def run_split(args, pool, t_count, d_count, transport, workdir):
         peak_kind = "ru_maxrss / VmHWM (host RSS; targets are reused across splits)"
     return {
         "split": label, "targets": t_count, "trainers": d_count, "transport": transport,
+        "drafter": drafter, "bytes_per_token": reports[0].get("bytes_per_token"),
         "wall_s": wall, "tokens": tokens,
         "tokens_per_s": steady or tokens / wall, "steady_window_s": steady_s,
         "end_to_end_tokens_per_s": tokens / wall,
@@ -684,6 +882,9 @@ def run_split(args, pool, t_count, d_count, transport, workdir):
                                        for ts, q in r["queue_depth"]] for r in reports},
         "peak_memory_bytes": peak, "peak_memory_kind": peak_kind,
         "target_peak_rss_bytes": target_rss,
+        # The eagle3 kinds' tally of the tensors each trainer's path holds (split_trainer's
+        # held_bytes); None for the other kinds.
+        "trainer_held_bytes": {r["trainer"]: r.get("held_total_bytes") for r in reports},
         "gpus": gpu,
         "host_cpu_utilisation": (target_cpu + sum(r["cpu_s"] for r in reports))
                                 / wall / (os.cpu_count() or 1),
@@ -705,6 +906,15 @@ def fmt_bytes(n):
     return "-" if n is None else f"{n / 2**20:,.0f}M"
 
 
+def fmt_mem(n):
+    """Bytes as GiB or MiB with one decimal ("-" for none; "0" for none held)."""
+    if n is None:
+        return "-"
+    if n == 0:
+        return "0"
+    return f"{n / 2**30:,.1f}G" if n >= 2**30 else f"{n / 2**20:,.1f}M"
+
+
 def peaks(r):
     """(largest target peak, largest trainer peak) in bytes: GPU memory.used in cuda mode (a
     shared GPU counts as the target's), host RSS in CPU mode."""
@@ -720,7 +930,8 @@ def peaks(r):
 
 
 def print_table(results):
-    hdr = (f"{'split':>10} {'tok/s':>9} {'e2e':>9} {'predicted':>9} {'ratio':>6} "
+    w = max([10] + [len(r["split"]) for r in results])
+    hdr = (f"{'split':>{w}} {'tok/s':>9} {'e2e':>9} {'predicted':>9} {'ratio':>6} "
            f"{'bottleneck':>10} {'tgt util':>8} {'drf util':>8} {'gpu util':>8} {'q mean':>6} "
            f"{'q max':>5} {'GB/s':>7} {'host cpu':>8} {'peak tgt':>8} {'peak trn':>8}")
     print(hdr)
@@ -731,7 +942,7 @@ def print_table(results):
         gpu = r.get("gpus") or {}
         used = [v["utilization_gpu_mean"] for v in gpu.values() if v["role"] != "idle"]
         gutil = f"{sum(used) / len(used):.0%}" if used else "-"
-        print(f"{r['split']:>10} {r['tokens_per_s']:>9,.0f} {r['end_to_end_tokens_per_s']:>9,.0f} "
+        print(f"{r['split']:>{w}} {r['tokens_per_s']:>9,.0f} {r['end_to_end_tokens_per_s']:>9,.0f} "
               f"{r['predicted_tokens_per_s']:>9,.0f} "
               f"{r['measured_over_predicted']:>6.2f} {r['predicted_bottleneck']:>10} "
               f"{r['target_utilisation_mean']:>8.0%} {r['drafter_utilisation_mean']:>8.0%} "
@@ -835,20 +1046,30 @@ def main(argv=None):
                    help="cuda mode: the targets' --max_batch_tokens (token budget of a batch)")
     p.add_argument("--tokens-per-split", type=int, default=20000, help="measured tokens per split")
     p.add_argument("--warmup-tokens", type=int, default=2000, help="warm-up tokens per split")
-    p.add_argument("--drafter", choices=["synthetic", "dflash", "dflash-full"], default="synthetic")
+    p.add_argument("--drafter", choices=DRAFTERS, default="synthetic",
+                   help="the trainers' drafter; eagle3-both calibrates, predicts and runs "
+                        "eagle3 (target-side probabilities) and eagle3-lmhead (lm_head in the "
+                        "trainer) side by side")
     p.add_argument("--drafter-flops-per-token", type=float, default=2e5,
                    help="synthetic drafter's load (FLOPs per token, forward matmuls)")
     p.add_argument("--drafter-layers", type=int, default=1,
                    help="dflash-full: decoder layers at the target's width")
     p.add_argument("--draft-vocab", type=int, default=32768, help="dflash-full: lm head size")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="eagle3 drafters: draft vocabulary size (0: min(32000, target vocab))")
+    p.add_argument("--probs-encoding", default="bf16", choices=["bf16", "fp8_e4m3"],
+                   help="eagle3: the draft probabilities on the wire")
+    p.add_argument("--ttt-steps", type=int, default=1,
+                   help="eagle3 drafters: training-time-test steps per batch")
     p.add_argument("--drafter-rate", type=float, default=0.0,
                    help="CPU mode: cap each drafter at this tokens/s (emulated device speed); "
                         "0: compute-bound only")
     p.add_argument("--target-rate", type=float, default=3000.0,
                    help="CPU mode: each target's --throttle_tokens_per_s (emulated device speed)")
-    p.add_argument("--layers", default="1,2,3",
+    p.add_argument("--layers", default=None,
                    help="layer ids the trainers ask for, or dflash[:K]: DFlash's K (5) layers "
-                        "of the target's depth")
+                        "of the target's depth, or eagle3: EAGLE-3's 3 feature layers (default: "
+                        "eagle3 for the eagle3 drafters, else 1,2,3)")
     p.add_argument("--batch-tokens", type=int, default=0,
                    help="packing token budget (default: 512 on CPU, --max-batch-tokens on cuda)")
     p.add_argument("--max-seq-len", type=int, default=0,
@@ -885,6 +1106,9 @@ def main(argv=None):
     if args.predict:
         return predict_main(args)
     args.transport = args.transport or "grpc"
+    kinds = drafter_kinds(args.drafter)
+    if args.layers is None:
+        args.layers = "eagle3" if kinds[0] in EAGLE3_KINDS else "1,2,3"
     if not args.gpus or not args.splits:
         p.error("--gpus and --splits are required (unless --predict N)")
     cuda = args.device == "cuda"
@@ -922,16 +1146,24 @@ def main(argv=None):
                   + (f" capped at {args.drafter_rate:,.0f} tok/s" if args.drafter_rate else ""),
                   flush=True)
         cal = calibrate(args, pool, workdir, transports)
-        links = "; ".join(
-            f"{tr} link {v['link_tokens_per_s']:,.0f} tok/s" if v["link_tokens_per_s"]
-            else f"{tr} link too fast to time" for tr, v in cal["link_by_transport"].items())
-        print(f"advisor: one target {cal['target_tokens_per_s']:,.0f} tok/s; one drafter "
-              f"{cal['drafter_tokens_per_s']:,.0f} tok/s ({cal['drafter_step_ms']:.1f} ms per "
-              f"{args.batch_tokens}-token step, {cal['drafter_gflops_per_s']:.2f} GFLOP/s"
-              + (f", +{cal['drafter_h2d_ms']:.1f} ms host->GPU copy over gRPC" if cuda else "")
-              + f"); {links}"
-              + ("" if cuda else f"; feed costs {cal['pipeline_cpu_s_per_token'] * 1e6:.0f} "
-                                 f"host CPU-us per token"), flush=True)
+        cals = drafter_calibrations(cal) if len(kinds) > 1 else {args.drafter: cal}
+        for kind, c in cals.items():
+            links = "; ".join(
+                f"{tr} link {v['link_tokens_per_s']:,.0f} tok/s" if v["link_tokens_per_s"]
+                else f"{tr} link too fast to time" for tr, v in c["link_by_transport"].items())
+            mem = c.get("drafter_trainer_bytes")
+            print(f"advisor: {kind + ': ' if len(kinds) > 1 else ''}one target "
+                  f"{c['target_tokens_per_s']:,.0f} tok/s; one drafter "
+                  f"{c['drafter_tokens_per_s']:,.0f} tok/s ({c['drafter_step_ms']:.1f} ms per "
+                  f"{args.batch_tokens}-token step, {c['drafter_gflops_per_s']:.2f} GFLOP/s"
+                  + (f", +{c['drafter_h2d_ms']:.1f} ms host->GPU copy over gRPC" if cuda else "")
+                  + (f", trainer memory {fmt_mem(mem)}" if mem is not None else "")
+                  + f"); {links}"
+                  + (f" at {c['bytes_per_token']:,} B/token" if c.get("bytes_per_token") else "")
+                  + ("" if cuda else f"; feed costs {c['pipeline_cpu_s_per_token'] * 1e6:.0f} "
+                                     f"host CPU-us per token"), flush=True)
+        drafters = drafters_summary(cal, transports)
+        print_drafters(drafters, args.batch_tokens)
         if args.save_calibration:
             save_calibration(args.save_calibration, calibration_doc(
                 cal, mode, f"bench/splits.py --device {args.device} --gpus {args.gpus} "
@@ -939,23 +1171,28 @@ def main(argv=None):
                                                                      time.gmtime()),
                 cpu_count=os.cpu_count(), drafter=args.drafter, batch_tokens=args.batch_tokens,
                 layers=args.layers))
-        predictions = predict_all(cal, args.gpus, transports, not cuda,
-                                  shared=cuda and args.gpus == 1, label=cuda)
+        predictions = predict_drafters(cal, args.gpus, transports, not cuda,
+                                       shared=cuda and args.gpus == 1, label=cuda)
         print_predictions(predictions)
         best = max(predictions, key=lambda q: q["tokens_per_s"]) if predictions else None
         by_index = {}
         for i in order:
             t, d = splits[i]
             for tr in transports:
-                print(f"split {t}-{d}{'/' + tr if cuda else ''}: running ...", flush=True)
-                r = run_split(args, pool, t, d, tr, workdir)
-                rate, neck, limits = predict(cal, t, d, not cuda, tr, cuda and args.gpus == 1)
-                r.update(predicted_tokens_per_s=rate, predicted_bottleneck=neck,
-                         predicted_limits=limits, measured_over_predicted=r["tokens_per_s"] / rate)
-                by_index.setdefault(i, []).append(r)
-                print(f"split {r['split']}: {r['tokens_per_s']:,.0f} tok/s measured "
-                      f"({r['end_to_end_tokens_per_s']:,.0f} end to end), {rate:,.0f} predicted "
-                      f"({neck}-bound), ratio {r['measured_over_predicted']:.2f}", flush=True)
+                for kind, c in cals.items():
+                    suffix = f"/{kind}" if len(kinds) > 1 else ""
+                    print(f"split {t}-{d}{'/' + tr if cuda else ''}{suffix}: running ...",
+                          flush=True)
+                    r = run_split(args, pool, t, d, tr, workdir, kind, suffix)
+                    rate, neck, limits = predict(c, t, d, not cuda, tr, cuda and args.gpus == 1)
+                    r.update(predicted_tokens_per_s=rate, predicted_bottleneck=neck,
+                             predicted_limits=limits,
+                             measured_over_predicted=r["tokens_per_s"] / rate)
+                    by_index.setdefault(i, []).append(r)
+                    print(f"split {r['split']}: {r['tokens_per_s']:,.0f} tok/s measured "
+                          f"({r['end_to_end_tokens_per_s']:,.0f} end to end), {rate:,.0f} "
+                          f"predicted ({neck}-bound), ratio {r['measured_over_predicted']:.2f}",
+                          flush=True)
         results = [r for i in range(len(splits)) for r in by_index.get(i, [])]
     finally:
         pool.stop()
@@ -969,7 +1206,8 @@ def main(argv=None):
               f"{best['bottleneck']}-bound); best measured {measured_best['split']} "
               f"({measured_best['tokens_per_s']:,.0f} tok/s)")
 
-    expected = [f"{t}-{d}" + (f"/{tr}" if cuda else "") for t, d in splits for tr in transports]
+    expected = [f"{t}-{d}" + (f"/{tr}" if cuda else "") + (f"/{k}" if len(kinds) > 1 else "")
+                for t, d in splits for tr in transports for k in kinds]
     invariants = {
         "every_split_ran": [r["split"] for r in results] == expected,
         "tokens_submitted_eq_delivered": {r["split"]: r["tokens_submitted"] == r["tokens_delivered"]
@@ -986,7 +1224,8 @@ def main(argv=None):
                    "mode": mode,
                    "transports": transports,
                    "started": t_start, "elapsed_s": time.time() - t_start},
-        "advisor": {"calibration": cal, "predictions": predictions, "best": best},
+        "advisor": {"calibration": cal, "predictions": predictions, "best": best,
+                    "drafters": drafters, "best_by_drafter": best_by_drafter(predictions)},
         "splits": results,
         "invariants": invariants,
     }

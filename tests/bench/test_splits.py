@@ -469,3 +469,126 @@ def test_run_splits_gpu_smoke_command_for_the_35b_shape(tmp_path):
     opts = dict(zip(argv[1::2], argv[2::2]))
     assert (opts["--model"], opts["--max-batch-tokens"], opts["--tokens-per-split"],
             opts["--drafter-layers"]) == ("random:qwen3.6-27b", "16384", "131072", "1")
+
+
+# ---------------------------------------------------------------------------- EAGLE-3 drafters
+
+def test_eagle3_streams_layers_and_draft_vocab():
+    trainer = load(TRAINER, "split_trainer_bench")
+    assert trainer.eagle3_layers(64) == [1, 31, 60]  # draftfeed.layers.eagle3(64)[:3]
+    assert trainer.eagle3_layers(40) == [1, 19, 36]
+    assert trainer.eagle3_layers(4) == [0, 2, 3]  # tiny-random: under the recipe's 7 layers
+    with pytest.raises(ValueError, match="no 3 distinct"):
+        trainer.eagle3_layers(2)
+    # The draft vocabulary: deterministic, ascending, the same whatever the trainer's seed.
+    a, b = trainer.draft_vocabulary(4096, 512), trainer.draft_vocabulary(4096, 512)
+    assert a == b and a.size == 512 and a.target_vocab_size == 4096
+    assert list(a.ids) == sorted(a.ids) and len(set(a.ids.tolist())) == 512
+    assert trainer.draft_vocabulary(248320).size == 32000  # min(32000, V)
+    assert trainer.draft_vocabulary(4096).size == 4096
+    with pytest.raises(SystemExit, match="--draft-vocab-size 70000"):
+        trainer.draft_vocabulary(248320, 70000)  # a target serves at most 65,536
+    # What each stream carries per token: the link's bytes.
+    H = 5120
+    e3 = trainer.stream_spec("eagle3", "eagle3", 64, H, 248320)
+    assert e3["layers"] == [1, 31, 60]
+    assert e3["outputs"]["argmax"] is True and len(e3["outputs"]["draft_vocab"]) == 32000
+    assert e3["bytes_per_token"] == 3 * H * 2 + 32000 * 2 + 4
+    fp8 = trainer.stream_spec("eagle3", "eagle3", 64, H, 248320, probs_encoding="fp8_e4m3")
+    assert fp8["bytes_per_token"] == 3 * H * 2 + 32000 + 4 + 4  # codes, one scale, argmax
+    lm = trainer.stream_spec("eagle3-lmhead", "eagle3", 64, H, 248320)
+    assert lm["layers"] == [1, 31, 60, -1] and lm["outputs"] == {}
+    assert lm["bytes_per_token"] == 4 * H * 2 and lm["vocab"] == e3["vocab"]
+    plain = trainer.stream_spec("hidden", "1,2,3", 64, H, 248320)
+    assert plain["bytes_per_token"] == 3 * H * 2 and plain["vocab"] is None
+    with pytest.raises(SystemExit, match="takes 3 feature layers"):
+        trainer.stream_spec("eagle3", "1,2,-1", 64, H, 248320)
+    splits = load(SPLITS, "splits_bench")
+    assert splits.resolve_layers("eagle3", 64, "m") == "1,31,60"
+    assert splits.resolve_layers("eagle3", 4, "m") == "0,2,3"
+
+
+def test_cpu_eagle3_both_calibration_and_split(tmp_path):
+    # Both EAGLE-3 trainers on the 4-layer tiny-random target (hidden 128, vocab 4096), a
+    # 512-id draft vocabulary: calibrated side by side (rates, memory, what each streams),
+    # predicted, and split 1-1 run once with each.
+    pytest.importorskip("torch")
+    cal_file = tmp_path / "calibration.json"
+    proc = run_splits(tmp_path, "--gpus", "2", "--splits", "1-1", "--model", "tiny-random",
+                      "--device", "cpu", "--drafter", "eagle3-both", "--tokens-per-split", "1500",
+                      "--warmup-tokens", "256", "--batch-tokens", "256", "--target-rate", "3000",
+                      "--draft-vocab-size", "512", "--calibrate-s", "0.5",
+                      "--calibrate-tokens", "1000", "--save_calibration", str(cal_file))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "drafters side by side" in out and "eagle3-lmhead" in out
+    print(out)  # the numbers, for whoever reads the test log (-s)
+
+    splits = load(SPLITS, "splits_bench")
+    doc = json.loads((tmp_path / "splits.json").read_text())
+    assert doc["config"]["layers"] == "0,2,3"  # 3 feature layers of a 4-layer target
+    adv = doc["advisor"]
+    cal = adv["calibration"]
+    H, V, Vd, T = 128, 4096, 512, 256
+    by = cal["by_drafter"]
+    assert list(by) == ["eagle3", "eagle3-lmhead"]
+    e3, lm = by["eagle3"], by["eagle3-lmhead"]
+    assert cal["drafter_tokens_per_s"] == e3["drafter_tokens_per_s"]  # the top level: eagle3's
+    for c in (e3, lm):
+        assert c["drafter_tokens_per_s"] > 0 and c["target_tokens_per_s"] > 0
+        assert c["drafter_step_ms"] > 0 and c["draft_vocab_size"] == Vd
+        assert c["drafter_trainer_bytes"] > 0
+        assert c["drafter_trainer_bytes_kind"].startswith("tensor bytes")  # CPU: the tally
+    # What each streams, as defined and as the link counted it: eagle3 3 layers + bf16 probs +
+    # argmax, eagle3-lmhead 4 layers and no outputs.
+    assert e3["bytes_per_token"] == 3 * H * 2 + Vd * 2 + 4
+    assert lm["bytes_per_token"] == 4 * H * 2
+    for c in (e3, lm):
+        link = c["link_by_transport"]["grpc"]
+        assert link["bytes_per_token"] == pytest.approx(c["bytes_per_token"], rel=1e-3)
+        assert link["stream_bytes_per_token"] == c["bytes_per_token"]
+    # The lm_head path holds the lm_head [V, H] bf16 and its [T, V] logits on top of eagle3's.
+    lm_head = V * H * 2
+    assert lm["drafter_lm_head_bytes"] == lm_head and e3["drafter_lm_head_bytes"] == 0
+    assert lm["drafter_held_bytes"]["lm_head"] == lm_head
+    assert lm["drafter_held_bytes"]["target_stage"] >= T * V * 2
+    assert e3["drafter_held_bytes"]["inputs"] >= T * Vd * 4  # the probabilities it was sent
+    assert lm["drafter_trainer_bytes"] >= e3["drafter_trainer_bytes"] + lm_head
+    # Side by side in the report, and predictions for both.
+    assert set(adv["drafters"]) == {"eagle3", "eagle3-lmhead"}
+    assert adv["drafters"]["eagle3-lmhead"]["lm_head_bytes"] == lm_head
+    preds = {q["split"]: q for q in adv["predictions"]}
+    assert set(preds) == {"1-1/eagle3", "1-1/eagle3-lmhead"}
+    cpus = doc["config"]["cpu_count"]
+    for kind in ("eagle3", "eagle3-lmhead"):
+        q = preds[f"1-1/{kind}"]
+        assert q["drafter"] == kind and q["tokens_per_s"] > 0
+        rate, neck, limits = splits.predict(by[kind], 1, 1, True, "grpc", cpu_count=cpus)
+        assert (q["tokens_per_s"], q["bottleneck"], q["limits"]) == (rate, neck, limits)
+        assert limits["drafter"] == by[kind]["drafter_tokens_per_s_by_transport"]["grpc"]
+        assert adv["best_by_drafter"][kind]["split"] == f"1-1/{kind}"
+
+    # The measured split ran once with each drafter and delivered every token it sent.
+    res = {r["split"]: r for r in doc["splits"]}
+    assert list(res) == ["1-1/eagle3", "1-1/eagle3-lmhead"]
+    assert doc["invariants"]["every_split_ran"] is True and doc["invariants"]["all_ok"] is True
+    for kind, want_bpt in (("eagle3", e3["bytes_per_token"]), ("eagle3-lmhead", 4 * H * 2)):
+        r = res[f"1-1/{kind}"]
+        assert r["drafter"] == kind and r["bytes_per_token"] == want_bpt
+        assert r["tokens_submitted"] == r["tokens_delivered"] == r["feed_tokens_delivered"]
+        assert r["tokens"] >= 1500 and r["feed_failed"] == 0
+        assert r["tokens_per_s"] > 0 and r["bytes_received"] == r["tokens"] * want_bpt
+        assert all(v and v > 0 for v in r["trainer_held_bytes"].values())
+        assert r["predicted_tokens_per_s"] == preds[f"1-1/{kind}"]["tokens_per_s"]
+
+    # The saved calibration keeps both kinds and predicts the same splits again.
+    again, mode, cpus2, _ = splits.load_calibration(cal_file)
+    assert mode == "cpu-emulated" and set(again["by_drafter"]) == {"eagle3", "eagle3-lmhead"}
+    for q in splits.predict_drafters(again, 2, ["grpc"], True, cpu_count=cpus2, label=False):
+        assert q["tokens_per_s"] == preds[q["split"]]["tokens_per_s"], q
+    proc = subprocess.run([sys.executable, str(SPLITS), "--predict", "4", "--calibration",
+                           str(cal_file)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "2-2/grpc/eagle3 predicted" in proc.stdout
+    assert "2-2/grpc/eagle3-lmhead predicted" in proc.stdout
+    assert "best split with eagle3-lmhead" in proc.stdout
