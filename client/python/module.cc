@@ -250,6 +250,7 @@ py::dict DescriptionDict(const TargetDescription& d) {
   r["hidden_size"] = d.hidden_size;
   r["vocab_size"] = d.vocab_size;
   r["max_batch_tokens"] = d.max_batch_tokens;
+  r["max_sequence_tokens"] = d.max_sequence_tokens;
   r["devices"] = d.devices;
   r["layer_types"] = d.layer_types;
   r["dtype"] = d.dtype;

@@ -199,7 +199,11 @@ struct TargetDescription {
   int32_t num_layers = 0;
   int32_t hidden_size = 0;
   int32_t vocab_size = 0;
-  int64_t max_batch_tokens = 0;
+  int64_t max_batch_tokens = 0;     // tokens of one forward
+  // Most tokens one batch may hold (the longest sequence): a batch over
+  // max_batch_tokens runs in forward chunks. A target from before chunked
+  // prefill reports 0, read here as max_batch_tokens.
+  int64_t max_sequence_tokens = 0;
   std::vector<std::string> devices;
   std::vector<std::string> layer_types;
   std::string dtype;                    // of the hidden states it computes ("bf16")
