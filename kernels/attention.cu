@@ -67,6 +67,7 @@ struct Params {
   bf16* out;
   int64_t out_stride;
   const int32_t* cu_seqlens;
+  int q_offset;      // position of query row 0 (AttentionArgs::q_offset)
   int group;         // query heads per KV head
   float scale_log2;  // scale·log2(e): the softmax runs on exp2
 };
@@ -287,11 +288,15 @@ __global__ void __launch_bounds__(Layout<kTryWgmma && kArchWgmma>::kThreads, 1)
   // (farthest from the start) tiles are scheduled first and the query heads
   // sharing a KV head run side by side.
   const int head = blockIdx.x;
-  const int q0 = (gridDim.y - 1 - blockIdx.y) * kBlockM;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kBlockM;  // query row in the sequence
   const int seq_begin = prm.cu_seqlens[blockIdx.z];
   const int seq_len = prm.cu_seqlens[blockIdx.z + 1] - seq_begin;
   if (q0 >= seq_len) return;
-  const int num_kv_tiles = (min(q0 + kBlockM, seq_len) + BN - 1) / BN;
+  // Row q0's position, whose keys are sequence rows 0 .. pos0: key tiles,
+  // the mask and the KV loads count positions, Q and the output rows. With
+  // q_offset > 0 there is one sequence at row 0, so key position = k/v row.
+  const int pos0 = prm.q_offset + q0;
+  const int num_kv_tiles = (min(pos0 + kBlockM, prm.q_offset + seq_len) + BN - 1) / BN;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   if (tid == 0) {
@@ -367,11 +372,11 @@ __global__ void __launch_bounds__(Layout<kTryWgmma && kArchWgmma>::kThreads, 1)
     MbarArrive(k_empty(j & 1));
 
     // Causal mask, only on tiles that reach past this warp's first row.
-    if ((j + 1) * BN - 1 > q0 + 16 * warp) {
+    if ((j + 1) * BN - 1 > pos0 + 16 * warp) {
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) {
         const int key = j * BN + (i / 4) * 8 + 2 * (lane % 4) + (i & 1);
-        if (key > q0 + row + 8 * ((i >> 1) & 1)) s[i] = -INFINITY;
+        if (key > pos0 + row + 8 * ((i >> 1) & 1)) s[i] = -INFINITY;
       }
     }
     // Online softmax; a row's 4 threads (one quad) share its max.
@@ -384,7 +389,9 @@ __global__ void __launch_bounds__(Layout<kTryWgmma && kArchWgmma>::kThreads, 1)
       new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 1));
       new_max[r] = fmaxf(new_max[r], __shfl_xor_sync(0xffffffffu, new_max[r], 2));
       // Every row sees its sequence's first key on tile 0, so new_max is
-      // finite and exp2(−inf) = 0 handles the first tile.
+      // finite and exp2(−inf) = 0 handles the first tile. A tile past a
+      // row's diagonal (the block's later rows reach further) leaves it as
+      // it was: p = 0, corr = exp2(0) = 1.
       corr[r] = Exp2((row_max[r] - new_max[r]) * sl2);
       row_max[r] = new_max[r];
       offset[r] = -new_max[r] * sl2;
@@ -426,7 +433,13 @@ __global__ void __launch_bounds__(Layout<kTryWgmma && kArchWgmma>::kThreads, 1)
   Core::template IssuePV<true, true>(o, p, v_smem + (last & 1) * kTileBytes, warp, lane);
   Core::WaitPV(o, p);
 
-  bf16* out = prm.out + (seq_begin + q0) * prm.out_stride + head * HD + 2 * (lane % 4);
+  // q0 again, from pos0 and an offset hidden from the optimizer: left to
+  // itself it keeps q0 live across the loop beside pos0, which costs the
+  // portable hd-256 kernels (at 255 registers) 60 bytes of spills.
+  int q_offset = prm.q_offset;
+  asm volatile("" : "+r"(q_offset));
+  const int q_row0 = pos0 - q_offset;
+  bf16* out = prm.out + (seq_begin + q_row0) * prm.out_stride + head * HD + 2 * (lane % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float sum = row_sum[r];
@@ -434,7 +447,7 @@ __global__ void __launch_bounds__(Layout<kTryWgmma && kArchWgmma>::kThreads, 1)
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const float inv = 1.f / sum;
     const int qr = row + 8 * r;
-    if (q0 + qr >= seq_len) continue;
+    if (q_row0 + qr >= seq_len) continue;
     uint32_t* dst = reinterpret_cast<uint32_t*>(out + qr * prm.out_stride);
 #pragma unroll
     for (int nb = 0; nb < HD / 8; ++nb)
@@ -480,15 +493,18 @@ cudaError_t LaunchKernel(const AttentionArgs& a, cudaStream_t stream) {
     err = MakeTensorMap(&tm_q, a.q, a.num_tokens, a.num_q_heads, HD, a.q_head_stride, a.q_stride,
                         L::kBlockM);
   }
+  // K and V span the prefix too (VarlenCausalAttention has checked the count).
+  const int64_t kv_tokens = a.num_kv_tokens != 0 ? a.num_kv_tokens : a.num_tokens;
   if (err == cudaSuccess)
-    err = MakeTensorMap(&tm_k, a.k, a.num_tokens, a.num_kv_heads, HD, HD, a.k_stride, BN);
+    err = MakeTensorMap(&tm_k, a.k, kv_tokens, a.num_kv_heads, HD, HD, a.k_stride, BN);
   if (err == cudaSuccess)
-    err = MakeTensorMap(&tm_v, a.v, a.num_tokens, a.num_kv_heads, HD, HD, a.v_stride, BN);
+    err = MakeTensorMap(&tm_v, a.v, kv_tokens, a.num_kv_heads, HD, HD, a.v_stride, BN);
   if (err != cudaSuccess) return err;
   Params prm;
   prm.out = a.out;
   prm.out_stride = a.num_q_heads * HD;
   prm.cu_seqlens = a.cu_seqlens;
+  prm.q_offset = a.q_offset;
   prm.group = static_cast<int>(a.num_q_heads / a.num_kv_heads);
   prm.scale_log2 = a.scale * 1.4426950408889634f;
   const dim3 grid(static_cast<unsigned>(a.num_q_heads), q_tiles, a.num_seqs);
@@ -521,16 +537,18 @@ cudaError_t ChoosePath(AttentionPath* path) {
   cudaError_t err = cudaFuncGetAttributes(&attr, AttentionKernel<HD, T::kWgmma, true>);
   if (err != cudaSuccess) return err;
   if (HopperKernelsAllowed() && attr.maxThreadsPerBlock == Layout<true>::kThreads) {
-    *path = {true, T::kWgmma, SmemBytes<HD, T::kWgmma, Layout<true>::kBlockM>()};
+    *path = {true, T::kWgmma, SmemBytes<HD, T::kWgmma, Layout<true>::kBlockM>(),
+             Layout<true>::kBlockM};
     return cudaSuccess;
   }
   int limit = 0;
   if ((err = SmemPerBlockLimit(&limit)) != cudaSuccess) return err;
   constexpr int kPortableSmem = SmemBytes<HD, T::kPortable, Layout<false>::kBlockM>();
   if (kPortableSmem <= limit) {
-    *path = {false, T::kPortable, kPortableSmem};
+    *path = {false, T::kPortable, kPortableSmem, Layout<false>::kBlockM};
   } else {
-    *path = {false, T::kSmall, SmemBytes<HD, T::kSmall, Layout<false>::kBlockM>()};
+    *path = {false, T::kSmall, SmemBytes<HD, T::kSmall, Layout<false>::kBlockM>(),
+             Layout<false>::kBlockM};
   }
   return cudaSuccess;
 }
@@ -554,6 +572,13 @@ cudaError_t VarlenCausalAttention(const AttentionArgs& a, cudaStream_t stream) {
   if (a.num_q_heads <= 0 || a.num_kv_heads <= 0 || a.num_q_heads % a.num_kv_heads != 0 ||
       a.num_seqs < 0 || a.num_seqs > 65535 || a.max_seqlen < 0 || a.num_tokens < 0 ||
       a.num_tokens >= (int64_t{1} << 31)) {
+    return cudaErrorInvalidValue;
+  }
+  // A prefix continues exactly one sequence, and k/v hold the prefix and the
+  // queries' own rows; positions (and so TMA rows) stay below 2^31.
+  const int64_t kv_tokens = a.num_kv_tokens != 0 ? a.num_kv_tokens : a.num_tokens;
+  if (a.q_offset < 0 || (a.q_offset > 0 && a.num_seqs != 1) || a.num_kv_tokens < 0 ||
+      kv_tokens != a.q_offset + a.num_tokens || kv_tokens >= (int64_t{1} << 31)) {
     return cudaErrorInvalidValue;
   }
   if (a.num_tokens == 0 || a.num_seqs == 0 || a.max_seqlen == 0) return cudaSuccess;

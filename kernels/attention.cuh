@@ -10,7 +10,8 @@ namespace draftfeed::cuda {
 struct AttentionArgs {
   // q: [T, Hq, hd] with token stride q_stride and head stride q_head_stride
   // (so it can be read in place from the interleaved query|gate projection);
-  // k, v: [T, Hkv, hd] with token strides k_stride / v_stride, heads dense.
+  // k, v: [T_kv, Hkv, hd] with token strides k_stride / v_stride, heads dense
+  // (T_kv = T unless q_offset says otherwise).
   const bf16* q = nullptr;
   int64_t q_stride = 0;
   int64_t q_head_stride = 0;
@@ -27,6 +28,17 @@ struct AttentionArgs {
   int32_t max_seqlen = 0;
   float scale = 0;
   bf16* out = nullptr;  // [T, Hq, hd] dense
+  // Chunked prefill: one sequence continued past a prefix already run.
+  // With q_offset = P > 0 (num_seqs must be 1, cu_seqlens {0, T}) the T
+  // queries are positions P .. P+T−1 of one sequence whose keys and values
+  // are rows [0, P + T) of k and v, and query i attends keys 0 .. P+i.
+  // num_kv_tokens is the row count of k and v: 0 means T, and with q_offset
+  // it must be P + T. max_seqlen bounds T (the queries). Each output row is
+  // the bits a one-pass call over all P + T tokens gives that row when P is
+  // a multiple of the query tile (AttentionPath::q_tile; always on the
+  // small-head kernel). cudaErrorInvalidValue otherwise.
+  int64_t num_kv_tokens = 0;
+  int32_t q_offset = 0;
 };
 
 // Block-diagonal causal softmax(q·kᵀ·scale)·v, fp32 softmax and accumulation.
@@ -41,6 +53,7 @@ struct AttentionPath {
   bool wgmma = false;  // else mma.sync
   int kv_tile = 0;     // keys per KV tile
   int smem_bytes = 0;  // dynamic shared memory a block
+  int q_tile = 0;      // queries per block: 128 (wgmma) or 64 (mma.sync)
 };
 // cudaErrorInvalidValue for another head dim; cudaErrorNoKernelImageForDevice
 // on a GPU that the built architectures do not cover.

@@ -38,7 +38,10 @@ __global__ void __launch_bounds__(128) SmallHeadAttentionKernel(AttentionArgs a)
     o[i] = 0.f;
   }
   float m = -INFINITY, l = 0.f;
-  for (int64_t s = start; s <= t; ++s) {
+  // Query t is position q_offset + t of its sequence; with q_offset > 0 the
+  // one sequence starts at k/v row 0, so its keys are rows 0 .. q_offset + t.
+  const int64_t last_key = t + a.q_offset;
+  for (int64_t s = start; s <= last_key; ++s) {
     const bf16* kp = a.k + s * a.k_stride + kvh * a.head_dim;
     float dot = 0.f;
     for (int i = 0; i < kPer; ++i) dot += q[i] * __bfloat162float(kp[lane + 32 * i]);

@@ -1,7 +1,9 @@
 // The CUDA varlen causal attention against the fp32 CPU reference: odd packed
 // sizes, head dims 256 and 128, q read in place from the interleaved
 // query|gate projection with K and V from one fused buffer, the Qwen3.5-27B
-// head shape, and the first and last heads of 8k-token prefills.
+// head shape, and the first and last heads of 8k-token prefills. Chunked
+// prefill: a sequence's queries after a prefix (q_offset) against the
+// one-pass run and the reference, on every kernel path.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +16,7 @@
 #include "gtest/gtest.h"
 #include "kernels/attention.cuh"
 #include "kernels/cpu/attention.h"
+#include "kernels/kernel_paths.cuh"
 #include "tests/kernels/cuda/gpu_test_util.h"
 
 namespace draftfeed::cuda {
@@ -151,18 +154,19 @@ class AttentionData {
   std::unique_ptr<DeviceBuffer<int32_t>> cu_dev_;
 };
 
-// Compares query heads [h0, h0 + n) of the GPU output with `want`.
+// Compares query heads [h0, h0 + n) of the GPU output with `want`, over
+// tokens [first_token, T) (got holds those rows only).
 void ExpectClose(const AttentionData& d, const std::vector<float>& got, int64_t h0, int64_t n,
-                 const std::vector<float>& want, const std::string& what) {
+                 const std::vector<float>& want, const std::string& what, int64_t first_token = 0) {
   const AttentionArgs& a = d.args();
   const int64_t hd = a.head_dim;
   size_t bad = 0;
   double worst = 0, err2 = 0, ref2 = 0;
   std::string first_bad;
-  for (int64_t t = 0; t < d.tokens(); ++t) {
+  for (int64_t t = first_token; t < d.tokens(); ++t) {
     for (int64_t h = 0; h < n; ++h) {
       for (int64_t c = 0; c < hd; ++c) {
-        const double g = got[(t * a.num_q_heads + h0 + h) * hd + c];
+        const double g = got[((t - first_token) * a.num_q_heads + h0 + h) * hd + c];
         const double w = want[(t * n + h) * hd + c];
         const double tol = kTolUnit * (std::fabs(w) + d.max_abs_v());
         const double err = std::fabs(g - w);
@@ -263,6 +267,147 @@ TEST(AttentionCudaTest, Qwen35TwoSequencesOf4096EdgeHeads) {
 TEST(AttentionCudaTest, Qwen3HeadDim128OneSequenceOf8192EdgeHeads) {
   DF_REQUIRE_GPU();
   SpotCheckLong({{8192}, 32, 8, 128, false}, "1x8192, Hq 32 / Hkv 8 / hd 128");
+}
+
+// ---------------------------------------------------------------------------
+// Chunked prefill: the queries after a prefix of p tokens of one sequence
+// (AttentionArgs::q_offset), q read in place at row p, K and V of the whole
+// sequence.
+
+constexpr PortableKernels kModes[] = {PortableKernels::kAuto, PortableKernels::kSm100,
+                                      PortableKernels::kSm120};
+
+// Rows [p, T) of d's one sequence as a piece after a prefix of p tokens.
+void RunPiece(const AttentionData& d, int32_t p, std::vector<float>* out) {
+  AttentionArgs a = d.args();
+  const int64_t n = d.tokens() - p;
+  DeviceBuffer<int32_t> cu(std::vector<int32_t>{0, static_cast<int32_t>(n)});
+  DeviceBuffer<bf16> piece(n * a.num_q_heads * a.head_dim);
+  DF_CUDA_OK(cudaMemset(piece.get(), 0xFF, piece.size() * sizeof(bf16)));  // NaN poison
+  a.q += p * a.q_stride;
+  a.num_tokens = n;
+  a.num_kv_tokens = d.tokens();
+  a.q_offset = p;
+  a.cu_seqlens = cu.get();
+  a.max_seqlen = static_cast<int32_t>(n);
+  a.out = piece.get();
+  DF_CUDA_OK(VarlenCausalAttention(a, nullptr));
+  DF_CUDA_OK(cudaDeviceSynchronize());
+  *out = ToF32(piece.Download());
+}
+
+// Elements of `piece` (rows [p, T)) whose bits differ from the one-pass output's.
+int64_t BitsDiffer(const std::vector<float>& piece, const std::vector<float>& one_pass,
+                   int64_t first) {
+  int64_t differ = 0;
+  for (size_t i = 0; i < piece.size(); ++i) {
+    differ += std::memcmp(&piece[i], &one_pass[first + i], sizeof(float)) != 0;
+  }
+  return differ;
+}
+
+// The query tile of head dim hd's kernel in the mode in force; 1 for the
+// small-head kernel, which computes every row alone.
+int QueryTile(int64_t hd) {
+  if (hd < 128) return 1;
+  AttentionPath path;
+  if (ChooseAttentionPath(hd, &path) != cudaSuccess) return 0;
+  return path.q_tile;
+}
+
+// One sequence split at each of `splits`, in each of `modes`: the piece after
+// the split within the reference's tolerance (`ref`: the fp32 reference, or
+// null for the one-pass output, itself checked by the tests above), and with
+// the one-pass bits where the split is a multiple of the query tile (the same
+// tiles, so the same products in the same order). Elsewhere a row meets a
+// different number of key tiles past its diagonal, which add p = 0 and
+// rescale by exp2(0) = 1; the count of differing elements is printed.
+void CheckSplits(const Problem& pb, const std::vector<int32_t>& splits,
+                 const std::vector<PortableKernels>& modes, bool with_reference,
+                 const std::string& what) {
+  AttentionData d(pb, 31);
+  const std::vector<float> ref = with_reference ? d.Reference(0, pb.hq) : std::vector<float>{};
+  const int64_t row = pb.hq * pb.hd;
+  for (PortableKernels m : modes) {
+    ScopedPortableKernels mode(m);
+    const int q_tile = QueryTile(pb.hd);
+    ASSERT_GT(q_tile, 0);
+    d.PoisonOutput();
+    DF_CUDA_OK(VarlenCausalAttention(d.args(), nullptr));
+    DF_CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<float> one_pass = d.Output();
+    for (int32_t p : splits) {
+      const std::string label = what + ", " + PortableKernelsName(m) + ", after " +
+                                std::to_string(p) + " of " + std::to_string(d.tokens());
+      std::vector<float> piece;
+      RunPiece(d, p, &piece);
+      if (::testing::Test::HasFatalFailure()) return;
+      ExpectClose(d, piece, 0, pb.hq, with_reference ? ref : one_pass, label, p);
+      const int64_t differ = BitsDiffer(piece, one_pass, p * row);
+      std::printf("%s: %lld of %zu elements differ from one pass (query tile %d)\n", label.c_str(),
+                  static_cast<long long>(differ), piece.size(), q_tile);
+      if (p % q_tile == 0) {
+        EXPECT_EQ(differ, 0) << label << ": not the one-pass bits";
+      }
+    }
+  }
+}
+
+// 1 token, a 64-row tile less one, on and one past it, a 128-row tile, deep
+// in the sequence, and all but the last query.
+const std::vector<int32_t> kSplits = {1, 63, 64, 65, 128, 1000, 1099};
+const std::vector<PortableKernels> kAllModes(std::begin(kModes), std::end(kModes));
+
+TEST(AttentionCudaTest, PrefixSplitsHeadDim256) {
+  DF_REQUIRE_GPU();
+  CheckSplits({{1100}, 8, 2, 256, true}, kSplits, kAllModes, true, "prefix, hd 256");
+}
+
+TEST(AttentionCudaTest, PrefixSplitsHeadDim128) {
+  DF_REQUIRE_GPU();
+  CheckSplits({{1100}, 8, 2, 128, false}, kSplits, kAllModes, true, "prefix, hd 128");
+}
+
+TEST(AttentionCudaTest, PrefixSplitsSmallHeadDims) {
+  DF_REQUIRE_GPU();
+  const std::vector<int32_t> splits = {1, 63, 64, 65, 299};
+  CheckSplits({{300}, 4, 2, 32, false}, splits, {PortableKernels::kAuto}, true, "prefix, hd 32");
+  CheckSplits({{300}, 4, 2, 64, true}, splits, {PortableKernels::kAuto}, true, "prefix, hd 64");
+}
+
+// The Qwen3.5-27B heads, the last queries of an 8k-token sequence: after
+// 7,680 (a multiple of every query tile) and 8,000 (of none but 64).
+TEST(AttentionCudaTest, Qwen35PrefixOf8192) {
+  DF_REQUIRE_GPU();
+  CheckSplits({{8192}, 24, 4, 256, true}, {7680, 8000}, kAllModes, false,
+              "prefix, Hq 24 / Hkv 4 / hd 256");
+}
+
+TEST(AttentionCudaTest, PrefixRejectsBadArguments) {
+  DF_REQUIRE_GPU();
+  for (const int64_t hd : {64, 256}) {
+    AttentionData two({{3, 4}, 4, 2, hd, false}, 17);
+    AttentionArgs a = two.args();
+    a.q_offset = 2;  // two sequences
+    a.num_kv_tokens = two.tokens() + 2;
+    EXPECT_EQ(VarlenCausalAttention(a, nullptr), cudaErrorInvalidValue) << hd;
+    AttentionData one({{6}, 4, 2, hd, false}, 18);
+    a = one.args();
+    a.q_offset = 2;  // num_kv_tokens 0 means T, not 2 + T
+    EXPECT_EQ(VarlenCausalAttention(a, nullptr), cudaErrorInvalidValue) << hd;
+    a.num_kv_tokens = one.tokens() + 3;
+    EXPECT_EQ(VarlenCausalAttention(a, nullptr), cudaErrorInvalidValue) << hd;
+    a = one.args();
+    a.q_offset = -1;
+    a.num_kv_tokens = one.tokens() - 1;
+    EXPECT_EQ(VarlenCausalAttention(a, nullptr), cudaErrorInvalidValue) << hd;
+    a = one.args();
+    a.num_kv_tokens = one.tokens() + 1;  // no prefix: k/v rows must be the queries'
+    EXPECT_EQ(VarlenCausalAttention(a, nullptr), cudaErrorInvalidValue) << hd;
+    a.num_kv_tokens = one.tokens();  // spelt out, the same as 0
+    EXPECT_EQ(VarlenCausalAttention(a, nullptr), cudaSuccess) << hd;
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 }  // namespace
