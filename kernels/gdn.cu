@@ -160,6 +160,19 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv, kStages>::kThreads, 1)
   }
   const int d0 = 16 * warp;  // within the slice
   bf16* s_o = reinterpret_cast<bf16*>(smem + L::kO) + warp * kChunk * L::kOLd;
+  // This thread's state elements in GdnArgs' [Nv][dk][dv] layout: element e
+  // of n-tile nt is S[head][8nt + 2q + (e & 1)][slice0 + d0 + g + 8(e >> 1)].
+  const auto state_index = [&](int nt, int e) {
+    return (static_cast<int64_t>(head) * kDk + 8 * nt + 2 * q4 + (e & 1)) * kDv + slice0 + d0 + g +
+           8 * (e >> 1);
+  };
+  if (seq == 0 && p.initial_state != nullptr) {
+#pragma unroll
+    for (int nt = 0; nt < kDk / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st_acc[nt][e] = p.initial_state[state_index(nt, e)];
+    }
+  }
 
   if (num_chunks > 0) load_chunk(0);
   CpAsyncCommit();
@@ -322,6 +335,15 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv, kStages>::kThreads, 1)
     }
   }
   CpAsyncWait<0>();
+  // A padded row of the last chunk adds nothing (kf = 0) and decays nothing
+  // (g = 0), so this is the state after the sequence's last token.
+  if (seq == p.num_seqs - 1 && p.final_state != nullptr) {
+#pragma unroll
+    for (int nt = 0; nt < kDk / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p.final_state[state_index(nt, e)] = st_acc[nt][e];
+    }
+  }
 }
 
 // Whether (dk, dv) has a one-stage scan: only where two stages are more than
@@ -419,7 +441,26 @@ cudaError_t GatedDeltaRule(const GdnArgs& args, void* workspace, cudaStream_t st
       a.qkv_stride < 2 * a.num_k_heads * a.key_dim + a.num_v_heads * a.value_dim) {
     return cudaErrorInvalidValue;
   }
-  if (a.num_tokens == 0) return cudaSuccess;
+  // The last sequence's blocks write final_state while sequence 0's may not
+  // have read initial_state yet: only one block per state slice may own both.
+  const size_t state_bytes =
+      static_cast<size_t>(a.num_v_heads * a.key_dim * a.value_dim) * sizeof(float);
+  const uintptr_t in_begin = reinterpret_cast<uintptr_t>(a.initial_state);
+  const uintptr_t out_begin = reinterpret_cast<uintptr_t>(a.final_state);
+  if (a.initial_state != nullptr && a.final_state != nullptr && a.num_seqs > 1 &&
+      in_begin < out_begin + state_bytes && out_begin < in_begin + state_bytes) {
+    return cudaErrorInvalidValue;
+  }
+  if (a.num_tokens == 0) {  // every sequence empty: the state passes through
+    if (a.final_state == nullptr) return cudaSuccess;
+    if (a.initial_state != nullptr && a.num_seqs == 1) {
+      return a.initial_state == a.final_state
+                 ? cudaSuccess
+                 : cudaMemcpyAsync(a.final_state, a.initial_state, state_bytes,
+                                   cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemsetAsync(a.final_state, 0, state_bytes, stream);
+  }
   const WorkspaceLayout l = Layout(a);
   unsigned char* base = static_cast<unsigned char*>(workspace);
   GdnParams p;
@@ -439,6 +480,8 @@ cudaError_t GatedDeltaRule(const GdnArgs& args, void* workspace, cudaStream_t st
   p.ws.u = reinterpret_cast<bf16*>(base + l.u);
   p.ws.m = reinterpret_cast<bf16*>(base + l.m);
   p.ws.f = reinterpret_cast<float*>(base + l.f);
+  p.initial_state = a.initial_state;
+  p.final_state = a.final_state;
   const int64_t slots = NumSlots(a);
   return WithHeadDims(a.key_dim, a.value_dim, [&](auto dk, auto dv) {
     return LaunchGdn<decltype(dk)::value, decltype(dv)::value>(p, slots, stream);

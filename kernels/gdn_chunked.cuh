@@ -109,6 +109,8 @@ struct GdnParams {
   int32_t num_v_heads;
   bf16* out;
   Workspace ws;
+  const float* initial_state;  // GdnArgs'; read by the scan's sequence-0 blocks
+  float* final_state;          // written by its last sequence's blocks
 };
 
 // Kernel 1 (gdn_prep.cu), one block per (chunk slot, value head): the gates,

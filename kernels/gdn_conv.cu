@@ -29,11 +29,13 @@ struct BfVec {
 // Block = (kConvTokens tokens, kConvThreads·kVec channels). Each thread owns
 // kVec consecutive channels over the block's tokens, keeping the last
 // kTaps − 1 inputs in registers; a sequence start inside the tile clears them.
+// Sequence 0's window starts from x_prefix ([kTaps − 1, channels]) where given.
 template <int kTaps, int kVec>
 __global__ void __launch_bounds__(kConvThreads)
     CausalConvSiluKernel(const bf16* __restrict__ x, int64_t x_stride, const bf16* __restrict__ w,
                          int64_t num_tokens, int64_t channels, const int32_t* __restrict__ cu,
-                         int32_t num_seqs, bf16* __restrict__ y) {
+                         int32_t num_seqs, const bf16* __restrict__ x_prefix,
+                         bf16* __restrict__ y) {
   const int64_t c0 = (static_cast<int64_t>(blockIdx.y) * kConvThreads + threadIdx.x) * kVec;
   if (c0 >= channels) return;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kConvTokens;
@@ -77,10 +79,15 @@ __global__ void __launch_bounds__(kConvThreads)
 #pragma unroll
   for (int i = 0; i < kTaps - 1; ++i) {
     const int64_t src = t0 - (kTaps - 1) + i;
-    if (src >= seq_begin)
+    if (src >= seq_begin) {
       win[i].Load(x + src * x_stride + c0);
-    else
+    } else if (seq == 0 && x_prefix != nullptr) {
+      // Only the tile holding sequence 0's first tokens gets here; prefix
+      // row kTaps−1 + (src − seq_begin) is input src.
+      win[i].Load(x_prefix + (kTaps - 1 + (src - seq_begin)) * channels + c0);
+    } else {
       win[i].Zero();
+    }
   }
   // Four tokens' loads in flight before their use.
   constexpr int kGroup = 4;
@@ -126,20 +133,21 @@ __global__ void __launch_bounds__(kConvThreads)
 
 template <int kTaps>
 cudaError_t LaunchConv(const bf16* x, int64_t x_stride, const bf16* w, int64_t num_tokens,
-                       int64_t channels, const int32_t* cu, int32_t num_seqs, bf16* y,
-                       cudaStream_t stream) {
+                       int64_t channels, const int32_t* cu, int32_t num_seqs, const bf16* x_prefix,
+                       bf16* y, cudaStream_t stream) {
   const bool vec =
       channels % 8 == 0 && x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-      reinterpret_cast<uintptr_t>(y) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
+      reinterpret_cast<uintptr_t>(y) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(x_prefix) % 16 == 0;
   const int per_block = kConvThreads * (vec ? 8 : 1);
   const dim3 grid(static_cast<unsigned>((num_tokens + kConvTokens - 1) / kConvTokens),
                   static_cast<unsigned>((channels + per_block - 1) / per_block));
   if (vec) {
-    CausalConvSiluKernel<kTaps, 8>
-        <<<grid, kConvThreads, 0, stream>>>(x, x_stride, w, num_tokens, channels, cu, num_seqs, y);
+    CausalConvSiluKernel<kTaps, 8><<<grid, kConvThreads, 0, stream>>>(
+        x, x_stride, w, num_tokens, channels, cu, num_seqs, x_prefix, y);
   } else {
-    CausalConvSiluKernel<kTaps, 1>
-        <<<grid, kConvThreads, 0, stream>>>(x, x_stride, w, num_tokens, channels, cu, num_seqs, y);
+    CausalConvSiluKernel<kTaps, 1><<<grid, kConvThreads, 0, stream>>>(
+        x, x_stride, w, num_tokens, channels, cu, num_seqs, x_prefix, y);
   }
   return cudaGetLastError();
 }
@@ -148,19 +156,20 @@ cudaError_t LaunchConv(const bf16* x, int64_t x_stride, const bf16* w, int64_t n
 
 cudaError_t CausalConv1dSilu(const bf16* x, int64_t x_stride, const bf16* w, int64_t num_tokens,
                              int64_t channels, int64_t kernel, const int32_t* cu_seqlens,
-                             int32_t num_seqs, bf16* y, cudaStream_t stream) {
+                             int32_t num_seqs, bf16* y, cudaStream_t stream, const bf16* x_prefix) {
   if (num_tokens < 0 || channels <= 0 || num_seqs <= 0 || x_stride < channels) {
     return cudaErrorInvalidValue;
   }
   if (num_tokens == 0) return cudaSuccess;
   // One instantiation per kernel width (the taps live in registers).
   using Launcher = cudaError_t (*)(const bf16*, int64_t, const bf16*, int64_t, int64_t,
-                                   const int32_t*, int32_t, bf16*, cudaStream_t);
+                                   const int32_t*, int32_t, const bf16*, bf16*, cudaStream_t);
   static constexpr Launcher kByTaps[] = {LaunchConv<1>, LaunchConv<2>, LaunchConv<3>,
                                          LaunchConv<4>, LaunchConv<5>, LaunchConv<6>,
                                          LaunchConv<7>, LaunchConv<8>};
   if (kernel < 1 || kernel > 8) return cudaErrorInvalidValue;
-  return kByTaps[kernel - 1](x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, y, stream);
+  return kByTaps[kernel - 1](x, x_stride, w, num_tokens, channels, cu_seqlens, num_seqs, x_prefix,
+                             y, stream);
 }
 
 }  // namespace draftfeed::cuda
