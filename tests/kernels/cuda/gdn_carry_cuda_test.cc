@@ -165,12 +165,10 @@ TEST(CausalConvPrefixCudaTest, OnlySequenceZeroReadsThePrefix) {
 // ---------------------------------------------------------------------------
 // Gated delta rule: initial_state / final_state.
 
-// A sequence's inputs on the device (GdnDevice over one or more packed
-// sequences) run in pieces: piece [p, p + n) is a call of n tokens over
-// rows p.. of qkv, a, b, writing rows p.. of `out`, starting from the
-// previous piece's final state. `lens` gives each piece's packed sequences
-// (all of the batch's when empty: the whole batch is one piece). Ping-pong
-// state buffers, or one buffer in place.
+// A batch's inputs on the device (GdnDevice) run in pieces, each piece a
+// call over rows [p, p + n) of qkv, a and b that writes rows [p, p + n) of
+// `out`: Run chains one sequence's pieces through the state buffers
+// (ping-pong, or one buffer in place), Piece gives one call's args.
 struct PieceRunner {
   const GdnInputs& in;
   GdnDevice& dev;
@@ -243,7 +241,7 @@ std::string ShapeName(const GdnShape& s, int64_t T) {
 // reference's tolerance, and a final state within the same bounds of the
 // one-pass one (both fp32 states of the same recurrence, chunked differently).
 void CheckPieces(const GdnShape& shape, int64_t T, const std::vector<std::vector<int64_t>>& plans,
-                 bool in_place, uint64_t seed) {
+                 uint64_t seed) {
   const GdnInputs in = MakeInputs(shape, {static_cast<int32_t>(T)}, seed);
   GdnDevice dev(in);
   std::vector<bf16> one_pass;
@@ -252,7 +250,6 @@ void CheckPieces(const GdnShape& shape, int64_t T, const std::vector<std::vector
   if (::testing::Test::HasFatalFailure()) return;
   const std::vector<float> ref = Reference(in);
   PieceRunner runner(in, dev);
-  runner.in_place = in_place;
   for (const std::vector<int64_t>& cuts : plans) {
     const std::string what = ShapeName(shape, T) + ", " + CutsName(cuts);
     std::vector<float> state(one_pass_state.size());
@@ -292,27 +289,44 @@ const std::vector<std::vector<int64_t>> kUnalignedPlans = {
 
 TEST(GdnStateCudaTest, PiecesAtChunkMultiplesGiveOnePassBits) {
   DF_REQUIRE_GPU();
-  CheckPieces({2, 4, 128, 128, 0, 0}, 1100, kAlignedPlans, false, 700);
-  CheckPieces({1, 2, 32, 128, 16, 1}, 1100, kAlignedPlans, false, 701);  // two state slices
-  CheckPieces({2, 6, 64, 32, 8, 3}, 1100, kAlignedPlans, false, 702);    // dk ≠ dv, padded rows
+  CheckPieces({2, 4, 128, 128, 0, 0}, 1100, kAlignedPlans, 700);
+  CheckPieces({1, 2, 32, 128, 16, 1}, 1100, kAlignedPlans, 701);  // two state slices
+  CheckPieces({2, 6, 64, 32, 8, 3}, 1100, kAlignedPlans, 702);    // dk ≠ dv, padded rows
 }
 
 TEST(GdnStateCudaTest, PiecesElsewhereMatchTheReference) {
   DF_REQUIRE_GPU();
-  CheckPieces({2, 4, 128, 128, 0, 0}, 1100, kUnalignedPlans, false, 710);
-  CheckPieces({2, 6, 64, 32, 8, 3}, 1100, kUnalignedPlans, false, 711);
+  CheckPieces({2, 4, 128, 128, 0, 0}, 1100, kUnalignedPlans, 710);
+  CheckPieces({2, 6, 64, 32, 8, 3}, 1100, kUnalignedPlans, 711);
 }
 
 TEST(GdnStateCudaTest, Qwen36_27BShapePieces) {
   DF_REQUIRE_GPU();
-  CheckPieces({16, 48, 128, 128, 0, 0}, 700, {{512}, {64, 320}, {100}, {1, 641}}, false, 720);
+  CheckPieces({16, 48, 128, 128, 0, 0}, 700, {{512}, {64, 320}, {100}, {1, 641}}, 720);
 }
 
 // One buffer as both initial_state and final_state of each single-sequence
-// piece: the same bits as two.
+// piece gives the bits of two (ping-pong), at chunk multiples and elsewhere.
 TEST(GdnStateCudaTest, InPlaceStateGivesTheSameBits) {
   DF_REQUIRE_GPU();
-  CheckPieces({2, 4, 128, 128, 0, 0}, 1100, {{64, 640}, {1, 65}}, true, 730);
+  const GdnShape s = {2, 4, 128, 128, 0, 0};
+  const GdnInputs in = MakeInputs(s, {1100}, 730);
+  GdnDevice dev(in);
+  for (const std::vector<int64_t>& cuts : {std::vector<int64_t>{64, 640}, {1, 65}}) {
+    std::vector<std::vector<bf16>> outs;
+    std::vector<std::vector<float>> states;
+    for (const bool in_place : {false, true}) {
+      PieceRunner runner(in, dev);
+      runner.in_place = in_place;
+      std::vector<float> state(PieceRunner::StateSize(s));
+      runner.Run(PieceBounds(cuts, in.T), &state);
+      if (HasFatalFailure()) return;
+      outs.push_back(runner.out.Download());
+      states.push_back(state);
+    }
+    EXPECT_EQ(BitsDiffer(outs[0], outs[1]), 0) << CutsName(cuts) << ": outputs";
+    EXPECT_EQ(BitsDiffer(states[0], states[1]), 0) << CutsName(cuts) << ": final state";
+  }
 }
 
 // The layout, pinned without the chunked maths: one token from the zero
