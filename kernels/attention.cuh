@@ -32,11 +32,12 @@ struct AttentionArgs {
   // With q_offset = P > 0 (num_seqs must be 1, cu_seqlens {0, T}) the T
   // queries are positions P .. P+T−1 of one sequence whose keys and values
   // are rows [0, P + T) of k and v, and query i attends keys 0 .. P+i.
-  // num_kv_tokens is the row count of k and v: 0 means T, and with q_offset
-  // it must be P + T. max_seqlen bounds T (the queries). Each output row is
-  // the bits a one-pass call over all P + T tokens gives that row when P is
-  // a multiple of the query tile (AttentionPath::q_tile; always on the
-  // small-head kernel). cudaErrorInvalidValue otherwise.
+  // num_kv_tokens is the row count of k and v: 0 means T, and it must equal
+  // P + T; P < 0, P > 0 with num_seqs ≠ 1, or another count is
+  // cudaErrorInvalidValue. max_seqlen bounds T (the queries). Any P works;
+  // each output row is the bits a one-pass call over all P + T tokens gives
+  // that row when P is a multiple of the query tile (AttentionPath::q_tile;
+  // any P on the small-head kernel), else equal within bf16 rounding.
   int64_t num_kv_tokens = 0;
   int32_t q_offset = 0;
 };
