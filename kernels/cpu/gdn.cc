@@ -33,9 +33,23 @@ HeadView MakeView(const DeltaRuleArgs& a, int64_t vh) {
   return HeadView{a, vh, vh / (a.num_v_heads / a.num_k_heads)};
 }
 
-void RecurrentOne(const HeadView& h, int64_t begin, int64_t end) {
+// The state one (sequence, value head) starts from, and where its last one
+// goes (null: dropped): only sequence 0 starts from initial_state, only the
+// last sequence writes final_state.
+std::vector<float> InitialState(const HeadView& h, int64_t seq) {
+  const size_t n = static_cast<size_t>(h.a.key_dim * h.a.value_dim);
+  if (seq != 0 || h.a.initial_state == nullptr) return std::vector<float>(n, 0.0f);
+  const float* src = h.a.initial_state + h.vh * static_cast<int64_t>(n);
+  return std::vector<float>(src, src + n);
+}
+void StoreFinalState(const HeadView& h, int64_t seq, const std::vector<float>& state) {
+  if (seq != h.a.num_seqs - 1 || h.a.final_state == nullptr) return;
+  std::copy(state.begin(), state.end(), h.a.final_state + h.vh * static_cast<int64_t>(state.size()));
+}
+
+void RecurrentOne(const HeadView& h, int64_t seq, int64_t begin, int64_t end) {
   const int64_t dk = h.a.key_dim, dv = h.a.value_dim;
-  std::vector<float> state(static_cast<size_t>(dk * dv), 0.0f);
+  std::vector<float> state = InitialState(h, seq);
   std::vector<float> delta(static_cast<size_t>(dv));
   for (int64_t t = begin; t < end; ++t) {
     const float alpha = std::exp(h.g(t));
@@ -53,13 +67,14 @@ void RecurrentOne(const HeadView& h, int64_t begin, int64_t end) {
     std::fill(ot, ot + dv, 0.0f);
     for (int64_t i = 0; i < dk; ++i) Axpy(qt[i], &state[i * dv], ot, dv);
   }
+  StoreFinalState(h, seq, state);
 }
 
 // One (sequence, value head) in chunks, as transformers' torch_chunk_gated_delta_rule
 // computes it (steps 1–7 below, per chunk of at most `chunk` tokens).
-void ChunkedOne(const HeadView& h, int64_t begin, int64_t end, int64_t chunk) {
+void ChunkedOne(const HeadView& h, int64_t seq, int64_t begin, int64_t end, int64_t chunk) {
   const int64_t dk = h.a.key_dim, dv = h.a.value_dim;
-  std::vector<float> state(static_cast<size_t>(dk * dv), 0.0f);
+  std::vector<float> state = InitialState(h, seq);
   std::vector<float> gam(static_cast<size_t>(chunk));
   std::vector<float> decay(static_cast<size_t>(chunk * chunk));  // Γ, lower triangle
   std::vector<float> u(static_cast<size_t>(chunk * dv));         // U, then V_new
@@ -122,29 +137,34 @@ void ChunkedOne(const HeadView& h, int64_t begin, int64_t end, int64_t chunk) {
       for (int64_t i = 0; i < dk; ++i) Axpy(f * kr[i], ur, &state[i * dv], dv);
     }
   }
+  StoreFinalState(h, seq, state);
 }
 
 template <typename Fn>
 void ForEachSeqHead(const DeltaRuleArgs& a, int num_threads, Fn fn) {
   ParallelFor(a.num_seqs * a.num_v_heads, num_threads, [&](int64_t item) {
     const int64_t s = item / a.num_v_heads;
-    fn(MakeView(a, item % a.num_v_heads), a.cu_seqlens[s], a.cu_seqlens[s + 1]);
+    fn(MakeView(a, item % a.num_v_heads), s, a.cu_seqlens[s], a.cu_seqlens[s + 1]);
   });
 }
 
 }  // namespace
 
 void CausalConv1dSilu(const float* x, const float* w, const int32_t* cu_seqlens, int64_t num_seqs,
-                      int64_t channels, int64_t kernel, float* y) {
+                      int64_t channels, int64_t kernel, float* y, const float* x_prefix) {
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t begin = cu_seqlens[s], end = cu_seqlens[s + 1];
+    const float* prefix = s == 0 ? x_prefix : nullptr;
     for (int64_t t = begin; t < end; ++t) {
       float* yt = y + t * channels;
       std::fill(yt, yt + channels, 0.0f);
       for (int64_t i = 0; i < kernel; ++i) {
         const int64_t src = t - (kernel - 1) + i;
-        if (src < begin) continue;
-        const float* xs = x + src * channels;
+        if (src < begin && prefix == nullptr) continue;
+        // Prefix row kernel − 1 + (src − begin) is the token src − begin
+        // places before the sequence's first here.
+        const float* xs =
+            src < begin ? prefix + (kernel - 1 + src - begin) * channels : x + src * channels;
         for (int64_t c = 0; c < channels; ++c) yt[c] += w[c * kernel + i] * xs[c];
       }
       for (int64_t c = 0; c < channels; ++c) yt[c] = Silu(yt[c]);
@@ -179,14 +199,16 @@ void GdnGates(const float* a, const float* b, const float* a_log, const float* d
 }
 
 void GatedDeltaRuleRecurrent(const DeltaRuleArgs& args, int num_threads) {
-  ForEachSeqHead(args, num_threads, [](const HeadView& h, int64_t begin, int64_t end) {
-    RecurrentOne(h, begin, end);
+  ForEachSeqHead(args, num_threads, [](const HeadView& h, int64_t seq, int64_t begin,
+                                               int64_t end) {
+    RecurrentOne(h, seq, begin, end);
   });
 }
 
 void GatedDeltaRuleChunked(const DeltaRuleArgs& args, int64_t chunk_size, int num_threads) {
-  ForEachSeqHead(args, num_threads, [chunk_size](const HeadView& h, int64_t begin, int64_t end) {
-    ChunkedOne(h, begin, end, chunk_size);
+  ForEachSeqHead(args, num_threads, [chunk_size](const HeadView& h, int64_t seq,
+                                                       int64_t begin, int64_t end) {
+    ChunkedOne(h, seq, begin, end, chunk_size);
   });
 }
 

@@ -8,10 +8,13 @@
 namespace draftfeed::cpu {
 
 // y[t, c] = SiLU(Σ_{i<kernel} w[c, i]·x[t − (kernel−1) + i, c]): tap kernel−1
-// is the current token, and taps before the start of t's sequence read 0.
+// is the current token, and taps before the start of t's sequence read 0,
+// but sequence 0's read `x_prefix` when given: [kernel − 1, channels], the
+// inputs of the kernel − 1 tokens before it (chunked prefill's carried tail).
 // x, y: [T, channels] dense (y must not alias x); w: [channels, kernel].
 void CausalConv1dSilu(const float* x, const float* w, const int32_t* cu_seqlens, int64_t num_seqs,
-                      int64_t channels, int64_t kernel, float* y);
+                      int64_t channels, int64_t kernel, float* y,
+                      const float* x_prefix = nullptr);
 
 // In place, per head: x ← (x / sqrt(Σx² + eps))·scale, over
 // [num_tokens, num_heads, head_dim] with consecutive tokens token_stride
@@ -47,10 +50,18 @@ struct DeltaRuleArgs {
   int64_t num_v_heads = 0;
   int64_t key_dim = 0;
   int64_t value_dim = 0;
+  // Chunked prefill carries one sequence's state between calls. State layout:
+  // [num_v_heads, key_dim, value_dim], S[j][i][d] with o = Sᵀq (transformers'
+  // recurrent_state[b, j, i, d]). `initial_state`: where sequence 0 starts
+  // (null: zero); `final_state`: written with the state after the last
+  // sequence's last token (null: not written). A call with one sequence may
+  // pass the same buffer as both.
+  const float* initial_state = nullptr;
+  float* final_state = nullptr;
 };
 
 // Token-by-token recurrence with state S [key_dim, value_dim], zero at every
-// sequence start:  S ← e^g·S;  S ← S + k·(β(v − Sᵀk))ᵀ;  o = Sᵀq.
+// sequence start (but sequence 0's, from initial_state when given):  S ← e^g·S;  S ← S + k·(β(v − Sᵀk))ᵀ;  o = Sᵀq.
 // Parallel over (sequence, value head) on up to num_threads threads.
 void GatedDeltaRuleRecurrent(const DeltaRuleArgs& args, int num_threads);
 

@@ -187,7 +187,8 @@ void CpuForward::Embed(const ForwardInput& in, float* h) const {
 }
 
 // Full attention: Qwen3.5's with the sigmoid output gate, Qwen3's without.
-void CpuForward::Attention(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const {
+void CpuForward::Attention(int64_t layer, const LayerF32& w, const Batch& b, const Buffer& u,
+                           Buffer& m) const {
   const ModelConfig& c = rank_.config;
   const int64_t t = b.tokens, d = c.hidden_size, hd = c.head_dim;
   const int64_t hq = c.num_heads, hkv = c.num_kv_heads;
@@ -203,8 +204,12 @@ void CpuForward::Attention(const LayerF32& w, const Batch& b, const Buffer& u, B
   cpu::ApplyRope(q.data(), t, hq, hd, c.rotary_dim(), b.positions.data(), theta);
   cpu::ApplyRope(k.data(), t, hkv, hd, c.rotary_dim(), b.positions.data(), theta);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
-  cpu::VarlenCausalAttention(q.data(), k.data(), v.data(), b.cu.data(), b.num_seqs(), hq, hkv, hd,
-                             scale, o.data(), threads_);
+  if (b.resume == 0 && !b.carry_last) {
+    cpu::VarlenCausalAttention(q.data(), k.data(), v.data(), b.cu.data(), b.num_seqs(), hq, hkv,
+                               hd, scale, o.data(), threads_);
+  } else {
+    CarriedAttention(layer, b, q, std::move(k), std::move(v), scale, o);
+  }
   if (!w.attn.wg.empty()) {
     Buffer gate;
     Linear(u, w.attn.wg, t, hq * hd, d, gate);
@@ -215,8 +220,8 @@ void CpuForward::Attention(const LayerF32& w, const Batch& b, const Buffer& u, B
 
 // A Gated DeltaNet layer: projections, causal conv + SiLU, L2-normed q/k, gates, the chunked
 // gated delta rule, the gated norm and out_proj.
-void CpuForward::GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& u,
-                               Buffer& m) const {
+void CpuForward::GatedDeltaNet(int64_t layer, const LayerF32& w, const Batch& b,
+                               const Buffer& u, Buffer& m) const {
   const ModelConfig& c = rank_.config;
   const int64_t t = b.tokens, d = c.hidden_size;
   const int64_t nk = c.linear_num_key_heads, nv = c.linear_num_value_heads;
@@ -231,8 +236,14 @@ void CpuForward::GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& 
   // Channel order q | k | v, as in_proj_qkv's rows; the conv output is read in place by all
   // three through token strides.
   Buffer y(static_cast<size_t>(t * channels));
+  CpuSequenceCarry::Layer* carried =
+      b.carry != nullptr ? &b.carry->layers[static_cast<size_t>(layer)] : nullptr;
   cpu::CausalConv1dSilu(x.data(), w.gdn.conv.data(), b.cu.data(), b.num_seqs(), channels,
-                        c.linear_conv_kernel, y.data());
+                        c.linear_conv_kernel, y.data(),
+                        b.resume > 0 ? carried->conv_tail.data() : nullptr);
+  if (b.carry_last) {
+    carried->conv_tail = CarriedConvTail(b, x, channels, c.linear_conv_kernel, carried->conv_tail);
+  }
   float* q = y.data();
   float* k = y.data() + nk * dk;
   const float* v = y.data() + 2 * nk * dk;
@@ -261,7 +272,11 @@ void CpuForward::GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& 
   args.num_v_heads = nv;
   args.key_dim = dk;
   args.value_dim = dv;
+  Buffer final_state(b.carry_last ? static_cast<size_t>(nv * dk * dv) : 0);
+  if (b.resume > 0) args.initial_state = carried->state.data();
+  if (b.carry_last) args.final_state = final_state.data();
   cpu::GatedDeltaRuleChunked(args, kGdnChunk, threads_);
+  if (b.carry_last) carried->state = std::move(final_state);
 
   cpu::GatedRmsNorm(o.data(), z.data(), w.gdn.norm.data(), t * nv, dv, eps_, o.data());
   Linear(o, w.gdn.w_out, t, d, nv * dv, m);
@@ -309,13 +324,13 @@ void CpuForward::Moe(const LayerF32& w, const Batch& b, const Buffer& u, Buffer&
   }
 }
 
-void CpuForward::Block(BlockKind kind, const LayerF32& w, const Batch& b, const Buffer& u,
-                       Buffer& m) const {
+void CpuForward::Block(BlockKind kind, int64_t layer, const LayerF32& w, const Batch& b,
+                       const Buffer& u, Buffer& m) const {
   switch (kind) {
     case BlockKind::kAttention:
-      return Attention(w, b, u, m);
+      return Attention(layer, w, b, u, m);
     case BlockKind::kGatedDeltaNet:
-      return GatedDeltaNet(w, b, u, m);
+      return GatedDeltaNet(layer, w, b, u, m);
     case BlockKind::kDenseMlp:
       return Ffn(w, b, u, m);
     case BlockKind::kMoeMlp:
@@ -327,7 +342,7 @@ void CpuForward::Block(BlockKind kind, const LayerF32& w, const Batch& b, const 
 }
 
 void CpuForward::Run(const ForwardInput& in, float* out, const AllReduce& all_reduce,
-                     float* final_states) const {
+                     float* final_states, CpuSequenceCarry* carry) const {
   const ModelConfig& c = rank_.config;
   const int64_t d = c.hidden_size;
   const int64_t num_layers = c.num_layers;
@@ -339,6 +354,14 @@ void CpuForward::Run(const ForwardInput& in, float* out, const AllReduce& all_re
   for (int32_t len : in.seq_lens) b.cu.push_back(b.cu.back() + len);
   b.positions.resize(static_cast<size_t>(b.tokens));
   cpu::SequencePositions(b.cu.data(), b.num_seqs(), b.positions.data());
+  if (in.chunked()) {
+    b.resume = in.resume_tokens;
+    b.carry_last = in.carry_last;
+    b.carry = carry;
+    // Sequence 0 goes on from where it stopped.
+    for (int32_t t = 0; t < b.cu[1]; ++t) b.positions[static_cast<size_t>(t)] += b.resume;
+    carry->layers.resize(static_cast<size_t>(num_layers));
+  }
 
   // Output slot of each capture id (index 0 is the final norm, i + 1 layer i),
   // and how deep the forward has to go.
@@ -365,11 +388,11 @@ void CpuForward::Run(const ForwardInput& in, float* out, const AllReduce& all_re
     const LayerF32& w = layers_[static_cast<size_t>(i)];
     const LayerBlocks blocks = BlocksOfLayer(c, i);
     cpu::RmsNorm(h.data(), w.input_norm.data(), b.tokens, d, eps_, norm_kind_, u.data());
-    Block(blocks.mixer, w, b, u, m);
+    Block(blocks.mixer, i, w, b, u, m);
     if (all_reduce) all_reduce(m);
     AddInto(h, m);
     cpu::RmsNorm(h.data(), w.post_norm.data(), b.tokens, d, eps_, norm_kind_, u.data());
-    Block(blocks.mlp, w, b, u, m);
+    Block(blocks.mlp, i, w, b, u, m);
     if (all_reduce) all_reduce(m);
     AddInto(h, m);
     if (slot[static_cast<size_t>(i + 1)] >= 0) capture(h, slot[static_cast<size_t>(i + 1)]);
@@ -378,6 +401,10 @@ void CpuForward::Run(const ForwardInput& in, float* out, const AllReduce& all_re
     cpu::RmsNorm(h.data(), final_norm_.data(), b.tokens, d, eps_, norm_kind_, u.data());
     if (slot[0] >= 0) capture(u, slot[0]);
     if (final_states != nullptr) std::copy(u.begin(), u.end(), final_states);
+  }
+  if (in.chunked()) {
+    carry->tokens = TokensCarriedAfter(in);
+    if (carry->tokens == 0) carry->Clear();
   }
 }
 
@@ -453,10 +480,13 @@ struct CpuEngine::Impl {
   const Model* model = nullptr;
   CpuForward forward;
   std::unique_ptr<CpuTargetOutputs> outputs;
+  CpuSequenceCarry carry;
 
   // Validates the input; returns T·K·H, the number of output elements.
   absl::StatusOr<int64_t> CheckInput(const ForwardInput& in) const {
-    return CpuForward::CaptureElements(model->config, in);
+    DF_ASSIGN_OR_RETURN(const int64_t n, CpuForward::CaptureElements(model->config, in));
+    DF_RETURN_IF_ERROR(CheckCarriedInput(in, carry.tokens, carry.max_tokens, "the CPU engine"));
+    return n;
   }
 };
 
@@ -502,7 +532,7 @@ absl::Status CpuEngine::ForwardFloat(const ForwardInput& in, std::span<float> ou
   DF_ASSIGN_OR_RETURN(const int64_t n, impl_->CheckInput(in));
   DF_RETURN_IF_ERROR(
       CpuForward::CheckFloatOutput(in, impl_->model->config.hidden_size, out.size(), n));
-  impl_->forward.Run(in, out.data(), nullptr);
+  impl_->forward.Run(in, out.data(), nullptr, nullptr, &impl_->carry);
   return absl::OkStatus();
 }
 
@@ -513,11 +543,27 @@ absl::Status CpuEngine::Forward(const ForwardInput& in, std::span<std::byte> out
   return CpuForward::ForwardRows(
       in, *impl_->model, n,
       [&](float* states, float* final_states) {
-        forward.Run(in, states, nullptr, final_states);
+        forward.Run(in, states, nullptr, final_states, &impl_->carry);
       },
       *impl_->outputs, out);
 }
 
 bool CpuEngine::serves_target_outputs() const { return impl_->outputs->served(); }
+
+int64_t CpuEngine::max_carry_tokens() const { return impl_->carry.max_tokens; }
+
+int64_t CpuEngine::CarryBytes(int64_t tokens) const {
+  return CpuSequenceCarryBytes(impl_->model->config, tokens);
+}
+
+absl::Status CpuEngine::ReserveCarry(int64_t tokens) {
+  if (tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot carry ", tokens, " tokens"));
+  }
+  impl_->carry.max_tokens = tokens;
+  return absl::OkStatus();
+}
+
+void CpuEngine::DropCarry() { impl_->carry.Clear(); }
 
 }  // namespace draftfeed

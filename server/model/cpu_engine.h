@@ -24,6 +24,12 @@ class CpuEngine final : public Engine {
   }
   absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override;
   bool serves_target_outputs() const override;
+  // Chunked prefill: the carried sequence's state lives on the host and grows
+  // with it, up to ReserveCarry's limit (nothing is allocated up front).
+  int64_t max_carry_tokens() const override;
+  int64_t CarryBytes(int64_t tokens) const override;
+  absl::Status ReserveCarry(int64_t tokens) override;
+  void DropCarry() override;
   // Same forward, fp32 capture (the residual stream is fp32 throughout here).
   absl::Status ForwardFloat(const ForwardInput& in, std::span<float> out);
 

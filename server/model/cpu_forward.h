@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/cpu/rmsnorm.h"
+#include "server/model/cpu_sequence_carry.h"
 #include "server/model/cpu_target_outputs.h"
 #include "server/model/engine.h"
 #include "server/model/model.h"
@@ -46,9 +47,11 @@ class CpuForward {
   // Writes the [T, K, H] fp32 capture into `out` (null on ranks that do not
   // capture), and the post-final-norm states [T, H] into `final_states` when
   // it is not null (what lm_head reads for target outputs). `in` must have
-  // passed ValidateForwardInput.
+  // passed ValidateForwardInput. Chunked input (resume_tokens, carry_last)
+  // reads and updates `carry`, which must then be non-null and have passed
+  // CheckCarriedInput.
   void Run(const ForwardInput& in, float* out, const AllReduce& all_reduce,
-           float* final_states = nullptr) const;
+           float* final_states = nullptr, CpuSequenceCarry* carry = nullptr) const;
 
   // What both CPU engines check and write around Run. The capture's element
   // count T x K x H of a valid `in` (any token count: the budget is the
@@ -97,17 +100,35 @@ class CpuForward {
     std::vector<int32_t> cu;
     std::vector<int32_t> positions;
     int64_t num_seqs() const { return static_cast<int64_t>(cu.size()) - 1; }
+    // Chunked prefill (ForwardInput): sequence 0 resumes `resume` tokens in;
+    // the last sequence's state goes to `carry` when carry_last.
+    int64_t resume = 0;
+    bool carry_last = false;
+    CpuSequenceCarry* carry = nullptr;
   };
 
   absl::Status Load(const std::vector<WeightSpec>& specs);
   static Buffer* LayerSlot(LayerF32& l, Tensor LayerWeights::*member);
   void Embed(const ForwardInput& in, float* h) const;
-  void Attention(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
-  void GatedDeltaNet(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
+  // `layer`: the layer's id, its slot in the batch's carry.
+  void Attention(int64_t layer, const LayerF32& w, const Batch& b, const Buffer& u,
+                 Buffer& m) const;
+  void GatedDeltaNet(int64_t layer, const LayerF32& w, const Batch& b, const Buffer& u,
+                     Buffer& m) const;
+  // Chunked prefill (cpu_sequence_carry.cc). Attention of a batch whose first
+  // sequence resumes or whose last is carried: sequence 0's keys are the
+  // carried ones, then its own; the last sequence's K/V go to the carry.
+  void CarriedAttention(int64_t layer, const Batch& b, const Buffer& q, Buffer k, Buffer v,
+                        float scale, Buffer& o) const;
+  // The conv inputs of the last sequence's last kernel − 1 tokens, from `x`
+  // (this batch's, [T, channels]) and, where it resumed, the old tail.
+  static Buffer CarriedConvTail(const Batch& b, const Buffer& x, int64_t channels, int64_t kernel,
+                                const Buffer& old_tail);
   void Ffn(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
   void Moe(const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
   // The mixer or MLP `kind` of layer `w`: m = block(u) (this rank's part).
-  void Block(BlockKind kind, const LayerF32& w, const Batch& b, const Buffer& u, Buffer& m) const;
+  void Block(BlockKind kind, int64_t layer, const LayerF32& w, const Batch& b, const Buffer& u,
+             Buffer& m) const;
   void Linear(const Buffer& x, const Buffer& w, int64_t rows, int64_t out_dim, int64_t in_dim,
               Buffer& y) const;
 

@@ -11,6 +11,33 @@
 
 namespace draftfeed {
 
+absl::Status CheckCarriedInput(const ForwardInput& in, int64_t carried_tokens, int64_t max_tokens,
+                               const std::string& device) {
+  if (!in.chunked()) return absl::OkStatus();
+  if (max_tokens <= 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(device, " carries no sequence across forwards (chunked prefill is off)"));
+  }
+  if (in.resume_tokens != carried_tokens) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the batch resumes a sequence ", in.resume_tokens, " tokens in, but ", device,
+        " carries ", carried_tokens, " (a batch's chunks run in order on one engine)"));
+  }
+  const int64_t first = in.resume_tokens + in.seq_lens.front();
+  if (first > max_tokens || TokensCarriedAfter(in) > max_tokens) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("a sequence of ", std::max(first, TokensCarriedAfter(in)), " tokens is over the ",
+                     max_tokens, " ", device, " can carry"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t TokensCarriedAfter(const ForwardInput& in) {
+  if (!in.carry_last || in.seq_lens.empty()) return 0;
+  const int64_t last = in.seq_lens.back();
+  return in.seq_lens.size() == 1 ? in.resume_tokens + last : last;
+}
+
 absl::Status ValidateForwardInput(const ModelConfig& config, const ForwardInput& in,
                                   int64_t max_tokens) {
   const int64_t num_tokens = static_cast<int64_t>(in.token_ids.size());
@@ -31,6 +58,10 @@ absl::Status ValidateForwardInput(const ModelConfig& config, const ForwardInput&
     return absl::InvalidArgumentError(absl::StrCat("seq_lens add up to ", total,
                                                    " tokens but token_ids has ", num_tokens,
                                                    "; they must be equal"));
+  }
+  if (in.resume_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("resume_tokens is ", in.resume_tokens, "; it must be >= 0"));
   }
   if (num_tokens > max_tokens) {
     return absl::InvalidArgumentError(absl::StrCat("batch has ", num_tokens,

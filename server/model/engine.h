@@ -35,6 +35,16 @@ struct ForwardInput {
   // `layers` may then be empty.
   const TargetOutputs* outputs = nullptr;
   bool wants_outputs() const { return outputs != nullptr && !outputs->empty(); }
+  // Chunked prefill: a sequence too long for one forward runs over several,
+  // in order on one engine, which carries its state (the attention layers'
+  // K/V, the GDN recurrent states and conv tails) from one to the next.
+  // resume_tokens > 0: the first sequence continues the one this engine
+  // carried out of its previous forward, that many tokens in (its positions
+  // start there); 0: it starts here.
+  int64_t resume_tokens = 0;
+  // The last sequence goes on in the next forward: the engine keeps its state.
+  bool carry_last = false;
+  bool chunked() const { return resume_tokens > 0 || carry_last; }
 };
 
 class Engine {
@@ -75,6 +85,23 @@ class Engine {
 
   // Most layers one batch may capture (its capture slots); 0 = no limit.
   virtual int64_t max_capture_layers() const { return 0; }
+
+  // Chunked prefill (ForwardInput::resume_tokens, carry_last). The longest
+  // sequence the engine can carry: 0 until ReserveCarry, and for engines that
+  // cannot (they refuse chunked input with FAILED_PRECONDITION).
+  virtual int64_t max_carry_tokens() const { return 0; }
+  // Bytes ReserveCarry(tokens) takes: the attention layers' K/V for `tokens`
+  // tokens and the GDN layers' states, on the engine's device (host for CPU).
+  virtual int64_t CarryBytes(int64_t tokens) const { return 0; }
+  // Makes room to carry one sequence of up to `tokens` tokens (a GPU engine
+  // allocates it now, so the memory plan holds at start-up);
+  // RESOURCE_EXHAUSTED naming the bytes where it cannot.
+  virtual absl::Status ReserveCarry(int64_t tokens) {
+    return absl::UnimplementedError(device_name() + " cannot carry a sequence across forwards");
+  }
+  // Forgets the carried sequence (its stream went away mid-sequence); the
+  // next chunked input must start afresh. Host memory it held is freed.
+  virtual void DropCarry() {}
 
   // Whether the engine computes target outputs (ForwardInput::outputs): it
   // holds lm_head (a checkpoint's, or the embedding where tied). An engine
@@ -129,6 +156,15 @@ class Engine {
 // ids). Shared by every backend and by the service before it queues a batch.
 absl::Status ValidateForwardInput(const ModelConfig& config, const ForwardInput& in,
                                   int64_t max_tokens);
+
+// FAILED_PRECONDITION unless `in`'s chunking (resume_tokens, carry_last) fits
+// what an engine carries: chunked input at all (max_tokens > 0), a resume at
+// exactly the carried length, and the resumed sequence at most max_tokens.
+absl::Status CheckCarriedInput(const ForwardInput& in, int64_t carried_tokens, int64_t max_tokens,
+                               const std::string& device);
+// Tokens an engine carries after a forward of `in`: the last sequence's,
+// counting what it resumed when it is the first too; 0 without carry_last.
+int64_t TokensCarriedAfter(const ForwardInput& in);
 
 // Bytes of one token's row: CaptureBytesPerToken(in.encoding, K, H), plus its
 // target outputs' bytes when asked.

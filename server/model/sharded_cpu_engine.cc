@@ -57,9 +57,14 @@ struct ShardedCpuEngine::Impl {
   std::vector<CpuForward> ranks;
   std::unique_ptr<CpuTargetOutputs> outputs;
   int64_t rank_weight_bytes = 0;
+  // One per rank; all alike in tokens (the ranks run every forward together).
+  mutable std::vector<CpuSequenceCarry> carries;
 
   absl::StatusOr<int64_t> CheckInput(const ForwardInput& in) const {
-    return CpuForward::CaptureElements(model->config, in);
+    DF_ASSIGN_OR_RETURN(const int64_t n, CpuForward::CaptureElements(model->config, in));
+    DF_RETURN_IF_ERROR(
+        CheckCarriedInput(in, carries[0].tokens, carries[0].max_tokens, "the CPU engine"));
+    return n;
   }
 
   // Every rank's forward on its own thread (rank 0 on the caller's); the
@@ -71,7 +76,8 @@ struct ShardedCpuEngine::Impl {
       const bool capture = r == plan.capture_rank;
       ranks[static_cast<size_t>(r)].Run(in, capture ? out : nullptr,
                                         [&reduce, r](CpuForward::Buffer& m) { reduce.Run(r, m); },
-                                        capture ? final_states : nullptr);
+                                        capture ? final_states : nullptr,
+                                        &carries[static_cast<size_t>(r)]);
     };
     std::vector<std::thread> threads;
     threads.reserve(static_cast<size_t>(tp - 1));
@@ -128,6 +134,7 @@ absl::StatusOr<std::unique_ptr<ShardedCpuEngine>> ShardedCpuEngine::Create(const
     }
     impl->ranks.push_back(*std::move(f));
   }
+  impl->carries.resize(impl->ranks.size());
   impl->plan = std::move(plan);
   impl->outputs = std::make_unique<CpuTargetOutputs>(model, num_threads);
   return std::unique_ptr<ShardedCpuEngine>(new ShardedCpuEngine(std::move(impl)));
@@ -166,5 +173,24 @@ absl::Status ShardedCpuEngine::Forward(const ForwardInput& in, std::span<std::by
 }
 
 bool ShardedCpuEngine::serves_target_outputs() const { return impl_->outputs->served(); }
+
+int64_t ShardedCpuEngine::max_carry_tokens() const { return impl_->carries[0].max_tokens; }
+
+int64_t ShardedCpuEngine::CarryBytes(int64_t tokens) const {
+  // The ranks' shares add up to the whole model's (each holds its heads).
+  return CpuSequenceCarryBytes(impl_->model->config, tokens);
+}
+
+absl::Status ShardedCpuEngine::ReserveCarry(int64_t tokens) {
+  if (tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot carry ", tokens, " tokens"));
+  }
+  for (CpuSequenceCarry& c : impl_->carries) c.max_tokens = tokens;
+  return absl::OkStatus();
+}
+
+void ShardedCpuEngine::DropCarry() {
+  for (CpuSequenceCarry& c : impl_->carries) c.Clear();
+}
 
 }  // namespace draftfeed

@@ -35,6 +35,11 @@ class ShardedCpuEngine final : public Engine {
   // The capture rank computes them with the whole lm_head (the vocabulary is
   // not cut across ranks).
   bool serves_target_outputs() const override;
+  // Chunked prefill: each rank carries its heads' share, on the host.
+  int64_t max_carry_tokens() const override;
+  int64_t CarryBytes(int64_t tokens) const override;
+  absl::Status ReserveCarry(int64_t tokens) override;
+  void DropCarry() override;
   // Same forward, fp32 capture (rank 0's residual stream).
   absl::Status ForwardFloat(const ForwardInput& in, std::span<float> out);
 
