@@ -48,7 +48,10 @@ bool ChunkWriter::Next(grpc::ByteBuffer* out) {
   }
   const int64_t count = std::min(tokens_per_chunk_, r.tokens - next_token_);
   const std::byte* base = r.capture.get();
-  *out = ChunkBuffer({.batch_id = batch_id_, .token_offset = next_token_, .token_count = count},
+  // A part of a batch run in several forwards starts at its own offset.
+  *out = ChunkBuffer({.batch_id = batch_id_,
+                      .token_offset = r.token_offset + next_token_,
+                      .token_count = count},
                      result_, base + next_token_ * bytes_per_token_,
                      static_cast<size_t>(count * bytes_per_token_));
   next_token_ += count;

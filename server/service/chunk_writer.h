@@ -19,6 +19,7 @@ class ChunkWriter final : public PayloadWriter {
   // `chunk_bytes`: payload per chunk, rounded down to whole tokens (one at least).
   ChunkWriter(uint64_t batch_id, std::shared_ptr<ForwardResult> result, int64_t chunk_bytes);
   bool Next(grpc::ByteBuffer* out) override;
+  bool exhausted() const override { return next_token_ >= result_->tokens; }
 
  private:
   const uint64_t batch_id_;

@@ -67,7 +67,17 @@ ABSL_FLAG(std::string, moe_parallel, "ep",
 ABSL_FLAG(bool, print_plan, false,
           "Print the tensor-parallel plan of --model at --tp and --moe_parallel (per-rank weight "
           "bytes, each tensor's cut, the all-reduces) and exit without serving.");
-ABSL_FLAG(int64_t, max_batch_tokens, 16384, "Token budget of one batch; larger batches fail.");
+ABSL_FLAG(int64_t, max_batch_tokens, 16384,
+          "Tokens of one forward: the capture buffers and GPU workspace are sized for it. A batch "
+          "up to --max_sequence_tokens runs in forwards of at most this many tokens.");
+// The default where no flag is given; an engine that cannot carry sequences
+// then serves without chunked prefill instead of refusing to start.
+constexpr int64_t kDefaultMaxSequenceTokens = 262144;
+ABSL_FLAG(int64_t, max_sequence_tokens, kDefaultMaxSequenceTokens,
+          "Most tokens of one batch, and so its longest sequence. A batch over --max_batch_tokens "
+          "runs in chunks of at most that many (chunked prefill): each engine keeps one "
+          "sequence's attention K/V and GDN state across them, planned at start-up (GPU memory: "
+          "the K/V grow with this flag). Equal to --max_batch_tokens: no chunking.");
 ABSL_FLAG(int32_t, max_capture_layers, 8,
           "GPU engines: most layer ids one stream or batch may capture (DFlash uses 5, EAGLE-3 "
           "4); two capture buffers of max_batch_tokens x this x hidden bf16 are reserved. More "
@@ -189,6 +199,13 @@ absl::Status CheckFlags() {
   auto refuse = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
   if (!(absl::GetFlag(FLAGS_max_batch_tokens) >= 1)) {
     return refuse("--max_batch_tokens=", absl::GetFlag(FLAGS_max_batch_tokens), " must be >= 1");
+  }
+  // A sequence's positions and token offsets are int32 on the wire and in the
+  // kernels.
+  constexpr int64_t kMaxSequenceTokens = int64_t{1} << 30;
+  if (const int64_t s = absl::GetFlag(FLAGS_max_sequence_tokens);
+      !(s >= 1 && s <= kMaxSequenceTokens)) {
+    return refuse("--max_sequence_tokens=", s, " must be in [1, ", kMaxSequenceTokens, "]");
   }
   if (const int64_t c = absl::GetFlag(FLAGS_chunk_bytes); !(c >= 1 && c <= kMaxChunkBytes)) {
     return refuse("--chunk_bytes=", c, " must be in [1, ", kMaxChunkBytes,
@@ -389,6 +406,15 @@ int Run() {
   if (!engines.ok()) return Fail(std::string(engines.status().message()));
   std::vector<Engine*> engine_ptrs;
   for (auto& e : *engines) engine_ptrs.push_back(e.get());
+  const int64_t max_sequence_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
+  if (absl::Status s = ReserveSequenceCarry(
+          engine_ptrs,
+          {.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens),
+           .max_sequence_tokens = max_sequence_tokens,
+           .require_sequence_tokens = max_sequence_tokens != kDefaultMaxSequenceTokens});
+      !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
   if (const Engine::ParallelLayout l = engine_ptrs.front()->layout(); l.tp > 1) {
     std::fprintf(
         stderr, "draftfeed-target: tensor parallel over %d ranks%s, %.1f MiB of weights per rank\n",
@@ -400,6 +426,7 @@ int Run() {
 
   ServiceOptions options;
   options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.max_sequence_tokens = max_sequence_tokens;
   options.default_credits = absl::GetFlag(FLAGS_default_credits);
   options.max_credits = absl::GetFlag(FLAGS_max_credits);
   options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
@@ -466,7 +493,7 @@ int Run() {
   std::fprintf(
       stderr,
       "draftfeed-target %s: serving %s (%s, %lld layers, hidden %lld, fingerprint %s) "
-      "on port %d (%s%s), device %s, token budget %lld, %s, loaded in %.2fs%s\n",
+      "on port %d (%s%s), device %s, token budget %lld (batches up to %lld), %s, loaded in %.2fs%s\n",
       std::string(kDraftfeedVersion).c_str(), m.id.c_str(),
       std::string(ArchName(m.config.arch)).c_str(), static_cast<long long>(m.config.num_layers),
       static_cast<long long>(m.config.hidden_size), m.fingerprint.c_str(), port,
@@ -475,7 +502,8 @@ int Run() {
       absl::StrJoin(engine_ptrs, ",",
                     [](std::string* out, Engine* e) { out->append(e->device_name()); })
           .c_str(),
-      static_cast<long long>(options.max_batch_tokens), SummarizeTransports(transports).c_str(),
+      static_cast<long long>(options.max_batch_tokens),
+      static_cast<long long>(service.max_sequence_tokens()), SummarizeTransports(transports).c_str(),
       load_s,
       metrics_http == nullptr
           ? ""

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/thread_name.h"
+#include "server/service/forward_chunks.h"
 #include "server/service/elapsed.h"
 
 namespace draftfeed {
@@ -181,26 +182,7 @@ void Scheduler::WorkerLoop(Lane& lane) {
       if (!taken) break;  // stopping and drained
       ++running_;
     }
-    auto c = std::make_shared<Completion>();
-    c->done = std::move(entry.item.done);
-    c->tokens = static_cast<int64_t>(entry.item.token_ids.size());
-    {
-      // A slot in the lane's FIFO before the forward: results leave in the
-      // order the forwards ran, whichever copy finishes first.
-      std::unique_lock<std::mutex> lock(lane.mu);
-      lane.cv.wait(lock, [&] { return lane.fifo.size() < kMaxUndelivered; });
-      lane.fifo.push_back(c);
-    }
-    if (entry.item.cancelled && entry.item.cancelled()) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++skipped_batches_;
-      }
-      FinishHalves(lane, *c, absl::CancelledError("stream closed before the batch ran"), 2);
-      continue;
-    }
-    const int halves = RunItem(lane, entry, c);
-    FinishHalves(lane, *c, absl::OkStatus(), halves);
+    RunBatch(lane, entry);
   }
   {
     std::lock_guard<std::mutex> lock(lane.mu);
@@ -209,15 +191,75 @@ void Scheduler::WorkerLoop(Lane& lane) {
   lane.cv.notify_all();
 }
 
-int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completion>& c) {
+void Scheduler::RunBatch(Lane& lane, Entry& entry) {
+  WorkItem& item = entry.item;
+  const auto tokens = static_cast<int64_t>(item.token_ids.size());
+  std::vector<ForwardChunk> chunks;
+  if (item.max_forward_tokens > 0 && tokens > item.max_forward_tokens) {
+    chunks = PlanForwardChunks(item.seq_lens, item.max_forward_tokens);
+  } else {
+    chunks.push_back(ForwardChunk{.token_begin = 0, .token_end = tokens, .seq_lens = {}});
+  }
+  // Every part's Completion calls the one `done`, in order (one completion
+  // thread per lane).
+  auto done = std::make_shared<std::function<void(absl::StatusOr<ForwardResult>)>>(
+      std::move(item.done));
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const ForwardChunk& chunk = chunks[i];
+    auto c = std::make_shared<Completion>();
+    c->done = [done](absl::StatusOr<ForwardResult> r) { (*done)(std::move(r)); };
+    c->tokens = chunk.tokens();
+    c->result.token_offset = chunk.token_begin;
+    c->result.last_part = i + 1 == chunks.size();
+    {
+      // A slot in the lane's FIFO before the forward: results leave in the
+      // order the forwards ran, whichever copy finishes first.
+      std::unique_lock<std::mutex> lock(lane.mu);
+      lane.cv.wait(lock, [&] { return lane.fifo.size() < kMaxUndelivered; });
+      lane.fifo.push_back(c);
+    }
+    if (item.cancelled && item.cancelled()) {
+      if (i == 0) {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++skipped_batches_;
+      } else {
+        lane.engine->DropCarry();  // mid-sequence: its state is freed
+      }
+      c->result.last_part = true;
+      FinishHalves(lane, *c,
+                   absl::CancelledError(i == 0 ? "stream closed before the batch ran"
+                                               : "stream closed while the batch ran"),
+                   2);
+      return;
+    }
+    ForwardInput input{item.token_ids, item.seq_lens, item.layers, item.encoding};
+    input.outputs = item.outputs.get();
+    if (chunks.size() > 1) {
+      input.token_ids = std::span<const int32_t>(item.token_ids).subspan(
+          static_cast<size_t>(chunk.token_begin), static_cast<size_t>(chunk.tokens()));
+      input.seq_lens = chunk.seq_lens;
+      input.resume_tokens = chunk.resume_tokens;
+      input.carry_last = chunk.carry_last;
+    }
+    bool forward_ok = false;
+    const int halves = RunItem(lane, entry, input, c, &forward_ok);
+    if (!forward_ok) {
+      if (input.chunked()) lane.engine->DropCarry();
+      c->result.last_part = true;
+    }
+    FinishHalves(lane, *c, absl::OkStatus(), halves);
+    if (!forward_ok) return;
+  }
+}
+
+int Scheduler::RunItem(Lane& lane, Entry& entry, const ForwardInput& input,
+                       const std::shared_ptr<Completion>& c, bool* forward_ok) {
   const WorkItem& item = entry.item;
   Engine* engine = lane.engine;
   ForwardResult& result = c->result;
   result.queue_ms = MsSince(entry.enqueued);
   result.tokens = c->tokens;
   result.encoding = item.encoding;
-  ForwardInput input{item.token_ids, item.seq_lens, item.layers, item.encoding};
-  input.outputs = item.outputs.get();
   result.bytes_per_token = RowBytesPerToken(engine->model().config, input);
   result.bytes = static_cast<size_t>(c->tokens * result.bytes_per_token);
   const auto t0 = std::chrono::steady_clock::now();
@@ -252,6 +294,7 @@ int Scheduler::RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completio
                                                                     throttle_tokens_per_s_)));
   }
   result.forward_ms = MsSince(t0);
+  *forward_ok = status.ok();
   if (!status.ok()) FinishHalves(lane, *c, std::move(status), 0);
   return copy_pending ? 1 : 2;
 }
@@ -270,6 +313,7 @@ void Scheduler::CompletionLoop(Lane& lane) {
       lane.fifo.pop_front();
     }
     lane.cv.notify_all();  // the worker may be waiting for room
+    const bool last = c->result.last_part;
     if (c->status.ok()) {
       c->done(std::move(c->result));
     } else {
@@ -277,9 +321,10 @@ void Scheduler::CompletionLoop(Lane& lane) {
       c->done(std::move(c->status));
     }
     std::lock_guard<std::mutex> lock(mu_);
+    completed_tokens_ += c->tokens;
+    if (!last) continue;  // a part of a batch run in several forwards
     --running_;
     ++completed_batches_;
-    completed_tokens_ += c->tokens;
   }
 }
 

@@ -47,7 +47,8 @@ namespace draftfeed {
 
 // The captured states of one batch, [T, K, H] in `encoding` (each token's
 // target outputs after its K layers, when asked), in a pooled host buffer of
-// tokens * bytes_per_token bytes.
+// tokens * bytes_per_token bytes; or of one part of it (chunked prefill: a
+// batch over WorkItem::max_forward_tokens is delivered one forward at a time).
 struct ForwardResult {
   std::shared_ptr<std::byte> capture;  // null when the capture went from the device
   size_t bytes = 0;
@@ -59,7 +60,15 @@ struct ForwardResult {
   double send_ms = 0;  // set by transports that send from the device (NCCL)
   // The payload's v1::PayloadChecksum when it was computed on the device (a
   // GPU engine's copy, or the NCCL send); empty: the transport computes it.
+  // A part's is of the part alone.
   std::optional<uint64_t> checksum;
+  // Chunked prefill: these `tokens` are the batch's from token_offset on;
+  // last_part marks the batch's last (then whole_tokens is the batch's
+  // count, set by whoever joins the parts). One part: offset 0, last.
+  int64_t token_offset = 0;
+  bool last_part = true;
+  int64_t whole_tokens = 0;
+  int64_t batch_tokens() const { return whole_tokens > 0 ? whole_tokens : tokens; }
 };
 
 struct WorkItem {
@@ -68,11 +77,18 @@ struct WorkItem {
   std::vector<int32_t> layers;
   CaptureEncoding encoding = CaptureEncoding::kBf16;
   std::shared_ptr<const TargetOutputs> outputs;  // null: hidden states only
-  // Called exactly once on the engine's completion thread, in the order the
-  // engine took its items: with the result, or with the error that stopped
-  // it (cancelled items get CANCELLED without running). It may take its time
-  // (a checksum over the payload): the engine is already on the next batch.
+  // Called on the engine's completion thread, in the order the engine took
+  // its items: once with the result, or with the error that stopped it
+  // (cancelled items get CANCELLED without running). A batch run in several
+  // forwards (max_forward_tokens) gets one call per part, in token order,
+  // the last with last_part set; an error is always the last call, and parts
+  // before it have been delivered. It may take its time (a checksum over the
+  // payload): the engine is already on the next forward.
   std::function<void(absl::StatusOr<ForwardResult>)> done;
+  // Forwards of at most this many tokens: a larger batch runs in the chunks
+  // PlanForwardChunks cuts, back to back on one engine, which carries the
+  // sequence each cut splits; 0: the batch in one forward.
+  int64_t max_forward_tokens = 0;
   // Checked before the forward starts; true skips the work.
   std::function<bool()> cancelled;
   // The stream it belongs to (AddStream); 0 is the default stream, uncapped.
@@ -178,7 +194,13 @@ class Scheduler {
   void CompletionLoop(Lane& lane);
   // Runs one batch's forward; returns the halves it finished (1, or 2 when
   // no copy is left pending).
-  int RunItem(Lane& lane, Entry& entry, const std::shared_ptr<Completion>& c);
+  // `part` is the forward's input (the whole batch or one chunk of it);
+  // `forward_ok` says whether the forward itself started and finished.
+  int RunItem(Lane& lane, Entry& entry, const ForwardInput& part,
+              const std::shared_ptr<Completion>& c, bool* forward_ok);
+  // The forwards of the batch `entry` holds, each a Completion in the lane's
+  // FIFO; a cancelled or failed chunk ends the batch (its carry dropped).
+  void RunBatch(Lane& lane, Entry& entry);
   static void FinishHalves(Lane& lane, Completion& c, absl::Status status, int halves);
 
   HostBufferPool pool_;

@@ -113,8 +113,22 @@ absl::StatusOr<BatchPlan> PlanBatch(const TargetService& service, const StreamPl
   out.outputs = stream.outputs;
   ForwardInput in{out.token_ids, out.seq_lens, out.layers, out.encoding};
   in.outputs = out.outputs.get();
-  absl::Status valid =
-      ValidateForwardInput(service.model().config, in, service.options().max_batch_tokens);
+  const int64_t limit = service.max_sequence_tokens();
+  absl::Status valid;
+  if (static_cast<int64_t>(out.token_ids.size()) > limit) {
+    const int64_t forward = service.options().max_batch_tokens;
+    valid = absl::InvalidArgumentError(
+        limit > forward
+            ? absl::StrCat("it has ", out.token_ids.size(), " tokens, over this target's ",
+                           limit, " (--max_sequence_tokens; a forward takes ", forward,
+                           " and longer batches run in chunks); send fewer tokens")
+            : absl::StrCat("it has ", out.token_ids.size(), " tokens, over this target's ",
+                           "--max_batch_tokens of ", forward,
+                           " (it does not run longer batches in chunks: see "
+                           "--max_sequence_tokens); split it into smaller batches"));
+  } else {
+    valid = ValidateForwardInput(service.model().config, in, limit);
+  }
   if (valid.ok()) valid = service.CheckCaptureLayers(out.layers.size());
   if (!valid.ok()) {
     return absl::Status(valid.code(),

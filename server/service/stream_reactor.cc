@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/payload_checksum.h"
+#include "server/service/batch_parts.h"
 #include "server/service/call_auth.h"
 #include "server/service/status_util.h"
 #include "server/service/stream_open.h"
@@ -47,14 +48,17 @@ class ReactorLink final : public StreamLink {
   }
 
   // Called on the scheduler's completion thread (the engine has moved on to
-  // the next batch). A GPU engine has already checksummed the payload on the
-  // device; otherwise (a CPU engine) the pass over it runs here.
-  void Deliver(uint64_t batch_id, int64_t charged, absl::StatusOr<ForwardResult> result) {
+  // the next batch), once per part of the batch (BatchParts). A GPU engine
+  // has already checksummed a batch of one forward on the device; otherwise
+  // (a CPU engine, a batch in parts) the pass over it runs here.
+  void Deliver(uint64_t batch_id, int64_t charged, absl::StatusOr<ForwardResult> result,
+               BatchParts& parts) {
+    if (parts.failed) return;  // the batch's error has gone out
     uint64_t checksum = 0;
-    if (result.ok()) {
-      checksum = result->checksum.has_value()
-                     ? *result->checksum
-                     : v1::PayloadChecksum(result->capture.get(), result->bytes);
+    if (!result.ok()) {
+      parts.failed = true;
+    } else if (std::optional<uint64_t> whole = parts.Add(*result); whole.has_value()) {
+      checksum = *whole;
     }
     std::lock_guard<std::mutex> lock(mu);
     if (reactor == nullptr) return;
@@ -78,7 +82,7 @@ StreamResponse DoneMessage(uint64_t batch_id, const ForwardResult& r, uint64_t c
   StreamResponse msg;
   v1::BatchDone* done = msg.mutable_done();
   done->set_batch_id(batch_id);
-  done->set_tokens(r.tokens);
+  done->set_tokens(r.batch_tokens());
   done->set_checksum(checksum);
   done->mutable_timings()->set_queue_ms(r.queue_ms);
   done->mutable_timings()->set_forward_ms(r.forward_ms);
@@ -204,18 +208,23 @@ void StreamReactor::OnResult(uint64_t batch_id, int64_t charged,
                              absl::StatusOr<ForwardResult> result, uint64_t checksum) {
   std::lock_guard<std::mutex> lock(mu_);
   if (finished_ || broken_ || idle_ended_at_.has_value()) return;
-  --scheduled_;
   last_activity_ = std::chrono::steady_clock::now();
   if (!result.ok()) {
+    --scheduled_;
     PushError(batch_id, result.status(), charged);
   } else {
+    // A part before the batch's last (chunked prefill) goes out as its
+    // chunks alone; the last brings BatchDone, the credit and the charge.
+    const bool last = result->last_part;
+    if (last) --scheduled_;
     Outgoing out;
     out.batch_id = batch_id;
     out.result = std::make_shared<ForwardResult>(*std::move(result));
     out.payload = transport_->WritePayload(batch_id, out.result);
     out.checksum = checksum;
-    out.releases_credit = true;
-    out.pending_bytes = charged;
+    out.last_part = last;
+    out.releases_credit = last;
+    out.pending_bytes = last ? charged : 0;
     Enqueue(std::move(out));
   }
   Pump();
@@ -328,6 +337,15 @@ void StreamReactor::HandleRequest() {
     return;
   }
   absl::StatusOr<BatchPlan> planned = PlanBatch(*service_, plan_, *batch);
+  const int64_t forward_tokens = service_->options().max_batch_tokens;
+  if (planned.ok() && transport_kind_ == v1::TRANSPORT_NCCL &&
+      static_cast<int64_t>(planned->token_ids.size()) > forward_tokens) {
+    // The NCCL transport sends one device capture per batch.
+    planned = absl::InvalidArgumentError(absl::StrCat(
+        "batch ", batch_id, " has ", planned->token_ids.size(), " tokens, over --max_batch_tokens ",
+        "of ", forward_tokens, ": a batch run in several forwards is served over gRPC only; "
+        "send long sequences on a gRPC stream"));
+  }
   if (!planned.ok()) {
     RejectBatch(batch_id, planned.status());
     return;
@@ -344,8 +362,10 @@ void StreamReactor::HandleRequest() {
   item.result_bytes = static_cast<int64_t>(CaptureBytes(service_->model().config, shape));
   std::shared_ptr<ReactorLink> link = link_;
   item.cancelled = [link] { return link->cancelled(); };
-  item.done = [link, batch_id, charged = item.result_bytes](absl::StatusOr<ForwardResult> r) {
-    link->Deliver(batch_id, charged, std::move(r));
+  item.max_forward_tokens = service_->options().max_batch_tokens;
+  item.done = [link, batch_id, charged = item.result_bytes,
+               parts = std::make_shared<BatchParts>()](absl::StatusOr<ForwardResult> r) {
+    link->Deliver(batch_id, charged, std::move(r), *parts);
   };
   transport_->Post(batch_id, item);
   if (absl::Status s = service_->scheduler().Submit(std::move(item)); !s.ok()) {
@@ -414,19 +434,21 @@ void StreamReactor::NextMessage() {
   const auto now = std::chrono::steady_clock::now();
   if (out.payload != nullptr && out.payload->Next(&raw_resp_)) {
     if (!out.first_sent.has_value()) out.first_sent = now;
+    // An earlier part's last chunk: the next part (or BatchDone) follows.
+    if (!out.last_part && out.payload->exhausted()) outbox_.pop_front();
     return;
   }
   // Every payload message has been written (one write at a time): the batch
   // is served.
   const ForwardResult& r = *out.result;
-  const int64_t payload = r.tokens * r.bytes_per_token;
+  const int64_t payload = r.batch_tokens() * r.bytes_per_token;
   const double send_s = transport_kind_ == v1::TRANSPORT_NCCL || !out.first_sent.has_value()
                             ? r.send_ms / 1e3
                             : std::chrono::duration<double>(now - *out.first_sent).count();
-  service_->metrics().CountBatchServed(transport_kind_, r.tokens, payload, r.queue_ms / 1e3,
+  service_->metrics().CountBatchServed(transport_kind_, r.batch_tokens(), payload, r.queue_ms / 1e3,
                                        r.forward_ms / 1e3, send_s);
   ++batches_served_;
-  tokens_served_ += r.tokens;
+  tokens_served_ += r.batch_tokens();
   payload_bytes_ += payload;
   raw_resp_ = Serialize(DoneMessage(out.batch_id, *out.result, out.checksum));
   Settle(out);

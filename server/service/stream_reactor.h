@@ -77,6 +77,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
     std::unique_ptr<PayloadWriter> payload;
     uint64_t checksum = 0;
     bool releases_credit = false;
+    // False for a part of a batch run in several forwards, but its last:
+    // its chunks go out with no BatchDone.
+    bool last_part = true;
     // Given back to the scheduler's count of the stream's pending bytes once
     // the last message is written.
     int64_t pending_bytes = 0;

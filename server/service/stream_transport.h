@@ -54,6 +54,9 @@ class PayloadWriter {
   // The next message into `out`; false when the payload is all written, and
   // then `result.send_ms` holds the time it took (BatchDone follows).
   virtual bool Next(grpc::ByteBuffer* out) = 0;
+  // True once Next has handed out the last message (a part of a batch in
+  // several forwards is done then: no empty Next call follows it).
+  virtual bool exhausted() const { return false; }
 };
 
 // One stream's transport. Start, Post and WritePayload are called by the

@@ -77,6 +77,36 @@ absl::StatusOr<std::vector<std::unique_ptr<Engine>>> MakeTargetEngines(
 #endif
 }
 
+absl::Status ReserveSequenceCarry(std::span<Engine* const> engines,
+                                  const TargetEngineOptions& options) {
+  const int64_t tokens = options.max_sequence_tokens;
+  if (tokens <= options.max_batch_tokens) return absl::OkStatus();
+  for (Engine* e : engines) {
+    const absl::Status s = e->ReserveCarry(tokens);
+    if (s.ok()) {
+      std::fprintf(stderr,
+                   "draftfeed-target: %s carries one sequence of up to %lld tokens across "
+                   "forwards of %lld: %.2f GiB\n",
+                   e->device_name().c_str(), static_cast<long long>(tokens),
+                   static_cast<long long>(options.max_batch_tokens),
+                   static_cast<double>(e->CarryBytes(tokens)) / (1 << 30));
+      continue;
+    }
+    if (s.code() == absl::StatusCode::kUnimplemented && !options.require_sequence_tokens) {
+      std::fprintf(stderr,
+                   "draftfeed-target: %s: %s; batches are limited to --max_batch_tokens=%lld\n",
+                   e->device_name().c_str(), std::string(s.message()).c_str(),
+                   static_cast<long long>(options.max_batch_tokens));
+      continue;
+    }
+    return absl::Status(
+        s.code(), absl::StrCat("--max_sequence_tokens=", tokens, ": ", e->device_name(), ": ",
+                               s.message(), "; lower --max_sequence_tokens (to ",
+                               options.max_batch_tokens, " for no chunked prefill)"));
+  }
+  return absl::OkStatus();
+}
+
 void AddGpuMemoryGauges(MetricsRegistry& registry, const std::vector<int>& gpus) {
 #if DRAFTFEED_HAVE_CUDA
   std::vector<int> distinct;

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include <span>
+
 #include "absl/status/statusor.h"
 #include "server/model/engine.h"
 #include "server/model/sharding_plan.h"
@@ -19,6 +21,11 @@ struct TargetEngineOptions {
   std::vector<int> gpus;  // empty: the CPU engine
   int cpu_threads = 0;    // 0 = all cores (split over the ranks)
   int64_t max_batch_tokens = 16384;
+  // > max_batch_tokens: each engine reserves the state to carry one sequence
+  // this long across forwards (chunked prefill). An engine that cannot is an
+  // error when `require_sequence_tokens`, else it serves without chunking.
+  int64_t max_sequence_tokens = 0;
+  bool require_sequence_tokens = false;
   int64_t max_capture_layers = 8;
   bool fp8_expert_gemms = true;
   std::string fp8_gemm = "auto";  // auto, draftfeed or cublaslt (CudaEngineOptions::Fp8Gemm)
@@ -30,6 +37,12 @@ struct TargetEngineOptions {
 // name the device or rank. gpus.size() must be a multiple of plan.tp.
 absl::StatusOr<std::vector<std::unique_ptr<Engine>>> MakeTargetEngines(
     const Model* model, const ShardingPlan& plan, const TargetEngineOptions& options);
+
+// Has every engine reserve what carrying one sequence of max_sequence_tokens
+// takes (a line to stderr says how much, where); errors name the flag, the
+// device and the bytes.
+absl::Status ReserveSequenceCarry(std::span<Engine* const> engines,
+                                  const TargetEngineOptions& options);
 
 // draftfeed_gpu_memory_{used,total}_bytes (cudaMemGetInfo: every allocation,
 // not only ours) once per distinct GPU of `gpus` (a group's ranks may share

@@ -63,6 +63,14 @@ void TargetService::IdleLoop() {
   }
 }
 
+int64_t TargetService::max_sequence_tokens() const {
+  const int64_t forward = options_.max_batch_tokens;
+  int64_t limit = options_.max_sequence_tokens;
+  if (limit <= forward) return forward;
+  for (const Engine* e : engines_) limit = std::min(limit, std::max(forward, e->max_carry_tokens()));
+  return limit;
+}
+
 v1::TargetInfo TargetService::Info() const {
   const Model& m = model();
   v1::TargetInfo info;
@@ -75,6 +83,7 @@ v1::TargetInfo TargetService::Info() const {
   info.set_fingerprint(m.fingerprint);
   for (Engine* e : engines_) info.add_devices(e->device_name());
   info.set_max_batch_tokens(options_.max_batch_tokens);
+  info.set_max_sequence_tokens(max_sequence_tokens());
   const TransportEnv env = transport_env();
   for (v1::Transport t : OfferedTransports(env)) info.add_transports(t);
   info.set_nccl_across_hosts(OffersNcclAcrossHosts(env));

@@ -26,7 +26,12 @@
 namespace draftfeed {
 
 struct ServiceOptions {
-  int64_t max_batch_tokens = 16384;            // token budget of one Batch
+  int64_t max_batch_tokens = 16384;            // tokens of one forward
+  // Most tokens of one Batch, and so its longest sequence: a batch over
+  // max_batch_tokens runs in forward chunks, the engines carrying each
+  // spanning sequence across them (they must have ReserveCarry'd this much).
+  // At most max_batch_tokens (0 included): no chunking.
+  int64_t max_sequence_tokens = 0;
   int32_t default_credits = 4;                 // Open.max_inflight_batches == 0
   int32_t max_credits = 32;                    // larger requests are clamped
   int64_t chunk_bytes = 4 << 20;               // payload per HiddenChunk (whole tokens)
@@ -114,6 +119,9 @@ class TargetService final
   int64_t max_capture_layers() const;
   // Whether every engine computes target outputs (they all hold lm_head).
   bool serves_target_outputs() const;
+  // The most tokens one Batch may hold: options().max_sequence_tokens where
+  // every engine can carry that much, else max_batch_tokens.
+  int64_t max_sequence_tokens() const;
   absl::Status CheckCaptureLayers(size_t asked) const;
   // What the stream transports need of this target.
   TransportEnv transport_env() const;

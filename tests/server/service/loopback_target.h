@@ -20,6 +20,10 @@ class LoopbackTarget {
   explicit LoopbackTarget(ServiceOptions options = {}, const std::string& spec = "tiny-random:0") {
     model_ = *OpenModel(spec);
     engine_ = *CpuEngine::Create(model_.get(), 2);
+    // As the target's start-up does for --max_sequence_tokens.
+    if (options.max_sequence_tokens > options.max_batch_tokens) {
+      (void)engine_->ReserveCarry(options.max_sequence_tokens);
+    }
     service_ = std::make_unique<TargetService>(std::vector<Engine*>{engine_.get()}, options);
     LoopbackServer served = ServeOnLoopback(service_.get());
     server_ = std::move(served.server);
