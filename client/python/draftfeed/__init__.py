@@ -18,7 +18,7 @@ and scales (`Result.values`, `Result.scales`, `Result.fp8()`).
 from __future__ import annotations
 
 import copy
-import time
+from collections import OrderedDict
 from typing import Iterable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
@@ -27,6 +27,9 @@ from ._native import load as _load_native
 
 _draftfeed = _load_native()  # or an ImportError naming the Python it was built for
 
+from . import accounting as _acct  # noqa: E402
+from .fp8 import E4M3_VALUES, _fp8_torch, dequantize_fp8  # noqa: E402,F401
+from . import feed_map as _feed_map  # noqa: E402
 from . import layers  # noqa: E402  draftfeed.layers.dflash(L), .eagle3(L)
 from . import outputs as _outputs  # noqa: E402
 from .stats import ProgressBar, flatten as _flatten_stats  # noqa: E402
@@ -47,12 +50,19 @@ _CODE_NAMES = {
 
 
 class DraftfeedError(RuntimeError):
-    """A draftfeed call failed. `code` is the gRPC/absl status code number."""
+    """A draftfeed call failed. `code` is the gRPC/absl status code number.
+
+    From `Feed.next()`: `consumed_batch` says whether the error took a batch (a batch the
+    target refused: it will not come back) and `batch_id` is that batch's id where the feed
+    knows it (ordered feeds), else None."""
 
     def __init__(self, code: int, message: str):
         self.code = code
         self.code_name = _CODE_NAMES.get(code, str(code))
         self.message = message
+        self.batch_id: Optional[int] = None
+        self.batch = None  # what Feed.map was given for that batch
+        self.consumed_batch = False
         super().__init__(f"{self.code_name}: {message}")
 
 
@@ -68,62 +78,6 @@ _READABLE = sorted([*_TORCH_DTYPES, FP8])
 def _unsupported(encoding: str) -> "DraftfeedError":
     return DraftfeedError(12, f"this draftfeed client cannot read captures encoded as "
                               f"{encoding!r} (it reads {_READABLE})")
-
-
-def _e4m3_values() -> np.ndarray:
-    # Every OCP e4m3 code's value, exact in float32: 2^-9 * m below the normals,
-    # 2^(e-7) * (1 + m/8) above; 0x7f and 0xff are NaN.
-    code = np.arange(256)
-    sign = np.where(code & 0x80, -1.0, 1.0)
-    exp, man = (code >> 3) & 0xF, code & 0x7
-    mag = np.where(exp == 0, man * 2.0 ** -9, 2.0 ** (exp - 7) * (1 + man / 8))
-    mag = np.where((exp == 0xF) & (man == 0x7), np.nan, mag)
-    return (sign * mag).astype(np.float32)
-
-
-E4M3_VALUES = _e4m3_values()
-
-# Tokens of an fp8 result dequantised per step on torch: bounds the fp32 (and,
-# without torch.float8_e4m3fn, int64 index) temporaries at 2^24 values.
-_DEQUANT_VALUES_PER_STEP = 1 << 24
-
-
-def _fp8_torch(raw, num_layers: int, hidden_size: int):
-    """(codes [T, K, H], scales [T, K] float32) viewed out of an fp8_e4m3 result's raw
-    bytes, a uint8 torch tensor [T, K*H + 4K]; codes are torch.float8_e4m3fn where torch has
-    it, else uint8."""
-    import torch
-
-    kh = num_layers * hidden_size
-    codes = raw[:, :kh].unflatten(1, (num_layers, hidden_size))
-    if hasattr(torch, "float8_e4m3fn"):
-        codes = codes.view(torch.float8_e4m3fn)
-    scale_bytes = raw[:, kh:kh + 4 * num_layers]  # target outputs, if any, follow
-    if kh % 4 or raw.shape[1] % 4:  # a float32 view needs 4-byte aligned rows
-        scale_bytes = scale_bytes.contiguous()
-    return codes, scale_bytes.view(torch.float32)
-
-
-def dequantize_fp8(codes, scales):
-    """bf16 [T, K, H] from fp8_e4m3 codes [T, K, H] (torch.float8_e4m3fn or uint8) and
-    scales [T, K], on their device: bf16(float32(code) * scale), the same bits as the C++
-    client's dequantisation on the way in."""
-    import torch
-
-    t = codes.shape[0]
-    out = torch.empty(codes.shape, dtype=torch.bfloat16, device=codes.device)
-    step = max(1, _DEQUANT_VALUES_PER_STEP // max(1, codes[0].numel() if t else 1))
-    table = None
-    for a in range(0, t, step):
-        c = codes[a:a + step]
-        if c.dtype == torch.uint8:
-            if table is None:
-                table = torch.from_numpy(E4M3_VALUES).to(codes.device)
-            v = table[c.long()]
-        else:
-            v = c.float()
-        out[a:a + step] = (v * scales[a:a + step].unsqueeze(-1)).to(torch.bfloat16)
-    return out
 
 
 def _check(triple):
@@ -145,10 +99,18 @@ def describe_target(address: str, timeout_s: float = 10.0, tls=None, token=None)
 class Result:
     """One batch's hidden states: `hidden` is [T, K, H] (K = layers in the order asked)."""
 
-    __slots__ = ("_r",)
+    __slots__ = ("_r", "_batch")
 
-    def __init__(self, r):
+    def __init__(self, r, batch=None):
         self._r = r
+        self._batch = batch
+
+    batch = property(lambda self: self._batch,
+                     doc="what Feed.map was given for this result (a PackedBatch, a pair, ...); "
+                         "None for batches queued by submit()")
+    indices = property(lambda self: getattr(self._batch, "indices", None),
+                       doc="the dataset index of each sequence, where map was given a PackedBatch "
+                           "that knows them (PackedBatch.indices), else None")
 
     batch_id = property(lambda self: self._r.batch_id)
     num_tokens = property(lambda self: self._r.num_tokens)
@@ -388,7 +350,8 @@ class Feed:
         scales (`torch()` still dequantises on request).
 
     A batch whose target dies, hangs or shuts down is re-sent to another target;
-    duplicates are dropped by batch id, so each batch comes back exactly once.
+    duplicates are dropped by batch id, so each batch comes back exactly once. Each such
+    target failure is logged once (logger "draftfeed") and counted in `stats()`.
     """
 
     def __init__(self, targets: Sequence[str], layers: Sequence[int], prefetch: int = 8,
@@ -432,6 +395,12 @@ class Feed:
         self.layers = [int(l) for l in layers]
         self.progress_every_s = float(progress_every_s)
         self._outstanding = 0
+        # Ids submitted and not yet returned or cancelled, in submission order: an ordered
+        # feed's error is the first of them. Values: what map() was given for the batch.
+        self._ids: "OrderedDict[int, object]" = OrderedDict()
+        self._ordered = bool(ordered)
+        self._counters = _acct.new_counters()
+        self._watch = _acct.TargetWatch()
         self._last_progress = 0.0
         self._final = None  # the native stats close() left
         self._bar = ProgressBar.make() if progress else None
@@ -449,6 +418,24 @@ class Feed:
         """Description of the first target (model id, fingerprint, sizes)."""
         return self._live("target").target()
 
+    def target_info(self) -> dict:
+        """The first target's description, as `target` (max_batch_tokens, max_sequence_tokens:
+        the longest batch it takes, running one over max_batch_tokens in chunks)."""
+        return self.target
+
+    def pack_sequences(self, sequences, token_budget: Optional[int] = None, **kw):
+        """draftfeed.packing.pack_sequences with the target's limits: `token_budget` defaults to
+        its max_batch_tokens and `max_sequence_tokens` to its own, so a sequence up to that is
+        sent whole (not truncated) and a longer one is an error naming both numbers (or as
+        `truncate=True` / `drop_longer=True` say)."""
+        from .packing import pack_sequences
+
+        info = self.target
+        kw.setdefault("max_sequence_tokens", int(info["max_sequence_tokens"]))
+        budget = int(info["max_batch_tokens"]) if token_budget is None else token_budget
+        return pack_sequences(sequences, budget, **kw)
+
+
     def add_target(self, address: str) -> None:
         """Adds a target to the running feed; it receives work once connected."""
         _check(self._live("add_target").add_target(address))
@@ -460,6 +447,7 @@ class Feed:
         seq_lens = np.ascontiguousarray(seq_lens, dtype=np.int32)
         batch_id = _check(feed.submit(token_ids, seq_lens))
         self._outstanding += 1
+        self._ids[batch_id] = None
         return batch_id
 
     def next(self) -> Result:
@@ -469,49 +457,58 @@ class Feed:
         usable) or when no target has been reachable for unavailable_timeout_s.
         """
         feed = self._live("next")
+        before = self._outstanding
         try:
-            r = Result(_check(feed.next()))
+            r = _check(feed.next())
+        except DraftfeedError as e:
+            self._took_error(e, before)
+            raise
+        else:
+            r = Result(r, self._ids.pop(r.batch_id, None))
         finally:
             # The native feed's count, not a guess: a next() refused for want of a
             # submission (or a feed closing) took no batch, a refused batch did.
-            self._outstanding = int(feed.stats()["outstanding"])
+            stats = feed.stats()
+            self._outstanding = int(stats["outstanding"])
+            self._watch.observe(stats)
         if self._bar is not None:
             feed = self._feed
             self._bar.update(self._outstanding, lambda: feed.stats()["window_tokens_per_s"])
         return r
 
-    def map(self, batches: Iterable[Batch]) -> Iterator[Result]:
-        """Keeps `prefetch` batches in flight; yields their results.
+    def _took_error(self, e: DraftfeedError, before: int) -> None:
+        """Marks the batch an error from next() took: which one (ordered feeds: the oldest
+        outstanding, as the native feed returns them) and that it is gone."""
+        feed = self._feed
+        after = int(feed.stats()["outstanding"]) if feed is not None else before
+        e.consumed_batch = after < before
+        if e.consumed_batch and self._ordered and self._ids:
+            e.batch_id, e.batch = self._ids.popitem(last=False)
+
+    def map(self, batches: Iterable[Batch], on_error: str = "raise", max_skipped: int = 100,
+            on_skip=None) -> Iterator[Result]:
+        """Keeps `prefetch` batches in flight; yields their results (`Result.batch` is the item
+        of `batches` it was computed from, `Result.indices` its dataset indices).
+
+        A batch that fails (the target refused it, DATA_LOSS, ...): with on_error="raise"
+        (default) its DraftfeedError ends the loop, and the batches still in flight stay
+        outstanding, not cancelled: `next()` or the next `map` returns them. With
+        on_error="skip" it is counted (`stats()["skipped_batches"]`), logged as a warning
+        (logger "draftfeed") with its reason, passed to `on_skip(error, item)` when given, and
+        the loop goes on; more than `max_skipped` skips in one pass raise. Errors that are not
+        one batch's (UNAVAILABLE: no target reachable) always raise.
 
         Leaving the loop early (break, an exception, the generator closed or
         collected) cancels the batches it still has in flight: the targets
         skip those they have not started, and none is returned later.
+
+        `PackedBatch`es' packing counts (truncated, left out) go to `stats()`, and a pass whose
+        batches were truncated by a packer that does not warn itself (the collator) warns once
+        at its end.
         """
-        it = iter(batches)
-        exhausted = False
-        mine = set()  # ids this map submitted and has not yielded
-        try:
-            while True:
-                while not exhausted and self._outstanding < self.prefetch:
-                    try:
-                        token_ids, seq_lens = next(it)
-                    except StopIteration:
-                        exhausted = True
-                        break
-                    mine.add(self.submit(token_ids, seq_lens))
-                if self._outstanding == 0:
-                    return
-                r = self.next()
-                mine.discard(r.batch_id)
-                yield r
-                if self.progress_every_s > 0:
-                    now = time.monotonic()
-                    if now - self._last_progress >= self.progress_every_s:
-                        self._last_progress = now
-                        print(self.progress_line(), flush=True)
-        finally:
-            if mine and self._feed is not None:
-                self.cancel(sorted(mine))
+        _acct.check_on_error(on_error, max_skipped)  # now, not at the first result
+        return _feed_map.run(self, batches, _acct.Pass(self._counters, on_error, max_skipped,
+                                                       on_skip))
 
     def cancel(self, batch_ids: Optional[Sequence[int]] = None) -> int:
         """Drops outstanding batches (all of them by default) so `next()` never returns
@@ -523,6 +520,10 @@ class Feed:
         feed = self._live("cancel")
         n = int(feed.cancel(ids))
         self._outstanding = int(feed.stats()["outstanding"])
+        if batch_ids is None:
+            self._ids.clear()
+        for b in ids:
+            self._ids.pop(b, None)
         return n
 
     def stats(self, flat: bool = False) -> dict:
@@ -537,6 +538,9 @@ class Feed:
         """
         s = self._feed.stats() if self._feed is not None else copy.deepcopy(self._final)
         s["queue_depth"] = s["outstanding"]
+        self._watch.observe(s)
+        self._watch.add_to(s)
+        s.update(self._counters)
         return _flatten_stats(s) if flat else s
 
     def progress_line(self) -> str:

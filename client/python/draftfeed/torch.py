@@ -39,13 +39,20 @@ DataLoader and sampler decide its data, exactly as without draftfeed (Distribute
 
 DataLoader workers (num_workers > 0) are fine for the loader underneath: the Feed stays in the
 training process. Do not put a HiddenStateDataset itself into a DataLoader with workers.
+
+Nothing is lost silently: a batch the target refuses raises (on_error="raise", the default: the
+epoch ends there) or is skipped, counted and logged (on_error="skip", at most `max_skipped` per
+epoch); `stats()` has the epoch's numbers and `feed.stats()` the feed's. A PackedBatch's
+`indices` (dataset indices, `draftfeed.packing.with_indices`) come out as `indices`.
+`batches_done` is the loader batches finished so far this epoch, in loader order, for
+`DistributedTokenBudgetSampler.state_dict(consumed=...)`.
 """
 
 from __future__ import annotations
 
-import collections
+import logging
 from collections.abc import Mapping
-from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 import numpy as np
 
@@ -57,12 +64,13 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
         f"({_e}). Install torch, or use draftfeed.Feed directly: Result.hidden and "
         "Result.hidden_bits are numpy arrays.") from _e
 
-from . import DraftfeedError
-from .packing import PackedBatch
+from . import DraftfeedError  # noqa: F401  (re-exported: what the dataset raises)
+from .packing import PackedBatch, PackingCollator, PackingStats
 
 __all__ = ["HiddenStateDataset"]
 
 _LAYER_VIEWS = ("tkh", "t(kh)")
+_log = logging.getLogger("draftfeed")
 
 
 def _np_int32(value: Any, name: str) -> np.ndarray:
@@ -110,6 +118,7 @@ def _normalize(item: Any) -> Tuple[np.ndarray, np.ndarray, Dict[str, Any]]:
             "position_ids": torch.from_numpy(item.position_ids),
             "cu_seqlens": torch.from_numpy(item.cu_seqlens),
             "index": list(item.index),
+            "indices": None if item.indices is None else list(item.indices),
         }
         for key, value in item.extras.items():
             try:
@@ -152,6 +161,14 @@ class HiddenStateDataset(torch.utils.data.IterableDataset):
       pin_memory: None (default) pins when `device` is CUDA; True also pins the CPU tensor when
         `device` is None and CUDA is available (for the caller's own async copy); False never.
       non_blocking: passed to the host-to-device copy.
+      on_error: "raise" (default) or "skip": what a batch the target refuses does (Feed.map's
+        policy; skipped batches are logged and counted in `stats()` and `feed.stats()`).
+      max_skipped: with on_error="skip", more skipped batches than this in one epoch raise.
+      max_sequence_tokens: "auto" (default): when the loader's collate_fn is a PackingCollator
+        without max_sequence_tokens, it gets the target's (feed.target_info()) where that is
+        above its token budget, so long sequences reach the trainer whole instead of truncated
+        (a target running long batches in chunks); an int sets that value the same way; None
+        leaves the collator as it is.
 
     Iterating again (next epoch) iterates the loader again. Leaving a loop early (break, an
     exception) cancels the batches still in flight (targets skip the ones they have not
@@ -162,10 +179,19 @@ class HiddenStateDataset(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, loader: Iterable, feed, device=None, layers_view: str = "tkh",
-                 pin_memory: Optional[bool] = None, non_blocking: bool = True):
+                 pin_memory: Optional[bool] = None, non_blocking: bool = True,
+                 on_error: str = "raise", max_skipped: int = 100,
+                 max_sequence_tokens: Union[str, int, None] = "auto"):
         super().__init__()
         if layers_view not in _LAYER_VIEWS:
             raise ValueError(f"layers_view must be one of {_LAYER_VIEWS}, got {layers_view!r}")
+        from .accounting import check_on_error
+
+        check_on_error(on_error, max_skipped)
+        self.on_error, self.max_skipped = on_error, int(max_skipped)
+        self.batches_done = 0
+        self._epoch = _EpochStats()
+        self._long_sequences(loader, feed, max_sequence_tokens)
         self.loader = loader
         self.feed = feed
         self.device = None if device is None else torch.device(device)
@@ -179,6 +205,30 @@ class HiddenStateDataset(torch.utils.data.IterableDataset):
             self._pin = on_cuda
         else:
             self._pin = bool(pin_memory) and torch.cuda.is_available()
+
+    @staticmethod
+    def _long_sequences(loader, feed, max_sequence_tokens) -> None:
+        """Gives the loader's PackingCollator the target's max_sequence_tokens (see Args)."""
+        collate = getattr(loader, "collate_fn", None)
+        if max_sequence_tokens is None or not isinstance(collate, PackingCollator):
+            return
+        if collate.max_sequence_tokens is not None or collate.token_budget is None:
+            return  # the caller chose
+        if max_sequence_tokens == "auto":
+            info = feed.target_info() if hasattr(feed, "target_info") else feed.target
+            limit = int(info.get("max_sequence_tokens") or 0)
+        else:
+            limit = int(max_sequence_tokens)
+        if limit > collate.token_budget:
+            collate.max_sequence_tokens = limit
+            _log.info("draftfeed: HiddenStateDataset: sequences up to %d tokens go whole (the "
+                      "target's max_sequence_tokens; the collator's budget is %d)", limit,
+                      collate.token_budget)
+
+    def stats(self) -> Dict[str, int]:
+        """This epoch's numbers: batches yielded and skipped (with their tokens), batches_done,
+        and what packing did to the batches submitted (PackingStats' keys)."""
+        return {**self._epoch.as_dict(), "batches_done": self.batches_done}
 
     def __len__(self) -> int:
         return len(self.loader)  # TypeError when the loader has no length, as len() should
@@ -234,38 +284,96 @@ class HiddenStateDataset(torch.utils.data.IterableDataset):
                 "HiddenStateDataset runs in the training process: iterate it directly, or use "
                 "DataLoader(..., batch_size=None, num_workers=0); put the workers on the "
                 "loader it wraps instead")
-        pending: collections.deque = collections.deque()
+        self._epoch = _EpochStats()
+        done = _Prefix()
+        self.batches_done = 0
+        mine = set()  # id() of the submissions in flight, to tell a result of another loop
 
         def submissions():
-            for item in self.loader:
+            for seq, item in enumerate(self.loader):
                 tokens, lens, fields = _normalize(item)
                 if tokens.shape[0] == 0:
+                    self.batches_done = done.finish(seq)  # nothing to compute: done
                     continue
-                pending.append((tokens, lens, fields))
-                yield tokens, lens
+                sub = _Submission(seq, tokens, lens, fields, item)
+                self._epoch.packing.add(sub.packing_stats)
+                mine.add(id(sub))
+                yield sub
 
-        results = self.feed.map(submissions())
+        def skipped(error, sub):
+            if isinstance(sub, _Submission):
+                mine.discard(id(sub))
+                self._epoch.skipped_batches += 1
+                self._epoch.skipped_tokens += int(sub.token_ids.shape[0])
+                self.batches_done = done.finish(sub.seq)
+
+        results = self.feed.map(submissions(), on_error=self.on_error,
+                                max_skipped=self.max_skipped, on_skip=skipped)
         try:
             for result in results:
-                fields = self._take(pending, result)
+                sub = result.batch
+                if not isinstance(sub, _Submission) or id(sub) not in mine:
+                    raise RuntimeError(
+                        f"HiddenStateDataset: result batch {result.batch_id} "
+                        f"({result.num_tokens} tokens) is none of the {len(mine)} batches this "
+                        f"dataset has in flight; is another loop using the same Feed at the "
+                        f"same time?")
+                mine.discard(id(sub))
+                fields = sub.fields
                 fields["hidden"] = self._hidden(result, fields)
                 self._target_outputs(result, fields)
                 fields["batch_id"] = result.batch_id
+                self._epoch.batches += 1
+                self.batches_done = done.finish(sub.seq)
                 yield fields
         finally:
             results.close()
             self._drain()
 
-    @staticmethod
-    def _take(pending: collections.deque, result) -> Dict[str, Any]:
-        """The pending batch this result was computed from: the oldest one for an ordered feed;
-        any batch with the same tokens and lengths (hence the same states) otherwise."""
-        got_tokens, got_lens = np.asarray(result.token_ids), np.asarray(result.seq_lens)
-        for i, (tokens, lens, fields) in enumerate(pending):
-            if np.array_equal(tokens, got_tokens) and np.array_equal(lens, got_lens):
-                del pending[i]
-                return fields
-        raise RuntimeError(
-            f"HiddenStateDataset: result batch {result.batch_id} ({result.num_tokens} tokens) "
-            f"matches none of the {len(pending)} batches this dataset has in flight; is another "
-            f"loop using the same Feed at the same time?")
+
+class _Submission:
+    """One loader batch on its way through Feed.map: unpacks as (token_ids, seq_lens) for the
+    feed, and carries the dataset's output fields, its position in the loader (`seq`) and the
+    packing counts and indices of a PackedBatch for Feed.map's accounting."""
+
+    __slots__ = ("seq", "token_ids", "seq_lens", "fields", "packing_stats", "packer_warns",
+                 "indices")
+
+    def __init__(self, seq: int, tokens: np.ndarray, lens: np.ndarray, fields: Dict[str, Any],
+                 item: Any):
+        self.seq, self.token_ids, self.seq_lens, self.fields = seq, tokens, lens, fields
+        packed = isinstance(item, PackedBatch)
+        self.packing_stats = item.packing_stats if packed else PackingStats()
+        self.packer_warns = item.packer_warns if packed else False
+        self.indices = item.indices if packed else None
+
+    def __iter__(self):
+        return iter((self.token_ids, self.seq_lens))
+
+
+class _Prefix:
+    """Loader positions finished (yielded, skipped or empty), as the length of the finished
+    prefix: exact for an unordered feed too, where they finish out of order."""
+
+    def __init__(self):
+        self.length = 0
+        self._ahead: set = set()
+
+    def finish(self, seq: int) -> int:
+        self._ahead.add(seq)
+        while self.length in self._ahead:
+            self._ahead.discard(self.length)
+            self.length += 1
+        return self.length
+
+
+class _EpochStats:
+    def __init__(self):
+        self.batches = 0
+        self.skipped_batches = 0
+        self.skipped_tokens = 0
+        self.packing = PackingStats()
+
+    def as_dict(self) -> Dict[str, int]:
+        return {"batches": self.batches, "skipped_batches": self.skipped_batches,
+                "skipped_tokens": self.skipped_tokens, **self.packing.as_dict()}
