@@ -23,9 +23,8 @@ from typing import Iterable, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._native import load as _load_native
-
-_draftfeed = _load_native()  # or an ImportError naming the Python it was built for
+# The compiled client where it loads, else the pure-Python one (grpcio): _client.py.
+from ._client import client_for as _client_for, native_import_error  # noqa: E402,F401
 
 from . import accounting as _acct  # noqa: E402
 from .fp8 import E4M3_VALUES, _fp8_torch, dequantize_fp8  # noqa: E402,F401
@@ -87,13 +86,16 @@ def _check(triple):
     return value
 
 
-def describe_target(address: str, timeout_s: float = 10.0, tls=None, token=None) -> dict:
+def describe_target(address: str, timeout_s: float = 10.0, tls=None, token=None,
+                    transport: Optional[str] = None) -> dict:
     """Model id, fingerprint, layer count, hidden size, ... of one target.
 
-    `tls` and `token` as for `Feed`.
+    `tls`, `token` and `transport` (which client asks; "grpcio": the pure-Python one) as for
+    `Feed`.
     """
-    return _check(_draftfeed.describe_target(address, timeout_s, _native_tls(tls),
-                                             _native_token(token)))
+    module = _client_for("grpc" if transport in ("nccl", "auto") else transport)[0]
+    return _check(module.describe_target(address, timeout_s, _native_tls(tls),
+                                         _native_token(token)))
 
 
 class Result:
@@ -318,7 +320,10 @@ class Feed:
         while results come back; without tqdm installed, `map` prints a progress line every
         10 s instead (unless progress_every_s says otherwise).
       stats_window_s: the recent window of `stats()`' window_* rates, seconds.
-      transport: "grpc" (default; results in host memory), "nccl" (results land
+      transport: "grpc" (default, or the DRAFTFEED_TRANSPORT environment variable; results
+        in host memory; the compiled client's gRPC where it is installed, else grpcio's),
+        "grpcio" (gRPC through the pip grpcio and protobuf packages, pure Python, no compiled
+        module needed; `Feed.client` says which client runs), "nccl" (results land
         GPU to GPU in `cuda_device`'s memory; each target on one GPU other than
         `cuda_device`, on this host or, by NCCL's network transport, another)
         or "auto" (NCCL with the targets where it works, gRPC with the others;
@@ -360,13 +365,15 @@ class Feed:
                  verify_checksum: bool = True, connect_timeout_s: float = 30.0,
                  batch_timeout_s: float = 120.0, unavailable_timeout_s: float = 60.0,
                  client_name: str = "", progress_every_s: float = 0.0,
-                 transport: str = "grpc", cuda_device: int = -1, encoding: str = "bf16",
+                 transport: Optional[str] = None, cuda_device: int = -1,
+                 encoding: str = "bf16",
                  fp8_raw: bool = False, tls=None, token: Optional[str] = None,
                  progress: bool = False, stats_window_s: float = 30.0,
                  nccl_across_hosts: bool = False, draft_vocab=None, top_k: int = 0,
                  argmax: bool = False, probs_encoding: str = "bf16", **advanced):
         if isinstance(targets, str):
             targets = [targets]
+        module, transport, self.client = _client_for(transport)  # "native" or "grpcio"
         opts = dict(prefetch=int(prefetch), prefetch_bytes=int(prefetch_bytes),
                     ordered=bool(ordered), credits_per_target=int(credits_per_target),
                     expected_fingerprint=expected_fingerprint,
@@ -388,7 +395,13 @@ class Feed:
         # reconnect_backoff_min_s, reconnect_backoff_max_s, dns_refresh_s, nccl_socket_ifname,
         # nccl_setup_timeout_s, nccl_timeout_s
         opts.update(advanced)
-        self._feed = _check(_draftfeed.Feed.open(list(targets), [int(l) for l in layers], opts))
+        try:
+            self._feed = _check(module.Feed.open(list(targets), [int(l) for l in layers], opts))
+        except DraftfeedError as e:
+            if self.client == "grpcio" and transport != "grpc" and native_import_error:
+                raise DraftfeedError(e.code, f"{e.message} (the compiled module: "
+                                             f"{native_import_error})") from None
+            raise
         self.prefetch = int(prefetch)
         self.encoding = str(encoding)
         self.fp8_raw = bool(fp8_raw)

@@ -155,11 +155,19 @@ def test_module_built_for_another_python_says_so():
         # The same module as another interpreter's build would be named.
         shutil.copy2(built[0], tmp / "draftfeed" / "_draftfeed.cpython-39-x86_64-linux-gnu.so")
         env = dict(os.environ, PYTHONPATH=str(tmp))
-        r = subprocess.run([sys.executable, "-c", "import draftfeed"], capture_output=True,
-                           text=True, env=env, cwd=tmp)
+        env.pop("DRAFTFEED_TRANSPORT", None)
+        # The import goes on with the pure-Python client (grpcio), warning once with the
+        # reason; as an error (-W error) the warning is what the import fails with.
+        r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c",
+                            "import draftfeed"], capture_output=True, text=True, env=env, cwd=tmp)
+        fell_back = subprocess.run(
+            [sys.executable, "-c", "import draftfeed; print(draftfeed._client.native is None)"],
+            capture_output=True, text=True, env=env, cwd=tmp)
     finally:
         shutil.rmtree(tmp)
     assert r.returncode != 0
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     assert "built for another Python" in r.stderr and "CPython 3.9" in r.stderr, r.stderr
     assert f"Python {here}" in r.stderr and "circular import" not in r.stderr
+    assert fell_back.returncode == 0 and fell_back.stdout.split() == ["True"], fell_back.stderr
+    assert "built for another Python" in fell_back.stderr and "grpcio" in fell_back.stderr
