@@ -10,7 +10,8 @@ PACKAGES=(
   libabsl-dev libssl-dev openssl zlib1g-dev libzstd-dev libcpp-httplib-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   clang libclang-rt-14-dev  # scripts/run_fuzzers.sh: libFuzzer with ASan and UBSan
-  pybind11-dev python3-dev python3-numpy python3-pytest python3-grpcio python3-matplotlib
+  pybind11-dev python3-dev python3-numpy python3-pytest python3-grpcio python3-protobuf
+  python3-matplotlib
   python3-venv python3-pip python3-setuptools python3-wheel python3-tqdm
   python3-yaml slurm-wlm munge  # tests/deploy: the manifests' checks and the local Slurm
 )

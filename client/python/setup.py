@@ -1,11 +1,19 @@
-"""Builds draftfeed's compiled module (_draftfeed) with the repository's CMake.
+"""Builds the draftfeed package: pure Python, or with its compiled module (_draftfeed).
 
-pyproject.toml holds the package's metadata; this file only adds the build
-step setuptools cannot express: configure a client-only CMake tree (no target
-server, no CUDA unless DRAFTFEED_CMAKE_ARGS asks for it) for the Python that
-runs it, build the pybind11 target and put it where the wheel takes it from.
+pyproject.toml holds the package's metadata; this file adds what setuptools cannot express:
+
+  DRAFTFEED_NATIVE=auto (default)  build the compiled module when its toolchain is here (cmake,
+                                   a C++ compiler, gRPC's CMake package, pybind11), else a
+                                   pure-Python wheel (py3-none-any) whose feeds run over the
+                                   pip grpcio and protobuf packages;
+  DRAFTFEED_NATIVE=1               build the compiled module or fail saying why;
+  DRAFTFEED_NATIVE=0               pure Python, whatever is installed.
+
+The compiled module comes from a client-only CMake tree of the repository (no target server,
+no CUDA unless DRAFTFEED_CMAKE_ARGS asks for it) for the Python that runs this.
 """
 
+import glob
 import os
 import pathlib
 import re
@@ -75,5 +83,55 @@ class CMakeBuild(build_ext):
         shutil.copy2(built[0], dest)
 
 
-setup(version=_version(), ext_modules=[Extension("draftfeed._draftfeed", sources=[])],
-      cmdclass={"build_ext": CMakeBuild})
+NATIVE_ENV = "DRAFTFEED_NATIVE"
+
+
+def _native_toolchain_missing() -> str:
+    """What the compiled module's build lacks here ("" when nothing): checked before CMake
+    runs, so a machine without Debian's gRPC (a stock PyTorch image) gets the pure-Python
+    package instead of a failed build."""
+    if shutil.which("cmake") is None:
+        return "cmake is not on PATH"
+    if not any(shutil.which(c) for c in (os.environ.get("CXX", "c++"), "c++", "g++", "clang++")):
+        return "no C++ compiler on PATH"
+    prefixes = [p for p in os.environ.get("CMAKE_PREFIX_PATH", "").split(os.pathsep) if p]
+    prefixes += [sys.prefix, "/usr/local", "/usr"]
+    def found(*names):  # where CMake's find_package looks for <name>Config.cmake
+        dirs = ("lib*/cmake/*", "lib*/*/cmake/*", "share/cmake/*", "share/*/cmake")
+        return any(glob.glob(os.path.join(prefix, d, name))
+                   for prefix in prefixes for d in dirs for name in names)
+    if not found("gRPCConfig.cmake", "grpc-config.cmake"):
+        return "gRPC's C++ CMake package (gRPCConfig.cmake) is not installed"
+    try:
+        import pybind11  # noqa: F401  pip's pybind11 brings its CMake package
+    except ImportError:
+        if not found("pybind11Config.cmake", "pybind11-config.cmake"):
+            return "pybind11 (its CMake package) is not installed"
+    return ""
+
+
+def _build_native() -> bool:
+    mode = os.environ.get(NATIVE_ENV, "auto").strip().lower()
+    if mode in ("0", "off", "no", "false"):
+        return False
+    if mode not in ("auto", "1", "on", "yes", "true"):
+        raise RuntimeError(f"draftfeed: {NATIVE_ENV}={mode!r}: use auto, 1 or 0")
+    missing = _native_toolchain_missing()
+    if not missing:
+        return True
+    if mode != "auto":
+        raise RuntimeError(f"draftfeed: {NATIVE_ENV}={mode} asks for the compiled module, but "
+                           f"{missing} (scripts/install-deps.sh on Debian installs what it needs;"
+                           f" or build the pure-Python package with {NATIVE_ENV}=0)")
+    print(f"draftfeed: building the pure-Python package ({missing}); its feeds use the grpcio "
+          f"and protobuf packages. {NATIVE_ENV}=1 insists on the compiled module.",
+          file=sys.stderr)
+    return False
+
+
+if _build_native():
+    setup(version=_version(), ext_modules=[Extension("draftfeed._draftfeed", sources=[])],
+          cmdclass={"build_ext": CMakeBuild}, install_requires=["numpy"])
+else:
+    # No extension: setuptools makes a py3-none-any wheel.
+    setup(version=_version(), install_requires=["numpy", "grpcio", "protobuf"])
