@@ -4,6 +4,7 @@ trainer whole, truncation is counted and warned, dataset indices come back with 
 a lost target is logged once and counted."""
 
 import logging
+import re
 import time
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 import draftfeed
 from draftfeed.packing import PackingCollator, TruncationWarning, pack_sequences, with_indices
+from target_limits import OVER, refuse_over
 
 BUDGET = 64
 
@@ -35,7 +37,7 @@ def bad_vocab(i):
 
 @pytest.fixture
 def small_target(make_target):
-    return make_target(extra=(f"--max_batch_tokens={BUDGET}",))
+    return make_target(extra=refuse_over(BUDGET))
 
 
 def test_skip_counts_and_logs_each_failed_batch_and_cancels_nothing(small_target, caplog):
@@ -51,7 +53,7 @@ def test_skip_counts_and_logs_each_failed_batch_and_cancels_nothing(small_target
     logged = [r.getMessage() for r in caplog.records if r.name == "draftfeed"]
     assert len(logged) == 2
     assert "skipped batch 2 (74 tokens in 1 sequences)" in logged[0]
-    assert "74 tokens, over the token budget of 64" in logged[0]
+    assert re.search(f"74 tokens, {OVER} 64", logged[0])
     assert "skipped batch 4" in logged[1] and "outside the vocabulary" in logged[1]
 
 
@@ -59,7 +61,7 @@ def test_raise_leaves_the_other_batches_in_flight_for_next(small_target):
     items = [pair(10, 0), over_budget(1), pair(12, 2), pair(14, 3)]
     with draftfeed.Feed(targets=[small_target.address], layers=[-1], prefetch=4) as feed:
         got = []
-        with pytest.raises(draftfeed.DraftfeedError, match="over the token budget") as e:
+        with pytest.raises(draftfeed.DraftfeedError, match=f"74 tokens, {OVER} 64") as e:
             for r in feed.map(items):
                 got.append(r.num_tokens)
         assert got == [10]
@@ -88,14 +90,13 @@ def test_feed_pack_sequences_uses_the_targets_limits(small_target):
     with draftfeed.Feed(targets=[small_target.address], layers=[-1]) as feed:
         info = feed.target_info()
         assert info["max_batch_tokens"] == BUDGET
-        assert info["max_sequence_tokens"] >= BUDGET  # today's servers: equal
+        assert info["max_sequence_tokens"] == BUDGET  # refuse_over: no chunks
         got = list(feed.map(feed.pack_sequences([seq(30, 0), seq(40, 1), seq(20, 2)])))
         assert [r.seq_lens.tolist() for r in got] == [[30], [40, 20]]
         assert [r.indices for r in got] == [[0], [1, 2]]
-        if info["max_sequence_tokens"] == BUDGET:
-            with pytest.raises(ValueError, match=r"sequence 0 holds 100 tokens, over the token "
-                                                 r"budget of 64 \(max_sequence_tokens=64"):
-                list(feed.pack_sequences([seq(100, 0)]))
+        with pytest.raises(ValueError, match=r"sequence 0 holds 100 tokens, over the token "
+                                             r"budget of 64 \(max_sequence_tokens=64"):
+            list(feed.pack_sequences([seq(100, 0)]))
 
 
 def test_long_sequences_reach_the_trainer_whole(make_target):
@@ -120,15 +121,15 @@ def test_dataset_gets_long_sequences_whole_and_skips_what_the_target_refuses(mak
     from draftfeed.packing import token_budget_batches
     from draftfeed.torch import HiddenStateDataset
 
-    target = make_target(extra=("--max_batch_tokens=256",))
+    target = make_target(extra=refuse_over(256))
     lengths = [20, 300, 30, 200, 25, 30]
     data = [torch.from_numpy(seq(n, i).astype(np.int64)) for i, n in enumerate(lengths)]
     groups = token_budget_batches(lengths, 64, max_sequence_tokens=1024)
     assert groups == [[0], [1], [2], [3], [4, 5]]
     loader = DataLoader(with_indices(data), batch_sampler=groups, collate_fn=PackingCollator(64))
     with draftfeed.Feed(targets=[target.address], layers=[-1], prefetch=3) as feed:
-        # "auto": the collator takes the target's max_sequence_tokens (256 today: the 200-token
-        # sequence goes whole); an explicit 1024 lets the 300 through to be refused and skipped
+        # "auto" would give the collator the target's max_sequence_tokens (256); an explicit 1024
+        # lets the 300 through to be refused by the target and skipped
         ds = HiddenStateDataset(loader, feed, on_error="skip", max_sequence_tokens=1024)
         assert loader.collate_fn.max_sequence_tokens == 1024
         out = list(ds)
@@ -144,16 +145,14 @@ def test_dataset_gets_long_sequences_whole_and_skips_what_the_target_refuses(mak
 
     loader2 = DataLoader(data, batch_sampler=groups, collate_fn=PackingCollator(64))
     with draftfeed.Feed(targets=[target.address], layers=[-1]) as feed:
-        limit = feed.target_info()["max_sequence_tokens"]  # 256 on today's servers
+        assert feed.target_info()["max_sequence_tokens"] == 256
         ds = HiddenStateDataset(loader2, feed)
-        assert loader2.collate_fn.max_sequence_tokens == limit  # auto: the target's
-        if limit < 300:  # the collator refuses, naming both numbers, before anything is lost
-            with pytest.raises(ValueError, match=f"300 tokens, over max_sequence_tokens={limit} "
-                                                 r"\(the token budget is 64\)"):
-                list(ds)
-            assert feed.stats()["outstanding"] == 0
-        else:
-            assert [b["hidden"].shape[0] for b in ds] == [20, 300, 30, 200, 55]
+        assert loader2.collate_fn.max_sequence_tokens == 256  # auto: the target's
+        # the collator refuses the 300, naming both numbers, before anything is lost
+        with pytest.raises(ValueError, match=r"300 tokens, over max_sequence_tokens=256 "
+                                             r"\(the token budget is 64\)"):
+            list(ds)
+        assert feed.stats()["outstanding"] == 0
 
 
 def test_collator_truncation_is_counted_in_feed_stats_and_warned_once_per_pass(small_target):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import draftfeed
+from target_limits import refuse_over
 
 BUDGET = 64  # the target's --max_batch_tokens: a batch over it is refused
 VOCAB = 4096  # tiny-random's vocabulary: an id at or over it is refused
@@ -27,7 +28,8 @@ def make_batch(rng: random.Random, bad: bool):
     return tokens, np.array(lens, dtype=np.int32)
 
 
-CLEAR = ("outside the vocabulary", "over the token budget", "Submit first", "this feed is closed")
+CLEAR = ("outside the vocabulary", "over the token budget", "over this target's", "Submit first",
+         "this feed is closed")
 
 
 def assert_clear(e):
@@ -163,7 +165,7 @@ def step(feed, model, rng):
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_call_sequences_lose_and_duplicate_nothing(make_target, seed):
-    target = make_target(extra=(f"--max_batch_tokens={BUDGET}",))
+    target = make_target(extra=refuse_over(BUDGET))
     rng = random.Random(seed)
     model = Model()
     feed = draftfeed.Feed(targets=[target.address], layers=[0, -1], prefetch=PREFETCH)
