@@ -448,7 +448,6 @@ class Feed:
         budget = int(info["max_batch_tokens"]) if token_budget is None else token_budget
         return pack_sequences(sequences, budget, **kw)
 
-
     def add_target(self, address: str) -> None:
         """Adds a target to the running feed; it receives work once connected."""
         _check(self._live("add_target").add_target(address))
