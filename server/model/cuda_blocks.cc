@@ -95,11 +95,18 @@ absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, in
   const float eps = static_cast<float>(model->config.rms_norm_eps);
   DF_RETURN_IF_ERROR(Project(w, kGdnInQkvBA, u, proj, T, p_gdn, D));
   DF_RETURN_IF_ERROR(Project(w, kGdnZ, u, zbuf, T, Nv * dv, D));
+  // Chunked prefill: sequence 0 goes on from the carried conv tail and
+  // state, the last sequence's are carried on (cuda_sequence_carry.cc).
+  CarryLayer* carried = resume_now > 0 || carry_last_now
+                            ? &carry_layers[static_cast<size_t>(layer_now)]
+                            : nullptr;
   DF_RETURN_IF_ERROR(Timed("gdn_conv", [&] {
     return CudaStatus(
-        cuda::CausalConv1dSilu(proj, p_gdn, w.bf(kGdnConv), T, C, KC, d_cu, nseq, conv_out, stream),
+        cuda::CausalConv1dSilu(proj, p_gdn, w.bf(kGdnConv), T, C, KC, d_cu, nseq, conv_out, stream,
+                               resume_now > 0 ? carried->tail[carry_side] : nullptr),
         "CausalConv1dSilu");
   }));
+  if (carry_last_now) DF_RETURN_IF_ERROR(CarryConvTail(proj, T, nseq));
   cuda::GdnArgs g;
   g.qkv = conv_out;
   g.qkv_stride = C;
@@ -116,6 +123,8 @@ absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, in
   g.cu_seqlens = d_cu;
   g.num_seqs = nseq;
   g.out = core;
+  if (resume_now > 0) g.initial_state = carried->state[carry_side];
+  if (carry_last_now) g.final_state = carried->state[1 - carry_side];
   DF_RETURN_IF_ERROR(Timed("gdn_rule", [&] {
     return CudaStatus(cuda::GatedDeltaRule(g, gdn_ws, stream), "GatedDeltaRule");
   }));
@@ -175,9 +184,13 @@ absl::Status CudaEngine::Impl::Attention(const DeviceBlock& w, int64_t T, int32_
   a.max_seqlen = max_len;
   a.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   a.out = core;
-  DF_RETURN_IF_ERROR(Timed("attention", [&] {
-    return CudaStatus(cuda::VarlenCausalAttention(a, stream), "VarlenCausalAttention");
-  }));
+  if (resume_now > 0 || carry_last_now) {
+    DF_RETURN_IF_ERROR(CarriedAttention(q, q_head_stride, k, v, T, nseq, a.scale));
+  } else {
+    DF_RETURN_IF_ERROR(Timed("attention", [&] {
+      return CudaStatus(cuda::VarlenCausalAttention(a, stream), "VarlenCausalAttention");
+    }));
+  }
   if (gated) {
     DF_RETURN_IF_ERROR(Timed("elementwise", [&] {
       return CudaStatus(
@@ -310,6 +323,10 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
 absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
   DF_CUDA(cudaSetDevice(options.device));
   DF_RETURN_IF_ERROR(ValidateForwardInput(model->config, in, options.max_tokens));
+  DF_RETURN_IF_ERROR(
+      CheckCarriedInput(in, carry_tokens, carry_max, absl::StrCat("cuda:", options.device)));
+  resume_now = in.resume_tokens;
+  carry_last_now = in.carry_last;
   const int64_t T = static_cast<int64_t>(in.token_ids.size());
   const int64_t K = static_cast<int64_t>(in.layers.size());
   if (static_cast<int64_t>(in.seq_lens.size()) > options.max_seqs) {
@@ -360,6 +377,7 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
     if (e == cudaSuccess) e = cuda::EmbeddingLookup(d_ids, T, embed, D, residual, stream);
     return CudaStatus(e, "embedding");
   }));
+  if (in.chunked()) DF_RETURN_IF_ERROR(UploadCarriedLayout(in));
   DF_RETURN_IF_ERROR(Timed("norm", [&] {
     return CudaStatus(cuda::RmsNormF32(residual, D, layers[0].norms.bf(kInputNorm), T, D, eps,
                                        norm_kind, u, D, stream),
@@ -367,6 +385,7 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
   }));
   for (int64_t l = 0; l <= last; ++l) {
     const Layer& w = layers[static_cast<size_t>(l)];
+    layer_now = l;
     DF_RETURN_IF_ERROR(Block(w.mixer, T, nseq, max_len));
     DF_RETURN_IF_ERROR(Timed("norm", [&] {
       return CudaStatus(cuda::AddRmsNormF32(residual, mix, w.norms.bf(kPostNorm), T, D, eps,
@@ -405,6 +424,11 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
     }));
   }
   if (outputs && options.rank.capture) DF_RETURN_IF_ERROR(TargetOutputsForward(in, current));
+  if (in.chunked()) {
+    // The GDN layers wrote the carried-on tails and states to the other side.
+    if (carry_last_now) carry_side = 1 - carry_side;
+    carry_tokens = TokensCarriedAfter(in);
+  }
   capture_tokens = T;
   capture_slots = K;
   if (sync) DF_CUDA(cudaStreamSynchronize(stream));

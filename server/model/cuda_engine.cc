@@ -13,6 +13,7 @@ CudaEngine::~CudaEngine() {
   if (impl_) {
     impl_->StopCopier();  // every pending copy's callback runs first
     impl_->FreeTargetOutputs();
+    impl_->FreeCarry();
     for (cudaEvent_t e : impl_->copied) {
       if (e) cudaEventDestroy(e);
     }
@@ -61,6 +62,15 @@ std::vector<CaptureEncoding> CudaEngine::encodings() const {
 int64_t CudaEngine::max_capture_layers() const { return impl_->options.max_layers; }
 
 bool CudaEngine::serves_target_outputs() const { return impl_->ServesTargetOutputs(); }
+
+int64_t CudaEngine::max_carry_tokens() const { return impl_->carry_max; }
+int64_t CudaEngine::CarryBytes(int64_t tokens) const {
+  return static_cast<int64_t>(impl_->CarryBytes(tokens));
+}
+absl::Status CudaEngine::ReserveCarry(int64_t tokens) {
+  return impl_->ReserveCarry(tokens);
+}
+void CudaEngine::DropCarry() { impl_->carry_tokens = 0; }
 
 int64_t CudaEngine::weight_bytes() const { return static_cast<int64_t>(impl_->weights.used()); }
 int64_t CudaEngine::workspace_bytes() const { return static_cast<int64_t>(impl_->workspace_total); }

@@ -99,6 +99,12 @@ class CudaEngine final : public Engine {
   // Where the model has lm_head (or ties it to the embedding): uploaded on
   // the first batch that asks for target outputs.
   bool serves_target_outputs() const override;
+  // Chunked prefill: ReserveCarry allocates the K/V of `tokens` tokens per
+  // attention layer and the GDN layers' states now (cuda_sequence_carry.cc).
+  int64_t max_carry_tokens() const override;
+  int64_t CarryBytes(int64_t tokens) const override;
+  absl::Status ReserveCarry(int64_t tokens) override;
+  void DropCarry() override;
 
   int64_t weight_bytes() const;
   int64_t workspace_bytes() const;

@@ -7,6 +7,8 @@
 //                      device sink;
 //   cuda_target_outputs.cc  lm_head, its logits and the target outputs
 //                      written into whole payload rows;
+//   cuda_sequence_carry.cc  chunked prefill: the one sequence carried from a
+//                      forward to the next (K/V, conv tails, GDN states);
 //   cuda_engine.cc     creation, teardown and the accessors.
 #pragma once
 
@@ -52,6 +54,12 @@ class DeviceArena {
   }
   static size_t Round(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
   size_t used() const { return used_; }
+  // Frees the allocation: what was taken from it is gone.
+  void Release() {
+    if (base_) cudaFree(base_);
+    base_ = nullptr;
+    size_ = used_ = 0;
+  }
 
  private:
   void* base_ = nullptr;
@@ -204,6 +212,49 @@ struct CudaEngine::Impl {
   size_t gemm_workspace_bytes = 0;
   size_t workspace_total = 0;
   int64_t capture_tokens = 0, capture_slots = 0;
+
+  // Chunked prefill (cuda_sequence_carry.cc): the state of the one sequence
+  // a forward hands to the next, in its own arena reserved by ReserveCarry.
+  // Per layer (null where the layer is of the other kind): an attention
+  // layer's K|V of every token so far, [carry_max, 2, Hkv, hd] bf16 (K after
+  // its norm and RoPE, then V, per token); a GDN layer's conv inputs of the
+  // last KC − 1 tokens [KC − 1, C] bf16 and delta-rule state [Nv, dk, dv]
+  // fp32, each a ping-pong pair (carry_side is the carried one) because a
+  // packed forward reads one sequence's and writes another's.
+  struct CarryLayer {
+    bf16* kv = nullptr;
+    bf16* tail[2] = {nullptr, nullptr};
+    float* state[2] = {nullptr, nullptr};
+  };
+  DeviceArena carry_arena;
+  std::vector<CarryLayer> carry_layers;
+  int64_t carry_max = 0;     // ReserveCarry's tokens; 0: chunked input refused
+  int64_t carry_tokens = 0;  // of the carried sequence; 0: none
+  int carry_side = 0;
+  // The forward being enqueued: its layer (Run's loop), sequence 0's resume
+  // point and whether its last sequence is carried on.
+  int64_t layer_now = 0;
+  int64_t resume_now = 0;
+  bool carry_last_now = false;
+  // A chunked forward's positions (sequence 0 starts at resume_now) and the
+  // cu_seqlens of its two attention calls: {0, len0} then the rest rebased.
+  int32_t* h_carry_i32 = nullptr;  // pinned: [max_tokens] positions, [2 + max_seqs] cu
+  int32_t* d_carry_i32 = nullptr;
+  size_t CarryBytes(int64_t tokens) const;
+  absl::Status ReserveCarry(int64_t tokens);
+  void FreeCarry();
+  // Positions and the attention calls' cu_seqlens of a chunked forward,
+  // uploaded on `stream` (d_pos then holds the positions).
+  absl::Status UploadCarriedLayout(const ForwardInput& in);
+  // Attention of a chunked forward, q/k/v as Attention computed them (rows
+  // p_attn apart): sequence 0 over its carried keys then its own, the rest
+  // as usual; the last sequence's K/V into the carry.
+  absl::Status CarriedAttention(const bf16* q, int64_t q_head_stride, const bf16* k,
+                                const bf16* v, int64_t T, int32_t nseq, float scale);
+  // The conv tail the next forward starts from: the last sequence's last
+  // KC − 1 inputs of `x` (rows p_gdn apart), after the carried tail when it
+  // is the resumed one.
+  absl::Status CarryConvTail(const bf16* x, int64_t T, int32_t nseq);
   OpTimes times;
 
   template <typename Fn>
