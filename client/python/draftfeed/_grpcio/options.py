@@ -156,7 +156,14 @@ def check(o: Options) -> None:
             raise StatusError(INVALID_ARGUMENT,
                               f"FeedOptions.nccl_socket_ifname={o.nccl_socket_ifname} is set but "
                               f"FeedOptions.transport is grpc: it picks NCCL's network interface")
-    else:
+    ifname = o.nccl_socket_ifname
+    if any(not (0x21 <= ord(c) <= 0x7E) for c in ifname):  # C's isgraph
+        raise StatusError(INVALID_ARGUMENT,
+                          f"FeedOptions.nccl_socket_ifname='{ifname}' has whitespace or a control "
+                          f"character; NCCL_SOCKET_IFNAME takes interface-name prefixes separated "
+                          f"by commas (^ excludes, = matches a name exactly), e.g. eth0 or "
+                          f"^docker,lo")
+    if o.transport != "grpc":
         raise StatusError(UNIMPLEMENTED, NO_NCCL)
     if o.copy_threads < 0:
         raise StatusError(INVALID_ARGUMENT, f"copy_threads must be >= 0, got {o.copy_threads}")
