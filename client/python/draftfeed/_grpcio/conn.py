@@ -320,11 +320,14 @@ class ConnMixin:
         hashed = None
         ok = len(msg) - skip == n
         if ok:
-            src = np.frombuffer(msg, np.uint8, count=n, offset=skip)
-            if claim.hash:
-                hashed = copy_and_hash(claim.buf, claim.offset, src)
-            else:
-                claim.buf[claim.offset:claim.offset + n] = src
+            try:
+                src = np.frombuffer(msg, np.uint8, count=n, offset=skip)
+                if claim.hash:
+                    hashed = copy_and_hash(claim.buf, claim.offset, src)
+                else:
+                    claim.buf[claim.offset:claim.offset + n] = src
+            except Exception:  # noqa: BLE001 - a chunk that cannot land fails its batch,
+                ok = False     # rather than leaving it waiting for bytes that never come
         self._landed(conn, header, n, claim, ok, hashed)
 
     def _on_conn_end(self, t, conn: Conn, status) -> None:

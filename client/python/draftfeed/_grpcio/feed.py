@@ -10,6 +10,7 @@ drives either. One lock (`cv`'s) guards the feed's state; payload bytes move wit
 from __future__ import annotations
 
 import concurrent.futures
+import sys
 import threading
 import time
 
@@ -484,9 +485,13 @@ class Feed:
         return dict(self._impl.targets[0].info)
 
     def __del__(self):
+        # At interpreter exit the feed's (daemon) threads may be frozen: joining them would
+        # hang, and the process ending closes the connections anyway.
+        if sys.is_finalizing():
+            return
         try:
             self._impl.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:  # noqa: BLE001 - called from one of the feed's own threads
             pass
 
 
