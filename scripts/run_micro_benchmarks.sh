@@ -10,7 +10,8 @@ MIN_TIME=${MIN_TIME:-0.01}
 
 # CPU programs must exist; the kernel program exists where CUDA compiled,
 # and without a GPU it says so and exits 0.
-required=(draftfeed-bench-checksum draftfeed-bench-pool draftfeed-bench-codec)
+required=(draftfeed-bench-checksum draftfeed-bench-pool draftfeed-bench-codec
+          draftfeed-bench-cpu-attention)
 optional=(draftfeed-bench-kernels)
 
 failed=0
