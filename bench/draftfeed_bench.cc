@@ -28,6 +28,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/bench_batches.h"
 #include "bench/load_bench.h"
+#include "bench/long_sequence_bench.h"
 #include "common/status_macros.h"
 #include "common/target_outputs.h"
 #include "server/model/cuda_engine.h"
@@ -54,6 +55,9 @@ ABSL_FLAG(int32_t, draft_vocab, 0,
 ABSL_FLAG(int32_t, top_k, 0, "Target outputs: top-k ids and log-probs; 0: none.");
 ABSL_FLAG(bool, argmax, false, "Target outputs: the full-vocabulary argmax.");
 ABSL_FLAG(std::string, probs_encoding, "bf16", "Draft probabilities: bf16 or fp8_e4m3.");
+ABSL_FLAG(int64_t, sequence_tokens, 131072, "long: the one sequence's tokens.");
+ABSL_FLAG(int64_t, forward_tokens, 16384, "long: tokens of one forward (--max_batch_tokens).");
+ABSL_FLAG(bool, one_pass, false, "long: also run the sequence in one forward and compare.");
 
 namespace draftfeed {
 namespace {
@@ -264,20 +268,31 @@ int GemmProbe() {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "draftfeed-bench engine|gemm|write-random|load [flags]: prefill throughput of the CUDA "
-      "engine, the cuBLASLt GEMM ceiling at the model's shapes, a real-size random checkpoint "
-      "written to --out, or a cold load of the --model checkpoint against reading its files "
-      "raw.");
+      "draftfeed-bench engine|long|gemm|write-random|load [flags]: prefill throughput of the "
+      "CUDA engine, one long sequence in forward chunks (chunked prefill), the cuBLASLt GEMM "
+      "ceiling at the model's shapes, a real-size random checkpoint written to --out, or a cold "
+      "load of the --model checkpoint against reading its files raw.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   const std::string cmd = args.size() > 1 ? args[1] : "";
   if (cmd == "engine") return draftfeed::RunEngineBench();
   if (cmd == "gemm") return draftfeed::GemmProbe();
+  if (cmd == "long") {
+    return draftfeed::bench::RunLongSequenceBench(
+        {.model = absl::GetFlag(FLAGS_model),
+         .sequence_tokens = absl::GetFlag(FLAGS_sequence_tokens),
+         .forward_tokens = absl::GetFlag(FLAGS_forward_tokens),
+         .capture = absl::GetFlag(FLAGS_capture),
+         .iters = absl::GetFlag(FLAGS_iters),
+         .device = absl::GetFlag(FLAGS_device),
+         .one_pass = absl::GetFlag(FLAGS_one_pass)});
+  }
   if (cmd == "write-random")
     return draftfeed::bench::WriteRandomCheckpoint(absl::GetFlag(FLAGS_model));
   if (cmd == "load") {
     return draftfeed::bench::RunLoadBench(absl::GetFlag(FLAGS_model), absl::GetFlag(FLAGS_device));
   }
   std::fprintf(stderr,
-               "usage: draftfeed-bench engine|gemm|write-random|load [--model ...] (see --help)\n");
+               "usage: draftfeed-bench engine|long|gemm|write-random|load [--model ...] (see "
+               "--help)\n");
   return 2;
 }
