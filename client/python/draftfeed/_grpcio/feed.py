@@ -283,7 +283,7 @@ class Impl(ConnMixin, TableMixin):
     def submit(self, token_ids: np.ndarray, seq_lens: np.ndarray) -> int:
         token_ids = np.array(token_ids, dtype=np.int32).reshape(-1)  # a copy the caller
         seq_lens = np.array(seq_lens, dtype=np.int32).reshape(-1)    # cannot change
-        batch = proto.StreamRequest().batch
+        batch = proto.Batch()
         batch.token_ids.extend(token_ids.tolist())
         batch.seq_lens.extend(seq_lens.tolist())
         fields = batch.SerializeToString()

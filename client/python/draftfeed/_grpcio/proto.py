@@ -58,6 +58,7 @@ def enum_names(name: str) -> dict:
 
 StreamRequest = message_class("StreamRequest")
 StreamResponse = message_class("StreamResponse")
+Batch = message_class("Batch")
 GetTargetInfoRequest = message_class("GetTargetInfoRequest")
 TargetInfo = message_class("TargetInfo")
 ENCODING_NAMES = enum_names("Encoding")
