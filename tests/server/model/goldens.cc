@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iostream>
 #include <map>
 #include <span>
 
@@ -19,17 +20,6 @@ namespace draftfeed::testing {
 namespace {
 
 constexpr int kThreads = 2;
-
-// The mapping may be unaligned: copy instead of casting.
-template <typename T>
-absl::StatusOr<std::vector<T>> Read(const SafetensorsFile& f, const std::string& name,
-                                    const std::string& dtype, const std::vector<int64_t>& shape) {
-  absl::StatusOr<const SafetensorsTensor*> t = ExpectTensor(f, name, dtype, shape);
-  if (!t.ok()) return t.status();
-  std::vector<T> out((*t)->nbytes / sizeof(T));
-  std::memcpy(out.data(), (*t)->data, (*t)->nbytes);
-  return out;
-}
 
 }  // namespace
 
@@ -83,11 +73,11 @@ absl::StatusOr<Goldens> LoadGoldens(const std::string& model) {
     seq_lens.push_back(len);
     const std::string p = absl::StrCat("seq", i++, ".");
     GoldenSeq s;
-    auto ids = Read<int32_t>(*f, p + "input_ids", "I32", {len});
-    auto fl = Read<float>(*f, p + "fp32.layer_out", "F32", {len, n, h});
-    auto ff = Read<float>(*f, p + "fp32.final", "F32", {len, h});
-    auto bl = Read<float>(*f, p + "bf16.layer_out", "F32", {len, n, h});
-    auto bf = Read<float>(*f, p + "bf16.final", "F32", {len, h});
+    auto ids = ReadTensor<int32_t>(*f, p + "input_ids", "I32", {len});
+    auto fl = ReadTensor<float>(*f, p + "fp32.layer_out", "F32", {len, n, h});
+    auto ff = ReadTensor<float>(*f, p + "fp32.final", "F32", {len, h});
+    auto bl = ReadTensor<float>(*f, p + "bf16.layer_out", "F32", {len, n, h});
+    auto bf = ReadTensor<float>(*f, p + "bf16.final", "F32", {len, h});
     for (const absl::Status& st :
          {ids.status(), fl.status(), ff.status(), bl.status(), bf.status()}) {
       if (!st.ok()) return st;
@@ -192,6 +182,14 @@ absl::StatusOr<std::vector<AloneAndPacked>> RunAloneAndPacked(
     offset += bits.size();
   }
   return out;
+}
+
+NearTies ReportNearTies(const MoeGoldens& g, const std::string& what) {
+  NearTies ties = FindNearTies(g);
+  std::cout << what << ": " << ties.near_tie << " of " << ties.total
+            << " tokens near-tie (fp32 top-k logit gap < tau = " << ties.tau
+            << " at some MoE layer), compared on the other " << ties.total - ties.near_tie << "\n";
+  return ties;
 }
 
 std::string KindName(LayerKind k) {

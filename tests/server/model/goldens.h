@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -65,6 +66,19 @@ absl::StatusOr<const SafetensorsTensor*> ExpectTensor(const SafetensorsFile& f,
                                                       const std::string& dtype,
                                                       const std::vector<int64_t>& shape);
 
+// Tensor `name` of `f` (checked as ExpectTensor does) copied out as T's: the
+// mapping may be unaligned, so it is copied rather than cast.
+template <typename T>
+absl::StatusOr<std::vector<T>> ReadTensor(const SafetensorsFile& f, const std::string& name,
+                                          const std::string& dtype,
+                                          const std::vector<int64_t>& shape) {
+  absl::StatusOr<const SafetensorsTensor*> t = ExpectTensor(f, name, dtype, shape);
+  if (!t.ok()) return t.status();
+  std::vector<T> out((*t)->nbytes / sizeof(T));
+  std::memcpy(out.data(), (*t)->data, (*t)->nbytes);
+  return out;
+}
+
 // A [T, K, H] capture (ours) or a golden [T, N, H] / [T, H] viewed as one
 // [T, H] layer; contiguous copy of layer `k` of `k_total`.
 std::vector<float> Layer(const std::vector<float>& buf, int64_t tokens, int64_t k_total, int64_t k,
@@ -118,6 +132,13 @@ Err Compare(const std::vector<float>& ours, const std::vector<float>& ref, int64
             const std::vector<bool>& keep = {});
 
 std::string Describe(const Err& e);
+
+// The CUDA bound on an MoE model's goldens is measured on the tokens whose
+// routing is not a near-tie (golden_moe_routing.h), and only while they are
+// most tokens: at most this fraction may be near-tie.
+inline constexpr double kMaxNearTieFraction = 0.75;
+// FindNearTies(g), with how many there are printed for `what`.
+NearTies ReportNearTies(const MoeGoldens& g, const std::string& what);
 
 struct Loaded {
   std::unique_ptr<Model> model;

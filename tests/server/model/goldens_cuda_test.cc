@@ -36,12 +36,7 @@ namespace {
 TEST_P(GoldensTest, CudaEngineNoWorseThanHfBf16) {
   NearTies ties;
   if (goldens_.moe.experts > 0) {
-    constexpr double kMaxNearTieFraction = 0.75;
-    ties = FindNearTies(goldens_.moe);
-    std::cout << GetParam() << ": " << ties.near_tie << " of " << ties.total
-              << " tokens near-tie (fp32 top-k logit gap < tau = " << ties.tau
-              << " at some MoE layer), compared on the other " << ties.total - ties.near_tie
-              << "\n";
+    ties = ReportNearTies(goldens_.moe, GetParam());
     ASSERT_LE(static_cast<double>(ties.near_tie), kMaxNearTieFraction * ties.total);
   }
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
