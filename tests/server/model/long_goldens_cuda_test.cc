@@ -26,7 +26,11 @@ namespace {
 // rounding, and a worst per-token cosine no lower than HF-bf16's (or 0.999)
 // minus 2^-8 (the MoE form of it on the MoE models), on the stored rows; for
 // the MoE models on the rows whose routing is not a near-tie (FindNearTies,
-// here over the stored rows), at most 75% of them. HF-bf16's error is that
+// here over the stored rows). Over 3,000 tokens a row is a near-tie when any
+// of its layers' routers is, so the share grows with the length (the
+// hybrid MoE file: 548 of 684 rows, measured on the H200); what the bound
+// needs is enough rows left to mean something, so at least 100 must be
+// stable, in place of the short goldens' 75% cap. HF-bf16's error is that
 // of this very sequence, so error that grows along 3,000 tokens of bf16
 // attention and GDN state is in the bar too; a lost or stale carry is O(1)
 // off from the cut on.
@@ -34,7 +38,7 @@ TEST_P(LongGoldensTest, CudaEngineChunksNoWorseThanHfBf16) {
   NearTies ties;
   if (goldens_.moe.experts > 0) {
     ties = ReportNearTies(goldens_.moe, GetParam() + " (stored rows)");
-    ASSERT_LE(static_cast<double>(ties.near_tie), kMaxNearTieFraction * ties.total);
+    ASSERT_GE(ties.total - ties.near_tie, 100) << "too few stable rows to compare";
   }
   if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
   CudaEngineOptions opt;
