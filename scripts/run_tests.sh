@@ -7,8 +7,10 @@
 # short run of every fuzzer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install-deps.sh
-bash scripts/build.sh
+bash scripts/install-deps.sh --for-tests
+# ON, not the defaults (on where GoogleTest and Google Benchmark are installed): a tree the main
+# job configured first has them off.
+bash scripts/build.sh -DDRAFTFEED_BUILD_TESTS=ON -DDRAFTFEED_BUILD_BENCH=ON
 ctest --test-dir build --output-on-failure -j"$(nproc)"
 DRAFTFEED_BUILD_DIR="$PWD/build" PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests
 # The client API's tests again on the pure-Python client (pip grpcio + protobuf), as a trainer
