@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "common/log_line.h"
 
 namespace draftfeed {
 namespace {
@@ -37,9 +38,9 @@ void LogRefusal(const grpc::CallbackServerContext& ctx, absl::string_view method
   const std::string more =
       suppressed > 0 ? " (and " + std::to_string(suppressed) + " more refusals before it)" : "";
   // The message holds no token: only why it was refused.
-  std::fprintf(stderr, "draftfeed-target: refused %.*s from %s: %.*s%s\n",
-               static_cast<int>(method.size()), method.data(), ctx.peer().c_str(),
-               static_cast<int>(why.message().size()), why.message().data(), more.c_str());
+  LogF("draftfeed-target: refused %.*s from %s: %.*s%s", static_cast<int>(method.size()),
+       method.data(), ctx.peer().c_str(), static_cast<int>(why.message().size()),
+       why.message().data(), more.c_str());
   suppressed = 0;
 }
 
@@ -85,17 +86,15 @@ void LogStreamOpened(const grpc::CallbackServerContext& ctx, absl::string_view t
     outputs = absl::StrCat(", target outputs ", absl::StrJoin(parts, " + "), " (",
                            opened.target_outputs_bytes(), " bytes a token)");
   }
-  std::fprintf(stderr,
-               "draftfeed-target: stream opened from %s%s: layers %s, %s%s, transport %s%s, %d "
-               "credits\n",
-               ctx.peer().c_str(), who.c_str(), absl::StrJoin(opened.layers(), ",").c_str(),
-               ShortName(v1::Encoding_Name(opened.encoding()), "ENCODING_").c_str(),
-               outputs.c_str(),
-               ShortName(v1::Transport_Name(opened.transport()), "TRANSPORT_").c_str(),
-               opened.transport_note().empty()
-                   ? ""
-                   : absl::StrCat(" (", opened.transport_note(), ")").c_str(),
-               opened.max_inflight_batches());
+  LogF(
+      "draftfeed-target: stream opened from %s%s: layers %s, %s%s, transport %s%s, %d "
+      "credits",
+      ctx.peer().c_str(), who.c_str(), absl::StrJoin(opened.layers(), ",").c_str(),
+      ShortName(v1::Encoding_Name(opened.encoding()), "ENCODING_").c_str(), outputs.c_str(),
+      ShortName(v1::Transport_Name(opened.transport()), "TRANSPORT_").c_str(),
+      opened.transport_note().empty() ? ""
+                                      : absl::StrCat(" (", opened.transport_note(), ")").c_str(),
+      opened.max_inflight_batches());
 }
 
 }  // namespace draftfeed

@@ -27,6 +27,7 @@
 #if DRAFTFEED_HAVE_CUDA
 #include "server/model/cuda_engine.h"
 #endif
+#include "common/log_line.h"
 #include "common/nccl_hosts.h"
 #include "server/model/fp8_quantize.h"
 #include "server/model/model.h"
@@ -183,7 +184,7 @@ namespace draftfeed {
 namespace {
 
 int Fail(const std::string& msg) {
-  std::fprintf(stderr, "draftfeed-target: error: %s\n", msg.c_str());
+  LogF("draftfeed-target: error: %s", msg.c_str());
   return 1;
 }
 
@@ -367,7 +368,7 @@ int Run() {
     auto file = ReadTokenFile(tokens_path);
     if (!file.ok()) return Fail(std::string(file.status().message()));
     for (const std::string& w : file->warnings) {
-      std::fprintf(stderr, "draftfeed-target: warning: %s\n", w.c_str());
+      LogF("draftfeed-target: warning: %s", w.c_str());
     }
     tokens = std::make_shared<TokenChecker>(std::move(file->tokens));
   }
@@ -416,10 +417,9 @@ int Run() {
     return Fail(std::string(s.message()));
   }
   if (const Engine::ParallelLayout l = engine_ptrs.front()->layout(); l.tp > 1) {
-    std::fprintf(
-        stderr, "draftfeed-target: tensor parallel over %d ranks%s, %.1f MiB of weights per rank\n",
-        l.tp, l.moe_parallel.empty() ? "" : absl::StrCat(", moe ", l.moe_parallel).c_str(),
-        static_cast<double>(l.rank_weight_bytes) / (1 << 20));
+    LogF("draftfeed-target: tensor parallel over %d ranks%s, %.1f MiB of weights per rank", l.tp,
+         l.moe_parallel.empty() ? "" : absl::StrCat(", moe ", l.moe_parallel).c_str(),
+         static_cast<double>(l.rank_weight_bytes) / (1 << 20));
   }
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -490,10 +490,9 @@ int Run() {
   }
   const Model& m = **model;
   const TransportEnv transports = service.transport_env();
-  std::fprintf(
-      stderr,
+  LogF(
       "draftfeed-target %s: serving %s (%s, %lld layers, hidden %lld, fingerprint %s) "
-      "on port %d (%s%s), device %s, token budget %lld (batches up to %lld), %s, loaded in %.2fs%s\n",
+      "on port %d (%s%s), device %s, token budget %lld (batches up to %lld), %s, loaded in %.2fs%s",
       std::string(kDraftfeedVersion).c_str(), m.id.c_str(),
       std::string(ArchName(m.config.arch)).c_str(), static_cast<long long>(m.config.num_layers),
       static_cast<long long>(m.config.hidden_size), m.fingerprint.c_str(), port,
@@ -503,12 +502,12 @@ int Run() {
                     [](std::string* out, Engine* e) { out->append(e->device_name()); })
           .c_str(),
       static_cast<long long>(options.max_batch_tokens),
-      static_cast<long long>(service.max_sequence_tokens()), SummarizeTransports(transports).c_str(),
-      load_s,
+      static_cast<long long>(service.max_sequence_tokens()),
+      SummarizeTransports(transports).c_str(), load_s,
       metrics_http == nullptr
           ? ""
           : absl::StrCat(", metrics on http port ", metrics_http->port(), " /metrics").c_str());
-  std::fprintf(stderr, "draftfeed-target: %s\n", DescribeNcclTransport(transports).c_str());
+  LogF("draftfeed-target: %s", DescribeNcclTransport(transports).c_str());
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
     if (absl::Status s = WritePortFile(pf, port); !s.ok()) {
       server->Shutdown();
@@ -520,36 +519,35 @@ int Run() {
   int sig = 0;
   for (sigwait(&signals, &sig); sig == SIGHUP; sigwait(&signals, &sig)) {
     if (tokens == nullptr) {
-      std::fprintf(stderr, "draftfeed-target: SIGHUP: no --auth_tokens_file to re-read\n");
+      LogF("draftfeed-target: SIGHUP: no --auth_tokens_file to re-read");
       continue;
     }
     std::vector<std::string> warnings;
     if (absl::Status s = ReloadTokenFile(tokens_path, tokens.get(), &warnings); !s.ok()) {
-      std::fprintf(stderr, "draftfeed-target: SIGHUP: kept the %zu tokens in use: %s\n",
-                   tokens->size(), std::string(s.message()).c_str());
+      LogF("draftfeed-target: SIGHUP: kept the %zu tokens in use: %s", tokens->size(),
+           std::string(s.message()).c_str());
       continue;
     }
     for (const std::string& w : warnings) {
-      std::fprintf(stderr, "draftfeed-target: warning: %s\n", w.c_str());
+      LogF("draftfeed-target: warning: %s", w.c_str());
     }
-    std::fprintf(stderr,
-                 "draftfeed-target: SIGHUP: %zu bearer tokens from %s, for calls from now on\n",
-                 tokens->size(), tokens_path.c_str());
+    LogF("draftfeed-target: SIGHUP: %zu bearer tokens from %s, for calls from now on",
+         tokens->size(), tokens_path.c_str());
   }
-  std::fprintf(stderr, "draftfeed-target: %s received, finishing accepted batches\n",
-               sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  LogF("draftfeed-target: %s received, finishing accepted batches",
+       sig == SIGTERM ? "SIGTERM" : "SIGINT");
   throughput.reset();
   service.BeginDrain();
   const auto deadline =
       std::chrono::system_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s));
   server->Shutdown(deadline);
   service.StopScheduler();
-  std::fprintf(stderr,
-               "draftfeed-target: stopped after %lld batches, %lld tokens (%lld batches skipped: "
-               "their stream was gone before they ran)\n",
-               static_cast<long long>(service.scheduler().completed_batches()),
-               static_cast<long long>(service.scheduler().completed_tokens()),
-               static_cast<long long>(service.scheduler().skipped_batches()));
+  LogF(
+      "draftfeed-target: stopped after %lld batches, %lld tokens (%lld batches skipped: "
+      "their stream was gone before they ran)",
+      static_cast<long long>(service.scheduler().completed_batches()),
+      static_cast<long long>(service.scheduler().completed_tokens()),
+      static_cast<long long>(service.scheduler().skipped_batches()));
   return 0;
 }
 

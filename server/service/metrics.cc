@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/log_line.h"
 
 namespace draftfeed {
 
@@ -82,8 +83,7 @@ MetricsRegistry::Family& MetricsRegistry::FamilyLocked(absl::string_view name,
         families_.emplace(std::string(name), Family{.type = type, .help = std::string(help)}).first;
   }
   if (it->second.type != type) {
-    std::fprintf(stderr, "metric %s registered twice with different types\n",
-                 std::string(name).c_str());
+    LogF("draftfeed: metric %s registered twice with different types", std::string(name).c_str());
     std::abort();
   }
   return it->second;
@@ -127,6 +127,14 @@ void MetricsRegistry::AddGaugeCallback(absl::string_view name, absl::string_view
                                        std::function<std::vector<GaugeSample>()> sample) {
   std::lock_guard<std::mutex> lock(mu_);
   FamilyLocked(name, help, Type::kGauge).callbacks.push_back(std::move(sample));
+}
+
+void MetricsRegistry::AddCounterCallback(absl::string_view name, absl::string_view help,
+                                         std::function<int64_t()> value) {
+  std::lock_guard<std::mutex> lock(mu_);
+  FamilyLocked(name, help, Type::kCounter).callbacks.push_back([value = std::move(value)] {
+    return std::vector<GaugeSample>{{.value = static_cast<double>(value())}};
+  });
 }
 
 std::string MetricsRegistry::Render() const {

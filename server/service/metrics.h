@@ -91,6 +91,11 @@ class MetricsRegistry {
   // registry's lock: it must not call back into the registry).
   void AddGaugeCallback(absl::string_view name, absl::string_view help,
                         std::function<std::vector<GaugeSample>()> sample);
+  // A counter (one series, no labels) whose value `value` returns at each
+  // Render, for a count kept elsewhere that only grows (the same rules as a
+  // gauge callback).
+  void AddCounterCallback(absl::string_view name, absl::string_view help,
+                          std::function<int64_t()> value);
 
   // Every family in name order: # HELP, # TYPE, then its samples.
   std::string Render() const;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "common/log_line.h"
 #include "common/status_macros.h"
 #include "server/model/cpu_engine.h"
 #include "server/model/sharded_cpu_engine.h"
@@ -59,10 +60,9 @@ absl::StatusOr<std::vector<std::unique_ptr<Engine>>> MakeTargetEngines(
                         TensorParallelCudaEngine::Create(model, plan, group, copt));
     for (int r = 0; r < tp; ++r) {
       const CudaEngine& rank = engine->rank(r);
-      std::fprintf(
-          stderr,
+      LogF(
           "draftfeed-target: %s rank %d on cuda:%d: %.2f GiB weights + %.2f GiB "
-          "workspace%s\n",
+          "workspace%s",
           engine->device_name().c_str(), r, group[static_cast<size_t>(r)],
           static_cast<double>(rank.weight_bytes()) / (1 << 30),
           static_cast<double>(rank.workspace_bytes()) / (1 << 30),
@@ -84,19 +84,18 @@ absl::Status ReserveSequenceCarry(std::span<Engine* const> engines,
   for (Engine* e : engines) {
     const absl::Status s = e->ReserveCarry(tokens);
     if (s.ok()) {
-      std::fprintf(stderr,
-                   "draftfeed-target: %s carries one sequence of up to %lld tokens across "
-                   "forwards of %lld: %.2f GiB\n",
-                   e->device_name().c_str(), static_cast<long long>(tokens),
-                   static_cast<long long>(options.max_batch_tokens),
-                   static_cast<double>(e->CarryBytes(tokens)) / (1 << 30));
+      LogF(
+          "draftfeed-target: %s carries one sequence of up to %lld tokens across "
+          "forwards of %lld: %.2f GiB",
+          e->device_name().c_str(), static_cast<long long>(tokens),
+          static_cast<long long>(options.max_batch_tokens),
+          static_cast<double>(e->CarryBytes(tokens)) / (1 << 30));
       continue;
     }
     if (s.code() == absl::StatusCode::kUnimplemented && !options.require_sequence_tokens) {
-      std::fprintf(stderr,
-                   "draftfeed-target: %s: %s; batches are limited to --max_batch_tokens=%lld\n",
-                   e->device_name().c_str(), std::string(s.message()).c_str(),
-                   static_cast<long long>(options.max_batch_tokens));
+      LogF("draftfeed-target: %s: %s; batches are limited to --max_batch_tokens=%lld",
+           e->device_name().c_str(), std::string(s.message()).c_str(),
+           static_cast<long long>(options.max_batch_tokens));
       continue;
     }
     return absl::Status(

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/log_line.h"
 #include "common/thread_name.h"
 #include "server/service/target_service.h"
 #include "server/service/version.h"
@@ -120,9 +121,9 @@ void AddServiceGauges(TargetService* service, bool per_stream) {
   r.AddGaugeCallback("draftfeed_running_batches",
                      "Batches taken by an engine and not yet delivered to their stream.",
                      [=] { return one(service->scheduler().running()); });
-  r.AddGaugeCallback("draftfeed_skipped_batches",
-                     "Batches skipped because their stream was gone before they ran.",
-                     [=] { return one(service->scheduler().skipped_batches()); });
+  r.AddCounterCallback("draftfeed_skipped_batches_total",
+                       "Batches skipped because their stream was gone before they ran.",
+                       [=] { return service->scheduler().skipped_batches(); });
   r.AddGaugeCallback("draftfeed_host_capture_bytes",
                      "Host memory of capture buffers, in use and kept for reuse.", [=] {
                        const HostBufferPool& p = service->scheduler().pool();
@@ -146,7 +147,8 @@ void AddServiceGauges(TargetService* service, bool per_stream) {
                        for (const StreamLoad& l : service->StreamLoads()) sum += l.inflight;
                        return one(sum);
                      });
-  r.AddGaugeCallback("draftfeed_pending_result_bytes_sum",
+  // Not "_sum": Prometheus reads that suffix as a histogram's or summary's.
+  r.AddGaugeCallback("draftfeed_pending_result_bytes",
                      "Result bytes taken for the forward and not yet written, all streams.", [=] {
                        int64_t sum = 0;
                        for (const StreamLoad& l : service->StreamLoads()) sum += l.pending_bytes;
@@ -175,6 +177,10 @@ void AddServiceGauges(TargetService* service, bool per_stream) {
 }
 
 std::string StreamClosedLine(const StreamSummary& s) {
+  return absl::StrCat(LogTimestamp(std::chrono::system_clock::now()), " ", StreamClosedText(s));
+}
+
+std::string StreamClosedText(const StreamSummary& s) {
   std::string who;
   if (!s.token_name.empty()) absl::StrAppend(&who, " token ", s.token_name);
   if (!s.client_name.empty()) absl::StrAppend(&who, " client '", s.client_name, "'");
@@ -234,7 +240,7 @@ void ThroughputLogger::Loop() {
     const std::string line =
         Line(std::chrono::duration<double>(now - last).count(), b - batches, t - tokens, y - bytes,
              service_->open_streams(), in_use, service_->scheduler().queued());
-    std::fprintf(stderr, "%s\n", line.c_str());
+    LogLine(line);
     batches = b;
     tokens = t;
     bytes = y;

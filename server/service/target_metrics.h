@@ -94,9 +94,13 @@ struct StreamSummary {
   double seconds = 0;
   absl::Status status;
 };
-// "stream closed from PEER client 'x': transport grpc, layers 1,2, bf16: 12
-// batches, 4096 tokens, 8.0 MiB in 1.20 s, 0 batch errors: OK", or for a
-// stream that never opened "stream refused from PEER ...: CODE: reason".
+// "draftfeed-target: stream closed from PEER client 'x': transport grpc,
+// layers 1,2, bf16: 12 batches, 4096 tokens, 8.0 MiB in 1.20 s, 0 batch
+// errors: OK", or for a stream that never opened "draftfeed-target: stream
+// refused from PEER ...: CODE: reason".
+std::string StreamClosedText(const StreamSummary& s);
+// The log line the stream prints as it ends: StreamClosedText stamped with
+// the time now (LogTimestamp), as LogLine writes every line.
 std::string StreamClosedLine(const StreamSummary& s);
 
 // Every `period_s`, one line on stderr with the interval's batches, tokens,

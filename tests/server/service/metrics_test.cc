@@ -8,12 +8,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/log_line.h"
 #include "server/service/metrics_http.h"
 #include "server/service/target_metrics.h"
 
@@ -43,6 +45,17 @@ TEST(MetricsRegistry, ADeclaredFamilyIsExportedBeforeItsFirstSeries) {
   EXPECT_EQ(r.Render(),
             "# HELP errors_total Errors by code.\n# TYPE errors_total counter\n"
             "errors_total{code=\"INTERNAL\"} 1\n");
+}
+
+TEST(MetricsRegistry, ACounterCallbackIsTypedCounter) {
+  MetricsRegistry r;
+  int64_t skipped = 2;
+  r.AddCounterCallback("skipped_total", "Skipped.", [&skipped] { return skipped; });
+  EXPECT_EQ(r.Render(), "# HELP skipped_total Skipped.\n# TYPE skipped_total counter\n"
+                        "skipped_total 2\n");
+  skipped = 5;  // read at each render
+  EXPECT_EQ(r.Render(), "# HELP skipped_total Skipped.\n# TYPE skipped_total counter\n"
+                        "skipped_total 5\n");
 }
 
 TEST(MetricsRegistry, TheSameNameAndLabelsIsTheSameSeries) {
@@ -185,16 +198,25 @@ TEST(TargetLogLines, StreamClosedAndRefused) {
                   .payload_bytes = 3 << 20,
                   .batch_errors = 1,
                   .seconds = 1.5};
-  EXPECT_EQ(StreamClosedLine(s),
+  EXPECT_EQ(StreamClosedText(s),
             "draftfeed-target: stream closed from ipv4:10.0.0.2:5000 token team-a client "
             "'trainer-3': transport nccl, layers 1,16,-1, fp8_e4m3: 12 batches, 4096 tokens, 3.0 "
             "MiB in 1.50 s, 1 batch errors: OK");
+  // The line printed is the text after the time it is printed at.
+  const std::string before = LogTimestamp(std::chrono::system_clock::now());
+  const std::string line = StreamClosedLine(s);
+  const std::string after = LogTimestamp(std::chrono::system_clock::now());
+  ASSERT_GT(line.size(), before.size());
+  EXPECT_LE(before, line.substr(0, before.size()));
+  EXPECT_LE(line.substr(0, before.size()), after);
+  EXPECT_EQ(line[before.size()], ' ');
+  EXPECT_EQ(line.substr(before.size() + 1), StreamClosedText(s));
   s.status = absl::CancelledError("client went away");
-  EXPECT_NE(StreamClosedLine(s).find(": CANCELLED: client went away"), std::string::npos);
+  EXPECT_NE(StreamClosedText(s).find(": CANCELLED: client went away"), std::string::npos);
   StreamSummary refused{.peer = "ipv4:10.0.0.2:5001",
                         .refused = true,
                         .status = absl::ResourceExhaustedError("at most --max_streams=2")};
-  EXPECT_EQ(StreamClosedLine(refused),
+  EXPECT_EQ(StreamClosedText(refused),
             "draftfeed-target: stream refused from ipv4:10.0.0.2:5001: RESOURCE_EXHAUSTED: at "
             "most --max_streams=2");
 }

@@ -2,6 +2,7 @@
 the counters scraped during and after a run must equal what the Python client received."""
 
 import re
+import shutil
 import subprocess
 import time
 import urllib.request
@@ -99,7 +100,7 @@ def test_counters_match_what_the_client_received(metered):
     assert after["draftfeed_open_streams"] == 0
     assert after['draftfeed_streams_closed_total{code="OK"}'] == 1
     assert after["draftfeed_credits_in_use"] == 0
-    assert after["draftfeed_pending_result_bytes_sum"] == 0
+    assert after["draftfeed_pending_result_bytes"] == 0
 
 
 def test_batch_errors_and_refusals_are_counted_and_logged(metered):
@@ -166,6 +167,32 @@ def test_metrics_port_in_use_fails_start_up(metered):
                         f"--metrics_listen=127.0.0.1:{port}"], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 1 and f"--metrics_listen=127.0.0.1:{port}: cannot listen" in p.stderr
+
+
+def test_promtool_passes_the_metrics_of_a_live_target(metered):
+    """Prometheus's own linter on /metrics with every family holding series: served batches,
+    a batch error, a refused stream and a stream open (its per-stream series)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: prometheus; "
+                    "scripts/install-deps.sh --for-tests)")
+    port = metrics_port(metered)
+    with pytest.raises(draftfeed.DraftfeedError):
+        draftfeed.Feed(targets=[metered.address], layers=[99], connect_timeout_s=5)
+    with draftfeed.Feed(targets=[metered.address], layers=[0, -1], client_name="lint") as feed:
+        list(feed.map([(tokens(30, 1), [30]), (tokens(9, 2), [4, 5])]))
+        feed.submit(np.array([1, 2, 3], dtype=np.int32), np.array([2], dtype=np.int32))
+        with pytest.raises(draftfeed.DraftfeedError):
+            feed.next()
+        text = scrape(port)
+    assert 'draftfeed_batch_errors_total{code="INVALID_ARGUMENT"} 1' in text
+    assert "draftfeed_stream_pending_result_bytes{" in text
+    r = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout + r.stderr == "", r.stdout + r.stderr
+    # What promtool cannot see: a count that only grows is a counter, not a gauge.
+    assert "# TYPE draftfeed_skipped_batches_total counter\n" in text
+    assert samples(text)["draftfeed_skipped_batches_total"] == 0
 
 
 def test_the_dashboard_queries_only_metrics_the_target_exports(metered):
