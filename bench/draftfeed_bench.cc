@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -25,6 +26,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_batches.h"
 #include "bench/load_bench.h"
@@ -35,6 +38,8 @@
 #include "server/model/cuda_gemm.h"
 #include "server/model/model.h"
 #include "server/model/weight_layout.h"
+#include "server/service/flags_help.h"
+#include "server/service/version.h"
 
 ABSL_FLAG(std::string, model, "random:qwen3.6-27b", "Model spec or checkpoint directory.");
 ABSL_FLAG(int64_t, tokens, 16384, "Packed tokens per batch.");
@@ -272,6 +277,18 @@ int main(int argc, char** argv) {
       "CUDA engine, one long sequence in forward chunks (chunked prefill), the cuBLASLt GEMM "
       "ceiling at the model's shapes, a real-size random checkpoint written to --out, or a cold "
       "load of the --model checkpoint against reading its files raw.");
+  // absl's own --help finds no flag here (it looks for a file named as the program) and exits
+  // 1: this lists every flag of bench/ and exits 0.
+  const auto help = [] {
+    return absl::StrCat(absl::ProgramUsageMessage(), "\n\n",
+                        draftfeed::FlagsHelp({}, [](absl::string_view file) {
+                          return absl::StrContains(file, "bench/");
+                        }));
+  };
+  if (std::optional<int> rc = draftfeed::HandleHelpOrVersion(
+          argc, argv, "draftfeed-bench", std::string(draftfeed::kDraftfeedVersion), help)) {
+    return *rc;
+  }
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   const std::string cmd = args.size() > 1 ? args[1] : "";
   if (cmd == "engine") return draftfeed::RunEngineBench();

@@ -556,10 +556,13 @@ absl::StatusOr<std::unique_ptr<Model>> OpenModel(const std::string& spec) {
   }
   std::error_code ec;
   if (!fs::exists(spec, ec)) {
-    return absl::NotFoundError(
-        absl::StrCat("model ", spec,
-                     " not found: no such checkpoint directory, and not a built-in spec "
-                     "(tiny-random[:SEED], tiny-random-qwen3[:SEED])"));
+    // Every built-in, from the table that makes them: a mistyped name shows its neighbours.
+    std::vector<std::string> builtins;
+    for (const BuiltinModel& m : BuiltinModels()) builtins.push_back(m.spec);
+    return absl::NotFoundError(absl::StrCat("model ", spec,
+                                            " not found: no such checkpoint directory, and not a "
+                                            "built-in model (",
+                                            absl::StrJoin(builtins, ", "), ")"));
   }
   return LoadModel(spec);
 }

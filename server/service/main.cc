@@ -155,8 +155,9 @@ ABSL_FLAG(std::string, quantize, "none",
           "128x128 block, as Qwen's FP8 checkpoints; refused for a checkpoint already FP8).");
 ABSL_FLAG(std::string, fp8_experts, "fp8",
           "FP8 MoE models on CUDA: run the routed experts through FP8 grouped GEMMs (fp8: "
-          "the FP8 engine's maths, half the expert memory) or dequantise them to bf16 at load "
-          "(bf16: twice the expert memory, faster on the H200 today).");
+          "the FP8 engine's maths, half the expert memory, and the faster: on an H200 the "
+          "Qwen3.6-35B-A3B-FP8 shape runs 94,683 tokens/s against 72,231 with bf16) or "
+          "dequantise them to bf16 at load (bf16: twice the expert memory).");
 ABSL_FLAG(std::string, fp8_gemm, "auto",
           "FP8 models on CUDA: the GEMM behind the dense FP8 projections. auto or cublaslt: "
           "cuBLASLt's block-scaled GEMM (the faster on an H200); draftfeed: draftfeed's own Hopper "
@@ -567,7 +568,10 @@ int main(int argc, char** argv) {
   };
   usage.version_string = [] { return std::string(draftfeed::kDraftfeedVersion) + "\n"; };
   absl::SetFlagsUsageConfig(usage);
-  if (std::optional<int> rc = draftfeed::HandleHelpOrVersion(argc, argv)) return *rc;
+  if (std::optional<int> rc = draftfeed::HandleTargetHelpOrVersion(argc, argv)) return *rc;
+  if (absl::Status s = draftfeed::CheckTargetFlagNames(argc, argv); !s.ok()) {
+    return draftfeed::Fail(std::string(s.message()));
+  }
   absl::ParseCommandLine(argc, argv);
   return draftfeed::Run();
 }

@@ -19,25 +19,34 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "server/model/model.h"
+#include "server/service/flags_help.h"
 #include "server/service/version.h"
 
 namespace draftfeed {
 namespace {
 
-constexpr size_t kWidth = 100;
+bool IsTargetFlagFile(absl::string_view file) { return file == kTargetFlagsFile; }
 
-// `text` wrapped at kWidth columns, each line indented by `indent` spaces.
-std::string Wrap(absl::string_view text, size_t indent) {
-  std::string out, line;
-  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
-    if (!line.empty() && indent + line.size() + 1 + word.size() > kWidth) {
-      absl::StrAppend(&out, std::string(indent, ' '), line, "\n");
-      line.clear();
-    }
-    absl::StrAppend(&line, line.empty() ? "" : " ", word);
-  }
-  if (!line.empty()) absl::StrAppend(&out, std::string(indent, ' '), line, "\n");
-  return out;
+// --help's groups, by what a reader starting a target looks for. A flag
+// added to the target without a place here shows under "Other flags" (and
+// fails tests/server/service/test_target_help.py).
+std::vector<FlagGroup> TargetFlagGroups() {
+  return {
+      {"Model (what is served)", {"model", "quantize", "check_weights", "print_plan"}},
+      {"Serving (address, streams, transports)",
+       {"listen", "port_file", "default_credits", "chunk_bytes", "drain_timeout_s",
+        "throttle_tokens_per_s", "nccl", "nccl_across_hosts", "nccl_socket_ifname",
+        "nccl_timeout_s", "nccl_setup_timeout_s"}},
+      {"Security (TLS, bearer tokens)", {"tls_cert", "tls_key", "tls_client_ca", "auth_tokens_file", "insecure"}},
+      {"Limits (batches, queues, memory, idle streams)",
+       {"max_batch_tokens", "max_sequence_tokens", "max_capture_layers", "max_credits",
+        "max_queued_batches", "max_streams", "max_stream_pending_mib", "host_memory_cap_gib",
+        "max_rejects_per_s", "stream_idle_timeout_s"}},
+      {"GPU and CPU (devices, threads, parallelism, FP8 kernels)",
+       {"device", "devices", "threads", "tp", "moe_parallel", "load_threads", "fp8_experts",
+        "fp8_gemm"}},
+      {"Observability (metrics, logs)", {"metrics_listen", "metrics_per_stream", "log_every_s"}},
+  };
 }
 
 std::string Errno(int e) { return std::strerror(e); }
@@ -65,40 +74,22 @@ std::string TargetHelp() {
   for (const auto& [spec, what] : models) {
     const std::string lead =
         absl::StrCat("  ", spec, std::string(name_width + 2 - spec.size(), ' '));
-    std::string body = Wrap(what, lead.size());
+    std::string body = WrapText(what, lead.size());
     absl::StrAppend(&out, lead, body.substr(lead.size()));
   }
-  absl::StrAppend(&out, "\nFlags (--name=value):\n");
-  std::vector<absl::CommandLineFlag*> flags;
-  for (const auto& [name, flag] : absl::GetAllFlags()) {
-    if (flag->Filename() == kTargetFlagsFile) flags.push_back(flag);
-  }
-  std::sort(flags.begin(), flags.end(), [](auto* a, auto* b) { return a->Name() < b->Name(); });
-  for (const absl::CommandLineFlag* f : flags) {
-    std::string def = f->DefaultValue();
-    if (f->IsOfType<std::string>()) def = absl::StrCat("\"", def, "\"");
-    absl::StrAppend(&out, "  --", std::string(f->Name()), " (default ", def, ")\n",
-                    Wrap(f->Help(), 6));
-  }
+  absl::StrAppend(&out, "\nFlags (--name=value), by purpose:\n\n",
+                  FlagsHelp(TargetFlagGroups(), IsTargetFlagFile));
   absl::StrAppend(&out, "\n  --help   this text;  --version   the version\n");
   return out;
 }
 
-std::optional<int> HandleHelpOrVersion(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view a = argv[i];
-    if (a == "--") break;
-    if (a == "--help" || a == "-help" || a == "-h" || a == "--helpshort" || a == "-helpshort" ||
-        a == "--helpfull" || a == "-helpfull") {
-      std::fputs(TargetHelp().c_str(), stdout);
-      return 0;
-    }
-    if (a == "--version" || a == "-version") {
-      std::printf("draftfeed-target %s\n", std::string(kDraftfeedVersion).c_str());
-      return 0;
-    }
-  }
-  return std::nullopt;
+std::optional<int> HandleTargetHelpOrVersion(int argc, char** argv) {
+  return HandleHelpOrVersion(argc, argv, "draftfeed-target", std::string(kDraftfeedVersion),
+                             TargetHelp);
+}
+
+absl::Status CheckTargetFlagNames(int argc, char** argv) {
+  return CheckFlagNames(argc, argv, "draftfeed-target", IsTargetFlagFile);
 }
 
 absl::Status CheckListenAddress(const std::string& listen) {

@@ -19,10 +19,14 @@ std::string NormalizeFlagFile(absl::string_view path);
 // --help (-h, --helpshort, --helpfull) or --version among the arguments
 // before a "--": prints the help or the version to stdout and returns 0, the
 // exit code; nullopt when neither is asked for. absl's own --help exits 1.
-std::optional<int> HandleHelpOrVersion(int argc, char** argv);
-// The help: the usage message, every built-in model and every flag whose
-// file is kTargetFlagsFile, with its default.
+std::optional<int> HandleTargetHelpOrVersion(int argc, char** argv);
+// The help: the usage message, every built-in model, and every flag whose
+// file is kTargetFlagsFile with its default, grouped by purpose (model,
+// serving, security, limits, devices, observability).
 std::string TargetHelp();
+// A mistyped flag, before absl's parse: "unknown flag --max_batch_token; did
+// you mean --max_batch_tokens?" (absl's own error names no flag to use).
+absl::Status CheckTargetFlagNames(int argc, char** argv);
 
 // --listen: "host:port", "[v6]:port" or "unix:path". The host must resolve
 // and the port be free on it (port 0: any free one), each named on failure.

@@ -608,10 +608,18 @@ TEST_F(LoaderTest, MissingFilesAndPaths) {
   m = OpenModel(nowhere);
   ASSERT_FALSE(m.ok());
   EXPECT_EQ(m.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(m.status().message(),
-            "model " + nowhere +
-                " not found: no such checkpoint directory, and not a built-in spec "
-                "(tiny-random[:SEED], tiny-random-qwen3[:SEED])");
+  // Every built-in model is listed, in the table's order.
+  std::string builtins;
+  for (const BuiltinModel& b : BuiltinModels()) {
+    builtins += (builtins.empty() ? "" : ", ") + b.spec;
+  }
+  EXPECT_EQ(m.status().message(), "model " + nowhere +
+                                      " not found: no such checkpoint directory, and not a "
+                                      "built-in model (" +
+                                      builtins + ")");
+  EXPECT_NE(builtins.find("tiny-random[:SEED], tiny-random-qwen3[:SEED], tiny-random-8l[:SEED], "),
+            std::string::npos);
+  EXPECT_NE(builtins.find("random:qwen3-8b[:SEED], NAME-fp8[:SEED]"), std::string::npos);
 
   const std::string empty = Dir("empty");
   fs::create_directories(empty);

@@ -112,7 +112,11 @@ def test_check_weights_names_a_nan_tensor(tmp_path):
     p = subprocess.Popen([str(TARGET_BIN), f"--model={d}", "--listen=127.0.0.1:0", "--threads=1",
                           f"--port_file={port_file}"], stderr=subprocess.PIPE, text=True)
     try:
-        assert "serving" in p.stderr.readline()
+        # The start-up line ("serving ...") comes after whatever the engines report first.
+        lines = []
+        while not lines or ("serving" not in lines[-1] and lines[-1]):
+            lines.append(p.stderr.readline())
+        assert "serving" in lines[-1], lines
     finally:
         p.kill()
         p.wait()
