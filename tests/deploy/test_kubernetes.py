@@ -3,7 +3,9 @@
 The fields that decide whether the deployment works are checked against their sources of truth:
 the target's flags against `draftfeed-target --help`, the probes' service name against the
 proto and a running target's health service, the trainer's dns:/// target against the headless
-Service and the client's resolver. Schema validation runs offline through the npm package
+Service and the client's resolver, the checkpoint claim against the PersistentVolumeClaim that
+ships beside them, the pods' resources against the flags that size threads and memory, and the
+metrics port against the Prometheus scrape annotations. Schema validation runs offline through the npm package
 kubernetes-models (NODE_PATH) and `kubectl --dry-run=client` where a cluster answers; both skip
 with the reason otherwise.
 """
@@ -23,7 +25,8 @@ BUILD = pathlib.Path(os.environ.get("DRAFTFEED_BUILD_DIR", REPO / "build"))
 TARGET_BIN = BUILD / "bin" / "draftfeed-target"
 K8S = REPO / "deploy" / "kubernetes"
 TARGET_MANIFESTS = ["targets.yaml", "targets-gpu.yaml"]
-ALL_MANIFESTS = TARGET_MANIFESTS + ["trainer-job.yaml"]
+ALL_MANIFESTS = TARGET_MANIFESTS + ["trainer-job.yaml", "models-pvc.yaml"]
+DASHBOARD = REPO / "deploy" / "grafana" / "draftfeed-dashboard.json"
 PROTO = REPO / "proto" / "draftfeed" / "v1" / "draftfeed.proto"
 
 
@@ -82,7 +85,7 @@ def test_targets_manifest_matches_the_binary_and_service(name, help_flags):
     assert svc["spec"]["selector"].items() <= labels.items()
     host, _, port = f["--listen"].rpartition(":")
     assert host == "0.0.0.0" and "--insecure" in f, f"{name}: pods must listen beyond loopback"
-    (cport,) = c["ports"]
+    (cport,) = [p for p in c["ports"] if p["name"] == "grpc"]
     (sport,) = svc["spec"]["ports"]
     assert int(port) == cport["containerPort"] == sport["port"]
     assert sport["targetPort"] in (cport["name"], cport["containerPort"])
@@ -109,6 +112,79 @@ def test_targets_manifest_matches_the_binary_and_service(name, help_flags):
         assert limits.get("nvidia.com/gpu") == 1 and f["--device"] == "cuda:0"
     else:
         assert "nvidia.com/gpu" not in limits and f["--device"] == "cpu"
+
+
+def quantity(q):
+    """A Kubernetes quantity ("8", "500m", "64Gi", "128G") in base units (cores, bytes)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(m|Ki|Mi|Gi|Ti|k|M|G|T)?", str(q))
+    assert m, q
+    scale = {None: 1, "m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3,
+             "M": 1e6, "G": 1e9, "T": 1e12}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def test_every_claim_the_manifests_mount_is_defined_here():
+    """The targets mount draftfeed-models; a PersistentVolumeClaim of that name ships beside them
+    (its own file, so that deleting the targets keeps the checkpoint), large enough for a real
+    checkpoint and mountable by every replica at once, on whichever nodes they run."""
+    claims = {}
+    for m in K8S.glob("*.yaml"):
+        for d in yaml.safe_load_all(m.read_text()):
+            if d and d["kind"] == "PersistentVolumeClaim":
+                claims[d["metadata"]["name"]] = (m.name, d)
+    for name in TARGET_MANIFESTS:
+        objs = load(name)
+        assert "PersistentVolumeClaim" not in objs, f"{name}: the claim lives in models-pvc.yaml"
+        spec = objs["StatefulSet"]["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        (c,) = spec["containers"]
+        for mount in c["volumeMounts"]:
+            claim = volumes[mount["name"]]["persistentVolumeClaim"]["claimName"]
+            assert claim in claims, f"{name} mounts claim {claim!r}, defined nowhere in {K8S}"
+            file, pvc = claims[claim]
+            assert file == "models-pvc.yaml"
+            assert mount["readOnly"] is True
+            assert set(pvc["spec"]["accessModes"]) & {"ReadOnlyMany", "ReadWriteMany"}, pvc
+            assert objs["StatefulSet"]["spec"]["replicas"] > 1
+            # Holds Qwen3.6-27B in bf16 (54 GB).
+            assert quantity(pvc["spec"]["resources"]["requests"]["storage"]) >= 64 * 2**30
+            assert flags(c["args"])["--model"].startswith(mount["mountPath"] + "/")
+
+
+@pytest.mark.parametrize("name", TARGET_MANIFESTS)
+def test_targets_have_resources_their_flags_fit(name):
+    """Requests equal limits (Guaranteed QoS); the engine's threads are the CPU limit (the
+    defaults count the node's cores); the captures' host memory cap leaves room in the memory
+    limit for the process itself."""
+    c = target_container(load(name))
+    f = flags(c["args"])
+    req, lim = c["resources"]["requests"], c["resources"]["limits"]
+    assert req == lim, (req, lim)
+    cpus = quantity(lim["cpu"])
+    memory = quantity(lim["memory"])
+    assert cpus >= 2 and memory >= 8 * 2**30
+    threads = "--load_threads" if name == "targets-gpu.yaml" else "--threads"
+    assert int(f[threads]) == cpus, (threads, f, lim)
+    cap = float(f["--host_memory_cap_gib"]) * 2**30
+    assert 0 < cap <= memory / 2, (f["--host_memory_cap_gib"], lim["memory"])
+
+
+@pytest.mark.parametrize("name", TARGET_MANIFESTS)
+def test_targets_serve_metrics_where_prometheus_is_told_to_scrape(name, help_flags):
+    """--metrics_listen on the pod's address, its port named in the container and in the
+    prometheus.io/* annotations, so the kubernetes-pods scrape job feeds the shipped dashboard."""
+    objs = load(name)
+    c = target_container(objs)
+    f = flags(c["args"])
+    assert "--metrics_listen" in help_flags
+    host, _, port = f["--metrics_listen"].rpartition(":")
+    assert host == "0.0.0.0", f["--metrics_listen"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["metrics"] == int(port) != ports["grpc"]
+    notes = objs["StatefulSet"]["spec"]["template"]["metadata"]["annotations"]
+    assert notes == {"prometheus.io/scrape": "true", "prometheus.io/port": port,
+                     "prometheus.io/path": "/metrics"}, notes
+    assert DASHBOARD.exists() and "draftfeed_tokens_served_total" in DASHBOARD.read_text()
 
 
 def test_cpu_and_gpu_targets_are_the_same_objects():
@@ -148,8 +224,8 @@ def test_manifest_args_start_a_target_whose_health_the_probes_read(make_target):
         pytest.skip(f"no {TARGET_BIN} (set DRAFTFEED_BUILD_DIR)")
     f = flags(target_container(load("targets.yaml"))["args"])
     extra = [f"{k}={v}" if v is not None else k for k, v in f.items()
-             if k not in ("--model", "--listen")]
-    t = make_target(extra=[*extra, "--listen=127.0.0.1:0"])
+             if k not in ("--model", "--listen", "--metrics_listen")]
+    t = make_target(extra=[*extra, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0"])
     assert _health_check(t.address, health_service_name()) == "SERVING", t.output()
     with pytest.raises(grpc.RpcError) as e:
         _health_check(t.address, "draftfeed.v1.NoSuchService")
@@ -183,7 +259,7 @@ def test_manifests_pass_the_kubernetes_schemas():
     r = subprocess.run([node, str(pathlib.Path(__file__).with_name("validate_k8s.js")),
                         *[str(K8S / m) for m in ALL_MANIFESTS]], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("\nok ") + r.stdout.startswith("ok ") == 5, r.stdout
+    assert r.stdout.count("\nok ") + r.stdout.startswith("ok ") == 6, r.stdout
 
 
 def test_kubectl_dry_run_client():
