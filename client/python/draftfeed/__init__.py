@@ -33,6 +33,7 @@ from . import layers  # noqa: E402  draftfeed.layers.dflash(L), .eagle3(L)
 from . import outputs as _outputs  # noqa: E402
 from .stats import ProgressBar, flatten as _flatten_stats  # noqa: E402
 from .tls import Tls, _native_tls, _native_token  # noqa: E402
+from .tls import python_option_names as _python_option_names  # noqa: E402
 
 __all__ = ["Feed", "Result", "DraftfeedError", "describe_target", "FINAL_LAYER", "Tls",
            "dequantize_fp8", "E4M3_VALUES"]
@@ -56,6 +57,7 @@ class DraftfeedError(RuntimeError):
     knows it (ordered feeds), else None."""
 
     def __init__(self, code: int, message: str):
+        message = _python_option_names(message)
         self.code = code
         self.code_name = _CODE_NAMES.get(code, str(code))
         self.message = message

@@ -11,6 +11,11 @@ from typing import Iterable, Iterator
 def run(feed, batches: Iterable, acct) -> Iterator:
     from . import DraftfeedError  # the package is initialised by the time a map runs
 
+    if feed._bar is not None:
+        # What this pass returns: the batches given and any still outstanding before it; a
+        # generator (or another input without a length) gives no total.
+        sized = hasattr(batches, "__len__")
+        feed._bar.expect(feed._outstanding + len(batches) if sized else None)
     it = iter(batches)
     exhausted = False
     mine = set()  # ids this map submitted and has not yielded

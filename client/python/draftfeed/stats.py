@@ -49,6 +49,12 @@ class ProgressBar:
         self.bar = bar
         self._last_postfix = 0.0
 
+    def expect(self, more: Optional[int]) -> None:
+        """`more` batches still to come: the bar's total is what it has counted plus those, so
+        it shows a fraction and a time left; None (not known): no total."""
+        self.bar.total = None if more is None else self.bar.n + more
+        self.bar.refresh()
+
     def update(self, queue: int, tokens_per_s: Callable[[], float]) -> None:
         """One batch more; `tokens_per_s` is asked only when the postfix is redrawn."""
         self.bar.update(1)

@@ -10,6 +10,7 @@ Mutual TLS (a target started with --tls_client_ca): Tls(ca=..., cert=..., key=..
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -38,6 +39,28 @@ class Tls:
         if (self.cert is None) != (self.key is None):
             raise ValueError("Tls: cert and key go together (mutual TLS); got only "
                              + ("cert" if self.key is None else "key"))
+
+
+# The C++ client (and the pure-Python one, which says the same) names TlsOptions' fields:
+# "tls ca_file /x.pem: cannot open", "the CA of tls ca_file". A Python caller wrote
+# Tls(ca=..., cert=..., key=..., server_name=...), so its errors name those.
+_OPTION_NAMES = (  # the references to an option, as the clients' messages make them
+    ("the CA of tls ca_file", "the CA of Tls(ca=...)"),
+    ("give tls ca_file", "give Tls(ca=...)"),
+    ("give tls cert_file and key_file", "give Tls(cert=..., key=...)"),
+    ("give tls server_name", "give Tls(server_name=...)"),
+)
+_FILE_OPTION = re.compile(r"\btls (ca|cert|key)_file (\S.*?): ")  # "tls ca_file PATH: why"
+
+
+def python_option_names(message: str) -> str:
+    """`message` with the C++ TLS options' names replaced by the Tls arguments':
+    "tls ca_file /x.pem: cannot open" -> "Tls(ca='/x.pem'): cannot open"."""
+    if "tls " not in message:
+        return message
+    for cpp, python in _OPTION_NAMES:
+        message = message.replace(cpp, python)
+    return _FILE_OPTION.sub(lambda m: f"Tls({m.group(1)}={m.group(2)!r}): ", message)
 
 
 def _native_tls(tls) -> Optional[dict]:

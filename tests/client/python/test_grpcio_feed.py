@@ -234,7 +234,7 @@ def test_tls_mutual_tls_and_tokens(make_target, certs, tmp_path):
     e = refused(tls=draftfeed.Tls(ca=certs / "other-ca.pem", cert=certs / "client.pem",
                                   key=certs / "client.key"), token=sec.TOKEN_A)
     assert e.code_name == "UNAVAILABLE" and "certificate" in str(e)
-    with pytest.raises(draftfeed.DraftfeedError, match="tls ca_file .*cannot open"):
+    with pytest.raises(draftfeed.DraftfeedError, match=r"Tls\(ca='.*missing\.pem'\): cannot open"):
         draftfeed.Feed(targets=[mtls.address], layers=[0], transport="grpcio",
                        tls=draftfeed.Tls(ca=tmp_path / "missing.pem"))
 

@@ -115,7 +115,20 @@ def test_progress_bar_with_tqdm(target, capsys):
         assert feed._bar is not None
         list(feed.map(batches()))
     err = capsys.readouterr().err
-    assert "draftfeed" in err and "5batch" in err.replace(" ", ""), err
+    assert "draftfeed" in err and "5/5" in err, err  # a list has a length: the bar a total
+
+
+def test_progress_bar_has_a_total_when_the_input_has_a_length(target):
+    tqdm = pytest.importorskip("tqdm")
+    with draftfeed.Feed(targets=[target.address], layers=[0], progress=True) as feed:
+        bar = feed._bar.bar
+        assert isinstance(bar, tqdm.tqdm) and bar.total is None
+        list(feed.map(batches()))  # a list: 5 batches
+        assert (bar.n, bar.total) == (5, 5)
+        list(feed.map(batches()[:2]))  # a second pass adds its own
+        assert (bar.n, bar.total) == (7, 7)
+        list(feed.map(b for b in batches()[:3]))  # a generator has no length: no total
+        assert (bar.n, bar.total) == (10, None)
 
 
 def test_progress_without_tqdm_prints_lines(target, capsys, monkeypatch):

@@ -136,7 +136,7 @@ def test_tls_and_mutual_tls_with_tokens_serve_exactly_what_plaintext_does(make_t
 
 @pytest.mark.parametrize("case,server,ca,message", [
     ("wrong CA", "server.pem", "other-ca.pem",
-     "TLS: the target's certificate was refused: it does not chain to the CA of tls ca_file, "
+     "TLS: the target's certificate was refused: it does not chain to the CA of Tls(ca=...), "
      "or it has expired or is not yet valid"),
     ("expired server certificate", "expired-server.pem", "ca.pem",
      "TLS: the target's certificate was refused"),
@@ -152,7 +152,7 @@ def test_a_server_certificate_the_client_cannot_trust_is_refused(make_target, ce
 
 
 @pytest.mark.parametrize("cert,message", [
-    (None, "it requires a client certificate (mutual TLS: give tls cert_file and key_file)"),
+    (None, "it requires a client certificate (mutual TLS: give Tls(cert=..., key=...))"),
     ("expired-client.pem", "it refused this client's certificate (not signed by its "
                            "--tls_client_ca, or expired)"),
     ("stranger.pem", "it refused this client's certificate"),
@@ -164,6 +164,25 @@ def test_mutual_tls_refuses_missing_expired_and_untrusted_client_certificates(ma
     assert e.code_name == "UNAVAILABLE", e
     assert "the target closed the connection in the TLS handshake: " + message in e.message, e
     stopped_with_nothing_served(t)
+
+
+@pytest.mark.parametrize("arg", ["ca", "cert", "key"])
+def test_unreadable_tls_files_name_the_python_argument(make_target, certs, tmp_path, arg):
+    """A Python caller wrote Tls(ca=..., cert=..., key=...): the error names that argument and
+    its value, not the C++ client's TlsOptions field (ca_file, ...)."""
+    t = make_target(extra=tls_flags(certs, client_ca=True))
+    files = {"ca": certs / "ca.pem", "cert": certs / "client.pem", "key": certs / "client.key"}
+    files[arg] = tmp_path / f"missing-{arg}.pem"
+    with pytest.raises(draftfeed.DraftfeedError) as e:
+        draftfeed.Feed(targets=[t.address], layers=[0], connect_timeout_s=10,
+                       tls=draftfeed.Tls(**files))
+    assert e.value.code_name == "INVALID_ARGUMENT", e.value
+    assert e.value.message == f"Tls({arg}='{files[arg]}'): cannot open", e.value.message
+    # A file that holds no PEM block of the kind asked for.
+    (tmp_path / "empty.pem").write_text("not a certificate\n")
+    files[arg] = tmp_path / "empty.pem"
+    with pytest.raises(draftfeed.DraftfeedError, match=rf"^INVALID_ARGUMENT: Tls\({arg}='"):
+        draftfeed.describe_target(t.address, tls=draftfeed.Tls(**files))
 
 
 def test_plaintext_and_tls_clients_against_the_other_kind_of_target(make_target, certs):
