@@ -78,6 +78,26 @@ constexpr RandomShape kShapes[] = {
      .rope_theta = 1e6,
      .partial_rotary_factor = 1.0,
      .tie_word_embeddings = true},
+    // tiny-random's layers twice over (2 x (3 GDN + 1 attention)): the
+    // fewest layers that layers.eagle3() picks distinct ones from (it needs 7).
+    {.name = "tiny-random-8l",
+     .arch = Arch::kQwen35Hybrid,
+     .vocab = 4096,
+     .hidden = 128,
+     .intermediate = 256,
+     .layers = 8,
+     .heads = 4,
+     .kv_heads = 2,
+     .head_dim = 64,
+     .rope_theta = 1e7,
+     .partial_rotary_factor = 0.25,
+     .tie_word_embeddings = false,
+     .full_attention_interval = 4,
+     .conv_kernel = 4,
+     .key_head_dim = 32,
+     .value_head_dim = 32,
+     .num_key_heads = 2,
+     .num_value_heads = 4},
     // Small shapes with the real head sizes (attention head_dim 256 / 128,
     // GDN heads 128 wide, GVA ratio 3): what the CUDA kernels are specialised
     // for, small enough for the CPU reference to check them.

@@ -40,3 +40,27 @@ def test_recipes_refuse_what_cannot_be_picked():
     with pytest.raises(TypeError):
         layers.eagle3(64.0)
 
+
+
+def test_eagle3_on_a_built_in_model(make_target):
+    """tiny-random has 4 layers, too few for EAGLE-3's picks; tiny-random-8l (its layers twice
+    over) is the built-in model whose eagle3() ids a feed can capture."""
+    import draftfeed
+
+    with pytest.raises(ValueError, match="num_layers=4"):
+        layers.eagle3(draftfeed.describe_target(make_target().address)["num_layers"])
+    t = make_target(model="tiny-random-8l")
+    info = draftfeed.describe_target(t.address)
+    assert (info["model_id"], info["num_layers"], info["hidden_size"]) == ("tiny-random-8l:0", 8,
+                                                                           128)
+    ids = layers.eagle3(info["num_layers"])
+    assert ids == [1, 3, 4, -1]
+    tokens = list(range(100, 140))
+    with draftfeed.Feed(targets=[t.address], layers=ids) as feed:
+        (r,) = list(feed.map([(tokens, [15, 25])]))
+    h = r.hidden
+    assert h.shape == (40, 4, 128)
+    # Four different states: layer 1, 3 and 4's outputs and the final normed one.
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert not (h[:, i] == h[:, j]).all(), (ids[i], ids[j])
