@@ -13,7 +13,9 @@ namespace draftfeed {
 // `label` ("CERTIFICATE", "PRIVATE KEY"). gRPC's OpenSSL parses it later;
 // this turns the commonest mistakes (a wrong path, the key given as the
 // certificate, a DER file) into INVALID_ARGUMENT naming `option` and `path`
-// instead of a failed handshake.
+// instead of a failed handshake. Only a regular file of at most 1 MiB is
+// read (checked before reading, so a FIFO or /dev/zero fails at once naming
+// the file and the limit instead of hanging or filling memory).
 absl::StatusOr<std::string> ReadPemFile(absl::string_view option, const std::string& path,
                                         absl::string_view label);
 

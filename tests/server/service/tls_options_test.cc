@@ -1,5 +1,10 @@
 #include "server/service/tls_options.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "absl/status/status.h"
@@ -48,6 +53,35 @@ TEST(MakeServerCredentials, RefusesHalfPairsAndContradictions) {
             "--insecure serves plaintext, but --tls_cert asks for TLS: drop one of them");
   EXPECT_EQ(Refusal("127.0.0.1:0", {.tls_cert = "/nonexistent/c.pem", .tls_key = "k.pem"}),
             "--tls_cert /nonexistent/c.pem: cannot open");
+}
+
+// A certificate path that is not a small regular file is refused before it is
+// read, naming the flag, the file and the limit: a FIFO used to block start-up
+// forever in the read, and /dev/zero to fill memory until the kernel killed
+// the target.
+TEST(MakeServerCredentials, RefusesFilesThatAreNotSmallRegularFiles) {
+  char dir_template[] = "/tmp/df-pem-XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  const std::string big = dir + "/big.pem";
+  std::FILE* f = std::fopen(big.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(ftruncate(fileno(f), (1 << 20) + 1), 0);  // sparse: no disk is written
+  std::fclose(f);
+  EXPECT_EQ(Refusal("127.0.0.1:0", {.tls_cert = big, .tls_key = big}),
+            "--tls_cert " + big + ": 1048577 bytes is over the 1048576-byte limit of a PEM file");
+
+  const std::string fifo = dir + "/fifo.pem";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(Refusal("127.0.0.1:0", {.tls_cert = fifo, .tls_key = fifo}),
+            "--tls_cert " + fifo + ": is a FIFO, not a regular file holding PEM");
+  EXPECT_EQ(Refusal("127.0.0.1:0", {.tls_cert = "/dev/zero", .tls_key = "/dev/zero"}),
+            "--tls_cert /dev/zero: is a character device, not a regular file holding PEM");
+  EXPECT_EQ(Refusal("127.0.0.1:0", {.tls_cert = dir, .tls_key = dir}),
+            "--tls_cert " + dir + ": is a directory, not a regular file holding PEM");
+  std::remove(fifo.c_str());
+  std::remove(big.c_str());
+  rmdir(dir.c_str());
 }
 
 }  // namespace
