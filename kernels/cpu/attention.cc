@@ -1,6 +1,7 @@
 #include "kernels/cpu/attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -30,7 +31,9 @@ constexpr int64_t kItemStateBytes = int64_t{256} << 10;
 // the first call): 16-float vectors with x86-64-v4 (AVX-512), 8 with -v3
 // (AVX2 + FMA), 4 otherwise; register tiles sized to each one's registers
 // (32, 16 and 16 of them). The lanes are independent, so the width does not
-// change a row's arithmetic; FMA contraction (v3 and v4) does change its bits.
+// change a row's arithmetic, and the file is built with -ffp-contract=off so
+// that v3 and v4 do not fuse multiply-adds the baseline rounds twice: every
+// machine computes the same bits.
 using AttendFn = void (*)(const Job&, const Item&, float*, int32_t*);
 
 void AttendBase(const Job& job, const Item& it, float* ws, int32_t* ws_pos) {
@@ -54,6 +57,12 @@ AttendFn PickAttend() {
   if (__builtin_cpu_supports("x86-64-v3")) return AttendV3;
 #endif
   return AttendBase;
+}
+
+// The path in use: PickAttend's, unless a test pinned one.
+std::atomic<AttendFn>& Attend() {
+  static std::atomic<AttendFn> attend{PickAttend()};
+  return attend;
 }
 
 [[noreturn, gnu::format(printf, 1, 2)]] void Fail(const char* format, ...) {
@@ -130,7 +139,7 @@ void VarlenCausalAttention(const float* q, const float* k, const float* v, const
   job.hd = head_dim;
   job.group = group;
   job.scale2 = static_cast<float>(static_cast<double>(scale) * 1.44269504088896340736);
-  static const AttendFn attend = PickAttend();
+  const AttendFn attend = Attend().load(std::memory_order_relaxed);
   ParallelFor(static_cast<int64_t>(items.size()), num_threads, [&](int64_t i) {
     thread_local std::vector<float> ws;
     thread_local std::vector<int32_t> ws_pos;
@@ -138,6 +147,31 @@ void VarlenCausalAttention(const float* q, const float* k, const float* v, const
     ws_pos.resize(static_cast<size_t>(per_item * kBq));
     attend(job, items[static_cast<size_t>(i)], ws.data(), ws_pos.data());
   });
+}
+
+bool UseAttentionPathForTesting(int path) {
+  AttendFn fn = nullptr;
+  switch (path) {
+    case 0:
+      fn = PickAttend();
+      break;
+    case 1:
+      fn = AttendBase;
+      break;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    case 2:
+      if (__builtin_cpu_supports("x86-64-v3")) fn = AttendV3;
+      break;
+    case 3:
+      if (__builtin_cpu_supports("x86-64-v4")) fn = AttendV4;
+      break;
+#endif
+    default:
+      break;
+  }
+  if (fn == nullptr) return false;
+  Attend().store(fn);
+  return true;
 }
 
 void VarlenCausalAttention(const float* q, const float* k, const float* v,

@@ -38,4 +38,10 @@ void VarlenCausalAttention(const float* q, const float* k, const float* v,
                            int64_t num_kv_heads, int64_t head_dim, float scale, float* out,
                            int num_threads);
 
+// Tests pin the instruction set so each path is checked where it can run: 0
+// chooses by CPU (the default), 1 the baseline (SSE2), 2 x86-64-v3 (AVX2), 3
+// x86-64-v4 (AVX-512). False where the path cannot run here. Every path gives
+// the same bits (no contraction; lanes are rows).
+bool UseAttentionPathForTesting(int path);
+
 }  // namespace draftfeed::cpu

@@ -370,5 +370,35 @@ TEST(AttentionPrefixDeathTest, RefusesFewerKeysThanQueries) {
                "num_kv_heads 2 must be positive and divide num_q_heads 3");
 }
 
+TEST(AttentionPathTest, EveryInstructionSetGivesTheSameBits) {
+  // The reference's bits (and the main job's checksum) must not depend on the
+  // machine's SIMD: with contraction off each path does the same IEEE
+  // operations per row. Head dims with and without a multiple of 8, GQA, a
+  // prefix, several sequences.
+  for (int64_t hd : {64, 13, 256}) {
+    const std::vector<int32_t> q_lens = {5, 300, 77}, k_lens = {5, 400, 77};
+    const int64_t hq = 8, hkv = 2;
+    const std::vector<int32_t> cu_q = Offsets(q_lens), cu_k = Offsets(k_lens);
+    const std::vector<float> q = Random(cu_q.back() * hq * hd, 4),
+                             k = Random(cu_k.back() * hkv * hd, 5),
+                             v = Random(cu_k.back() * hkv * hd, 6);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    std::vector<std::vector<float>> outs;
+    for (int path : {1, 2, 3}) {
+      if (!UseAttentionPathForTesting(path)) continue;
+      std::vector<float> out(static_cast<size_t>(cu_q.back() * hq * hd));
+      VarlenCausalAttention(q.data(), k.data(), v.data(), cu_q.data(), cu_k.data(), 3, hq, hkv,
+                            hd, scale, out.data(), 2);
+      outs.push_back(std::move(out));
+    }
+    ASSERT_TRUE(UseAttentionPathForTesting(0));
+    ASSERT_GE(outs.size(), 1u);
+    for (size_t i = 1; i < outs.size(); ++i) {
+      EXPECT_EQ(std::memcmp(outs[i].data(), outs[0].data(), outs[0].size() * sizeof(float)), 0)
+          << "hd " << hd << ": path " << i + 1 << " differs from the baseline";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace draftfeed::cpu
