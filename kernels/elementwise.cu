@@ -103,7 +103,34 @@ struct CaptureScalar {
   }
 };
 
+__global__ void RowDotKernel(const bf16* x, int64_t x_stride, const bf16* w, int64_t rows,
+                             int64_t width, bf16* out) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (row >= rows) return;
+  const bf16* xr = x + row * x_stride;
+  float acc = 0.f;
+  for (int64_t i = lane; i < width; i += 32) {
+    acc = fmaf(__bfloat162float(xr[i]), __bfloat162float(w[i]), acc);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) out[row] = __float2bfloat16(acc);
+}
+
 }  // namespace
+
+cudaError_t RowDot(const bf16* x, int64_t x_stride, const bf16* w, int64_t num_tokens,
+                   int64_t width, bf16* out, cudaStream_t stream) {
+  if (num_tokens < 0 || width < 0 || x_stride < width) return cudaErrorInvalidValue;
+  if (num_tokens == 0) return cudaSuccess;
+  constexpr int kWarps = 8;
+  const int64_t blocks = (num_tokens + kWarps - 1) / kWarps;
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  RowDotKernel<<<static_cast<unsigned>(blocks), kWarps * 32, 0, stream>>>(x, x_stride, w,
+                                                                          num_tokens, width, out);
+  return cudaGetLastError();
+}
 
 cudaError_t SwiGlu(const bf16* gate_up, int64_t num_tokens, int64_t ffn_dim, bf16* out,
                    cudaStream_t stream) {

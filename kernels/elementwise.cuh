@@ -1,5 +1,6 @@
 // Small fused elementwise ops of the decoder: SwiGLU, the attention output
-// gate, and copying the residual stream into a capture slot.
+// gate, copying the residual stream into a capture slot, and a row's dot
+// product with one weight row.
 #pragma once
 
 #include "kernels/common.cuh"
@@ -20,5 +21,14 @@ cudaError_t SigmoidGateMul(bf16* o, const bf16* gate, int64_t num_tokens, int64_
 // capture[t*K*width + slot*width + i] = bf16(residual[t*width + i]).
 cudaError_t CaptureResidual(const float* residual, int64_t num_tokens, int64_t width, bf16* capture,
                             int64_t num_slots, int64_t slot, cudaStream_t stream);
+
+// out[t] = bf16(Σ_i x[t·x_stride + i]·w[i]) for t < num_tokens: a [T, width]
+// by [width] product, the N = 1 "GEMM" of the MoE's shared-expert gate. One
+// warp a row, each lane summing its elements in order in fp32, then a fixed
+// shuffle tree: a row's value never depends on num_tokens, where cuBLASLt
+// picks an N = 1 algorithm (split-K or not) by M and so rounds a token
+// differently with the batch it is in.
+cudaError_t RowDot(const bf16* x, int64_t x_stride, const bf16* w, int64_t num_tokens,
+                   int64_t width, bf16* out, cudaStream_t stream);
 
 }  // namespace draftfeed::cuda

@@ -296,8 +296,12 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
     // dense MLP's (Project times them), its N = 1 gate logit under "router".
     DF_RETURN_IF_ERROR(Project(w, kMoeSharedGateUp, u, proj, T, 2 * I_shared, D));
     DF_RETURN_IF_ERROR(SwiGluDown(w, kMoeSharedDown, T, I_shared, mix));
+    // Its N = 1 gate logit is a row dot of our own, not a cuBLASLt GEMM,
+    // whose N = 1 algorithm follows M: a token's gate (and so its state)
+    // would round differently with the batch around it.
     DF_RETURN_IF_ERROR(Timed("router", [&] {
-      return gemm.Run(u, w.bf(kMoeSharedGate), shared_logit, T, 1, D, stream);
+      return CudaStatus(
+          cuda::RowDot(u, D, w.bf(kMoeSharedGate), T, D, shared_logit, stream), "RowDot");
     }));
   }
   // A tensor-parallel rank's sum (its experts, its slice of the shared

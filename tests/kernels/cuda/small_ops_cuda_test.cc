@@ -439,6 +439,32 @@ TEST(ElementwiseCudaTest, SwiGluMatchesReference) {
   }
 }
 
+TEST(ElementwiseCudaTest, RowDotMatchesReferenceWhateverTheBatch) {
+  DF_REQUIRE_GPU();
+  for (const int64_t width : {int64_t{2048}, int64_t{5120}, int64_t{67}}) {
+    constexpr int64_t kTokens = 777, kStride = 5184;  // rows inside a wider buffer
+    const std::vector<float> x = RandomBf16Values(kTokens * kStride, 2.0f, width);
+    const std::vector<float> w = RandomBf16Values(width, 0.05f, width + 1);
+    DeviceBuffer<bf16> d_x(ToBf16(x)), d_w(ToBf16(w));
+    DeviceBuffer<bf16> all(Poisoned(kTokens)), one(Poisoned(1));
+    DF_CUDA_OK(RowDot(d_x.get(), kStride, d_w.get(), kTokens, width, all.get(), nullptr));
+    // Row 500 alone: the same bits as within 777 rows.
+    DF_CUDA_OK(RowDot(d_x.get() + 500 * kStride, kStride, d_w.get(), 1, width, one.get(), nullptr));
+    DF_SYNC_OK();
+    const std::vector<bf16> got = all.Download();
+    EXPECT_EQ(Bits(one.Download()[0]), Bits(got[500])) << "width " << width;
+    std::vector<float> want(kTokens);
+    for (int64_t t = 0; t < kTokens; ++t) {
+      double s = 0;
+      for (int64_t i = 0; i < width; ++i) s += double(x[t * kStride + i]) * w[i];
+      want[t] = static_cast<float>(s);
+    }
+    // fp32 sums of `width` products (relative error ~width·2^-24 of Σ|x·w|,
+    // far under one bf16 rounding), then one bf16 rounding of the result.
+    ExpectBf16Close(ToF32(got), want, 1e-3, "RowDot width " + std::to_string(width));
+  }
+}
+
 TEST(ElementwiseCudaTest, SigmoidGateMulReadsStridedGate) {
   DF_REQUIRE_GPU();
   constexpr int64_t kTokens = 37;
