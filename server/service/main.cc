@@ -164,8 +164,15 @@ ABSL_FLAG(std::string, fp8_gemm, "auto",
           "kernel (refused at start-up on a GPU that cannot run it). MoE experts use draftfeed's "
           "on Hopper either way.");
 ABSL_FLAG(std::string, metrics_listen, "",
-          "host:port to serve Prometheus metrics on, at /metrics over HTTP (e.g. "
-          "0.0.0.0:9400; port 0 picks a free one, logged at start-up). Empty = off.");
+          "host:port to serve Prometheus metrics on, at /metrics over plaintext HTTP (e.g. "
+          "127.0.0.1:9400; port 0 picks a free one, logged at start-up); GET only, no request "
+          "bodies. An address other than loopback needs --metrics_token_file, or --insecure on "
+          "a plaintext target. Empty = off.");
+ABSL_FLAG(std::string, metrics_token_file, "",
+          "File of named bearer tokens for /metrics, as --auth_tokens_file's ('name: token' a "
+          "line): every scrape must send 'Authorization: Bearer <token>' (Prometheus: "
+          "authorization.credentials_file). Kept apart from the stream tokens, which must not "
+          "travel over plaintext HTTP. Re-read on SIGHUP.");
 ABSL_FLAG(bool, metrics_per_stream, false,
           "Also export each open stream's waiting result bytes as its own series (labels "
           "stream and client): a series lives while its stream is open, but every stream "
@@ -373,6 +380,27 @@ int Run() {
     }
     tokens = std::make_shared<TokenChecker>(std::move(file->tokens));
   }
+  const std::string metrics_tokens_path = absl::GetFlag(FLAGS_metrics_token_file);
+  std::shared_ptr<TokenChecker> metrics_tokens;
+  if (!metrics_tokens_path.empty()) {
+    auto file = ReadTokenFile(metrics_tokens_path);
+    if (!file.ok()) {
+      return Fail(absl::StrCat("--metrics_token_file: ", file.status().message()));
+    }
+    for (const std::string& w : file->warnings) {
+      LogF("draftfeed-target: warning: %s", w.c_str());
+    }
+    metrics_tokens = std::make_shared<TokenChecker>(std::move(file->tokens));
+  }
+  if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
+    if (absl::Status s =
+            MetricsHttpServer::CheckExposure(ml, security.insecure, metrics_tokens != nullptr);
+        !s.ok()) {
+      return Fail(std::string(s.message()));
+    }
+  } else if (metrics_tokens != nullptr) {
+    return Fail("--metrics_token_file needs --metrics_listen (the /metrics endpoint it guards)");
+  }
 
   // Signals are taken by sigwait below; every thread started from here on
   // inherits the block.
@@ -477,7 +505,8 @@ int Run() {
   std::unique_ptr<MetricsHttpServer> metrics_http;
   if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
     auto started =
-        MetricsHttpServer::Start(ml, [&service] { return service.metrics().registry().Render(); });
+        MetricsHttpServer::Start(ml, [&service] { return service.metrics().registry().Render(); },
+                                 {.tokens = metrics_tokens});
     if (!started.ok()) {
       server->Shutdown();
       service.StopScheduler();

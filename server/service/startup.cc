@@ -45,7 +45,8 @@ std::vector<FlagGroup> TargetFlagGroups() {
       {"GPU and CPU (devices, threads, parallelism, FP8 kernels)",
        {"device", "devices", "threads", "tp", "moe_parallel", "load_threads", "fp8_experts",
         "fp8_gemm"}},
-      {"Observability (metrics, logs)", {"metrics_listen", "metrics_per_stream", "log_every_s"}},
+      {"Observability (metrics, logs)",
+       {"metrics_listen", "metrics_token_file", "metrics_per_stream", "log_every_s"}},
   };
 }
 

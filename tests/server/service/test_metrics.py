@@ -208,3 +208,134 @@ def test_the_dashboard_queries_only_metrics_the_target_exports(metered):
     cuda_only = {"draftfeed_gpu_memory_used_bytes", "draftfeed_gpu_memory_total_bytes"}
     assert names - cuda_only <= families, sorted(names - cuda_only - families)
     assert len(names) >= 15
+
+
+def peak_rss_mib(pid):
+    """The process's peak resident memory (VmHWM), MiB."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_request_body_flood_is_refused_unread(metered):
+    """POST /metrics announcing 100 GB on two connections: the target answers 405 from the
+    headers and closes, so what the clients push is never buffered (it was read into memory
+    whole: 3 GB in 5 s)."""
+    import socket
+    port = metrics_port(metered)
+    before = peak_rss_mib(metered.proc.pid)
+    answers = []
+    for _ in range(2):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000000\r\n\r\n")
+        chunk = b"\0" * (1 << 20)
+        try:
+            for _ in range(256):  # at most 256 MiB a connection
+                s.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the target closed the connection: the body goes unread
+        try:
+            answers.append(s.recv(4096))
+        except ConnectionResetError:
+            answers.append(b"")
+        s.close()
+    growth = peak_rss_mib(metered.proc.pid) - before
+    assert growth < 64, f"peak RSS grew {growth:.0f} MiB under a body flood"
+    assert all(a == b"" or a.startswith(b"HTTP/1.1 405") for a in answers), answers
+    # Only GET and HEAD are served, without a body; the target scrapes on.
+    import urllib.error
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", data=b"x", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 413
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="DELETE")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 405 and e.value.headers["Allow"] == "GET, HEAD"
+    assert "draftfeed_batches_served_total 0" in scrape(port)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+        assert r.read() == b"ok\n"
+
+
+def test_scrapes_are_answered_beside_slow_header_clients(metered):
+    """Three clients that send a request's headers one byte every 0.3 s (slowloris): a scrape
+    beside them is answered within 1 s (the 2 workers were all held by them: each
+    recv had its own 5 s timeout), and each of them is cut at the 2 s header deadline."""
+    import socket
+    import threading
+    port = metrics_port(metered)
+    slow = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+    stop = threading.Event()
+    closed_by_target = [False] * len(slow)
+
+    def trickle(i, s):
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+        while not stop.is_set():
+            try:
+                s.sendall(b"X")
+            except OSError:
+                closed_by_target[i] = True
+                return
+            stop.wait(0.3)
+
+    threads = [threading.Thread(target=trickle, args=(i, s)) for i, s in enumerate(slow)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.5)  # the slow clients hold their connections
+        for _ in range(3):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
+                assert r.status == 200
+        # The header deadline ends every slow connection (with a 400 at most).
+        for s in slow:
+            s.settimeout(10)
+            answer = b""
+            while chunk := s.recv(4096):
+                answer += chunk
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 400"), answer
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        for s in slow:
+            s.close()
+
+
+def test_metrics_token_file_guards_the_endpoint_and_beyond_loopback_needs_one(tmp_path):
+    import urllib.error
+    token = "m3" * 16
+    path = tmp_path / "metrics-tokens"
+    path.write_text(f"prometheus: {token}\n")
+    path.chmod(0o600)
+    t = TargetProcess(extra=["--metrics_listen=127.0.0.1:0", f"--metrics_token_file={path}"])
+    try:
+        port = metrics_port(t)
+        for headers, why in (({}, "missing bearer token"),
+                             ({"Authorization": "Bearer " + "ab" * 16}, "unknown bearer token")):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            assert e.value.code == 401
+            assert why in e.value.read().decode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                     headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert "draftfeed_batches_served_total 0" in r.read().decode()
+        assert t.terminate() == 0
+        assert token not in t.output()
+    finally:
+        t.kill()
+    # /metrics beyond loopback: plaintext HTTP, so a token or a plaintext target (--insecure).
+    p = subprocess.run([str(TARGET_BIN), "--model=tiny-random", "--listen=127.0.0.1:0",
+                        "--metrics_listen=0.0.0.0:0"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1
+    assert ("--metrics_listen=0.0.0.0:0 is not a loopback address and /metrics is plaintext "
+            "HTTP: add --metrics_token_file") in p.stderr, p.stderr
+    for extra in (["--listen=0.0.0.0:0", "--insecure"], [f"--metrics_token_file={path}"]):
+        t = TargetProcess(extra=["--metrics_listen=0.0.0.0:0", *extra])
+        try:
+            assert metrics_port(t) > 0
+            assert t.terminate() == 0
+        finally:
+            t.kill()
