@@ -19,7 +19,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BUILD = pathlib.Path(os.environ.get("DRAFTFEED_BUILD_DIR", REPO / "build"))
 IMAGE = os.environ.get("DRAFTFEED_IMAGE", "localhost/draftfeed-target:latest")
-MAIN_JOB_CHECKSUM = "8a948a0e7503a05d"
+MAIN_JOB_CHECKSUM = "03c93acea493a7d7"
 
 
 def buildah(*args, **kw):

@@ -21,7 +21,7 @@ import local_slurm  # noqa: E402
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BUILD = pathlib.Path(os.environ.get("DRAFTFEED_BUILD_DIR", REPO / "build"))
 SCRIPT = REPO / "deploy" / "slurm" / "draftfeed-hetjob.sbatch"
-MAIN_JOB_CHECKSUM = "8a948a0e7503a05d"  # scripts/run_main_job.sh on tiny-random, 300 batches
+MAIN_JOB_CHECKSUM = "03c93acea493a7d7"  # scripts/run_main_job.sh on tiny-random, 300 batches
 
 missing = local_slurm.missing_tools()
 pytestmark = pytest.mark.skipif(
