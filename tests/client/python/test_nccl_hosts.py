@@ -43,7 +43,7 @@ def test_a_cpu_target_says_it_offers_no_nccl_to_other_hosts(target):
     assert info["nccl_across_hosts"] is False
     assert info["transports"] == ["grpc"]
     out = target.output()
-    assert "token budget 16384, transport grpc, loaded in" in out, out
+    assert "token budget 16384 (batches up to 262144), transport grpc, loaded in" in out, out
     assert "draftfeed-target: nccl not offered: " in out, out
 
 
