@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -99,6 +100,13 @@ ABSL_FLAG(int64_t, max_stream_pending_mib, 2048,
 ABSL_FLAG(int32_t, max_streams, 64,
           "Open streams this target serves at once; the next is refused with "
           "RESOURCE_EXHAUSTED until one closes.");
+ABSL_FLAG(int32_t, max_streams_per_client, 0,
+          "Open streams of one client at once (its bearer token's name with --auth_tokens_file, "
+          "else its address), so that one client cannot hold every slot; the next is refused "
+          "with RESOURCE_EXHAUSTED naming this flag. 0 = half of --max_streams (at least 1).");
+ABSL_FLAG(double, open_timeout_s, 10,
+          "End a stream (DEADLINE_EXCEEDED) that has not sent its Open this many seconds after "
+          "it started; a stream counts against --max_streams only from its Open. 0 = never.");
 ABSL_FLAG(double, max_rejects_per_s, 100,
           "Per stream: refused batches (invalid, or sent while draining) past a burst of 32 are "
           "read at most this many a second, so a client flooding invalid batches cannot take "
@@ -200,6 +208,8 @@ int Fail(const std::string& msg) {
 constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 // Larger caps would overflow a byte count.
 constexpr int64_t kMaxHostMemoryCapGib = int64_t{1} << 20;
+// The most seconds of any time flag: 7 days.
+constexpr double kMaxTimeoutS = 7 * 86400;
 
 // The numeric flags, checked before anything loads: a value that would make
 // every batch fail, or that means nothing, stops start-up naming the flag.
@@ -260,6 +270,11 @@ absl::Status CheckFlags() {
   if (const double t = absl::GetFlag(FLAGS_stream_idle_timeout_s); !(t >= 0 && std::isfinite(t))) {
     return refuse("--stream_idle_timeout_s=", t, " must be a finite number >= 0 (0 = never)");
   }
+  if (const int32_t p = absl::GetFlag(FLAGS_max_streams_per_client);
+      !(p >= 0 && p <= absl::GetFlag(FLAGS_max_streams))) {
+    return refuse("--max_streams_per_client=", p, " must be in [0, --max_streams=",
+                  absl::GetFlag(FLAGS_max_streams), "] (0 = half of --max_streams)");
+  }
   if (!(absl::GetFlag(FLAGS_threads) >= 0)) {
     return refuse("--threads=", absl::GetFlag(FLAGS_threads), " must be >= 0 (0 = all cores)");
   }
@@ -277,6 +292,12 @@ absl::Status CheckFlags() {
   if (const double t = absl::GetFlag(FLAGS_throttle_tokens_per_s); !(t >= 0)) {
     return refuse("--throttle_tokens_per_s=", t, " must be >= 0 (0 = off)");
   }
+  // A slower throttle holds one batch for minutes, and the drain with it.
+  if (const double t = absl::GetFlag(FLAGS_throttle_tokens_per_s);
+      !(t == 0 || (t >= 1 && std::isfinite(t)))) {
+    return refuse("--throttle_tokens_per_s=", t,
+                  " must be 0 (off) or a finite number >= 1 token/s");
+  }
   if (const double g = absl::GetFlag(FLAGS_host_memory_cap_gib);
       !(g >= 0 && g <= static_cast<double>(kMaxHostMemoryCapGib))) {
     return refuse("--host_memory_cap_gib=", g, " must be in [0, ", kMaxHostMemoryCapGib,
@@ -293,6 +314,24 @@ absl::Status CheckFlags() {
   }
   if (const double t = absl::GetFlag(FLAGS_nccl_setup_timeout_s); !(t > 0 && std::isfinite(t))) {
     return refuse("--nccl_setup_timeout_s=", t, " must be a finite number > 0");
+  }
+  // Time flags become clock durations (nanosecond int64s) and sleeps: a value
+  // past these limits overflowed them (1e10 s never finished start-up, 1e300
+  // served nothing and ignored SIGTERM) and means nothing a target needs.
+  for (const auto& [name, value, most] :
+       {std::tuple{"--stream_idle_timeout_s", absl::GetFlag(FLAGS_stream_idle_timeout_s),
+                   kMaxTimeoutS},
+        std::tuple{"--open_timeout_s", absl::GetFlag(FLAGS_open_timeout_s), kMaxTimeoutS},
+        std::tuple{"--nccl_timeout_s", absl::GetFlag(FLAGS_nccl_timeout_s), kMaxTimeoutS},
+        std::tuple{"--nccl_setup_timeout_s", absl::GetFlag(FLAGS_nccl_setup_timeout_s),
+                   kMaxTimeoutS},
+        std::tuple{"--log_every_s", absl::GetFlag(FLAGS_log_every_s), kMaxTimeoutS},
+        std::tuple{"--drain_timeout_s", double{absl::GetFlag(FLAGS_drain_timeout_s)},
+                   kMaxTimeoutS}}) {
+    if (!(value >= 0 && value <= most)) {
+      return refuse(name, "=", value, " must be in [0, ", most, "] seconds (",
+                    most / 86400, " days at most)");
+    }
   }
   // Before anything calls NCCL (a tensor-parallel engine does at load).
   DF_RETURN_IF_ERROR(
@@ -462,6 +501,11 @@ int Run() {
   options.max_queued_batches = absl::GetFlag(FLAGS_max_queued_batches);
   options.max_stream_pending_bytes = absl::GetFlag(FLAGS_max_stream_pending_mib) << 20;
   options.max_streams = absl::GetFlag(FLAGS_max_streams);
+  options.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
+  if (options.max_streams_per_client == 0) {
+    options.max_streams_per_client = std::max(1, options.max_streams / 2);
+  }
+  options.open_timeout_s = absl::GetFlag(FLAGS_open_timeout_s);
   options.stream_idle_timeout_s = absl::GetFlag(FLAGS_stream_idle_timeout_s);
   options.max_rejects_per_s = absl::GetFlag(FLAGS_max_rejects_per_s);
   options.throttle_tokens_per_s = absl::GetFlag(FLAGS_throttle_tokens_per_s);

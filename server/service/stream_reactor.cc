@@ -102,9 +102,8 @@ StreamReactor::StreamReactor(TargetService* service, grpc::CallbackServerContext
       link_(std::make_shared<ReactorLink>(this)),
       sched_stream_(service->scheduler().AddStream(service->options().max_stream_pending_bytes)),
       last_activity_(std::chrono::steady_clock::now()) {
-  absl::Status registered = service_->Register(this);
+  service_->Register(this);
   std::lock_guard<std::mutex> lock(mu_);
-  if (!registered.ok()) FailStream(std::move(registered));  // before anything is read
   Pump();
 }
 
@@ -272,6 +271,12 @@ void StreamReactor::HandleOpen() {
   absl::StatusOr<StreamPlan> plan = PlanStream(*service_, open);
   if (!plan.ok()) {
     FailStream(plan.status());
+    return;
+  }
+  // The stream counts against --max_streams (and its client's share) from
+  // here: one that never sends Open holds no slot.
+  if (absl::Status admitted = service_->Admit(this, ClientKey()); !admitted.ok()) {
+    FailStream(std::move(admitted));
     return;
   }
   credits_ = plan->credits;
@@ -478,6 +483,25 @@ void StreamReactor::ResumeIfThrottled(std::chrono::steady_clock::time_point now)
   RefillRejects(now);
   if (reject_tokens_ < 1) return;
   reject_paused_ = false;
+  Pump();
+}
+
+std::string StreamReactor::ClientKey() const {
+  if (!token_name_.empty()) return absl::StrCat("token ", token_name_);
+  // "ipv4:10.0.0.2:5000" -> "ipv4:10.0.0.2": the host, whatever its port.
+  const size_t colon = peer_.rfind(':');
+  return colon == std::string::npos || colon < 5 ? peer_ : peer_.substr(0, colon);
+}
+
+void StreamReactor::EndIfNotOpened(std::chrono::steady_clock::time_point now,
+                                   std::chrono::steady_clock::duration timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (opened_ || opening_ || reads_done_ || finished_ || broken_) return;
+  if (now - started_ < timeout) return;
+  const double seconds = std::chrono::duration<double>(timeout).count();
+  FailStream(absl::DeadlineExceededError(absl::StrCat(
+      "no Open within ", seconds, " s of the stream's start (--open_timeout_s=", seconds,
+      "); send Open first")));
   Pump();
 }
 

@@ -55,6 +55,10 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   bool EndIfIdle(std::chrono::steady_clock::time_point now,
                  std::chrono::steady_clock::duration timeout);
   void Cancel() { ctx_->TryCancel(); }
+  // Ends the stream (DEADLINE_EXCEEDED naming --open_timeout_s) if it has
+  // sent no Open for `timeout` since it started.
+  void EndIfNotOpened(std::chrono::steady_clock::time_point now,
+                      std::chrono::steady_clock::duration timeout);
 
   const std::string& token_name() const { return token_name_; }
   // Its credits and waiting result bytes now, for /metrics.
@@ -96,6 +100,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void OnSend(v1::StreamResponse msg);
 
   void HandleOpen();
+  // Whose share of the streams this one counts against: its token's name
+  // when tokens are checked, else the peer's address without the port.
+  std::string ClientKey() const;
   void SendOpened(const TransportOpened& opened);
   void HandleRequest();
   // Queues `out` behind what is already waiting to be written.

@@ -24,7 +24,8 @@ TargetService::TargetService(std::vector<Engine*> engines, ServiceOptions option
       scheduler_(engines_, options.max_queued_batches, options.throttle_tokens_per_s,
                  options.host_pool_bytes, options.host_allocator) {
   scheduler_.set_host_memory_cap(options.host_memory_cap_bytes);
-  if (options_.stream_idle_timeout_s > 0 || options_.max_rejects_per_s > 0) {
+  if (options_.stream_idle_timeout_s > 0 || options_.open_timeout_s > 0 ||
+      options_.max_rejects_per_s > 0) {
     idle_thread_ = std::thread([this] {
       NameThisThread("df-idle");
       IdleLoop();
@@ -45,10 +46,14 @@ TargetService::~TargetService() {
 }
 
 void TargetService::IdleLoop() {
+  using Duration = std::chrono::steady_clock::duration;
   const bool idle_check = options_.stream_idle_timeout_s > 0;
-  const auto timeout = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+  const bool open_check = options_.open_timeout_s > 0;
+  const auto timeout = std::chrono::duration_cast<Duration>(
       std::chrono::duration<double>(idle_check ? options_.stream_idle_timeout_s : 1.0));
-  auto period = std::min<std::chrono::steady_clock::duration>(timeout / 4, std::chrono::seconds(1));
+  const auto open_timeout = std::chrono::duration_cast<Duration>(
+      std::chrono::duration<double>(open_check ? options_.open_timeout_s : 1.0));
+  auto period = std::min<Duration>(std::min(timeout, open_timeout) / 4, std::chrono::seconds(1));
   if (options_.max_rejects_per_s > 0) {
     period = std::min<std::chrono::steady_clock::duration>(period, std::chrono::milliseconds(20));
   }
@@ -59,6 +64,7 @@ void TargetService::IdleLoop() {
     for (StreamReactor* r : streams_) {
       r->ResumeIfThrottled(now);
       if (idle_check && r->EndIfIdle(now, timeout)) r->Cancel();
+      if (open_check) r->EndIfNotOpened(now, open_timeout);
     }
   }
 }
@@ -177,20 +183,39 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* TargetService::Stre
   return new StreamReactor(this, ctx, *std::move(who));
 }
 
-absl::Status TargetService::Register(StreamReactor* r) {
+void TargetService::Register(StreamReactor* r) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (options_.max_streams > 0 && static_cast<int64_t>(streams_.size()) >= options_.max_streams) {
+  streams_.insert(r);
+}
+
+absl::Status TargetService::Admit(StreamReactor* r, const std::string& client) {
+  std::lock_guard<std::mutex> lock(admit_mu_);
+  if (options_.max_streams > 0 && static_cast<int64_t>(admitted_.size()) >= options_.max_streams) {
     return absl::ResourceExhaustedError(
         absl::StrCat("this target serves at most --max_streams=", options_.max_streams,
                      " streams at once and all are open; retry later or use another target"));
   }
-  streams_.insert(r);
+  int32_t& mine = client_streams_[client];
+  if (options_.max_streams_per_client > 0 && mine >= options_.max_streams_per_client) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "this target serves at most --max_streams_per_client=", options_.max_streams_per_client,
+        " streams of one client at once and ", client, " has that many open; close one first"));
+  }
+  ++mine;
+  admitted_.emplace(r, client);
   return absl::OkStatus();
 }
 
 void TargetService::Unregister(StreamReactor* r) {
-  std::lock_guard<std::mutex> lock(mu_);
-  streams_.erase(r);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_.erase(r);
+  }
+  std::lock_guard<std::mutex> lock(admit_mu_);
+  if (auto it = admitted_.find(r); it != admitted_.end()) {
+    if (--client_streams_[it->second] <= 0) client_streams_.erase(it->second);
+    admitted_.erase(it);
+  }
 }
 
 void TargetService::NoteQueuedResponses(int64_t queued) {
@@ -249,8 +274,8 @@ std::vector<StreamLoad> TargetService::StreamLoads() const {
 }
 
 int64_t TargetService::open_streams() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return static_cast<int64_t>(streams_.size());
+  std::lock_guard<std::mutex> lock(admit_mu_);
+  return static_cast<int64_t>(admitted_.size());
 }
 
 }  // namespace draftfeed

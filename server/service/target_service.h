@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <map>
 #include <set>
 #include <string>
 #include <thread>
@@ -44,6 +45,14 @@ struct ServiceOptions {
   // wait and other streams run on. 0 = no cap.
   int64_t max_stream_pending_bytes = int64_t{2048} << 20;
   int32_t max_streams = 64;            // open streams; the next is RESOURCE_EXHAUSTED
+  // Open streams of one client: its bearer token's name when tokens are
+  // checked, else its address (without the port); 0 = no share beyond
+  // max_streams. A stream counts from its Open on, so that streams which
+  // never send one cannot lock good clients out.
+  int32_t max_streams_per_client = 0;
+  // A stream that has sent no Open this long after it started is ended
+  // (DEADLINE_EXCEEDED); 0 = never.
+  double open_timeout_s = 10;
   double stream_idle_timeout_s = 300;  // a stream idle this long is ended; 0 = never
   // Per stream: batches refused (invalid, or sent while draining) beyond a
   // burst of kRejectBurst are read at most this many a second; a flood of
@@ -138,12 +147,17 @@ class TargetService final
 
  private:
   friend class StreamReactor;
-  // RESOURCE_EXHAUSTED naming --max_streams when that many are open; the
-  // stream is then not counted (Unregister is still safe).
-  absl::Status Register(StreamReactor* r);
+  // Every stream is registered from its start (for the drain and the idle
+  // and Open deadlines) until OnDone unregisters it.
+  void Register(StreamReactor* r);
   void Unregister(StreamReactor* r);
+  // At a stream's Open: counts it as open, or RESOURCE_EXHAUSTED naming
+  // --max_streams (that many are open) or --max_streams_per_client (its
+  // client, `client`, holds its share). Unregister uncounts it.
+  absl::Status Admit(StreamReactor* r, const std::string& client);
   void NoteQueuedResponses(int64_t queued);
-  // Every stream_idle_timeout_s / 4 (at most 1 s), ends the idle streams;
+  // Every stream_idle_timeout_s / 4 (at most 1 s), ends the idle streams
+  // and (likewise for open_timeout_s) those that sent no Open in time;
   // with max_rejects_per_s, every 20 ms resumes the reads of streams whose
   // refused batches were throttled.
   void IdleLoop();
@@ -156,10 +170,15 @@ class TargetService final
   std::atomic<int64_t> peak_queued_responses_{0};
   mutable std::mutex mu_;
   std::set<StreamReactor*> streams_;
+  // The open (admitted) streams, by client. Its own lock: Admit runs under a
+  // stream's lock, which IdleLoop takes under mu_.
+  mutable std::mutex admit_mu_;
+  std::map<StreamReactor*, std::string> admitted_;
+  std::map<std::string, int32_t> client_streams_;
   grpc::HealthCheckServiceInterface* health_ = nullptr;  // owned by the server; guarded by mu_
   std::condition_variable idle_cv_;
   bool stopping_idle_ = false;  // guarded by mu_
-  std::thread idle_thread_;     // when stream_idle_timeout_s > 0 or max_rejects_per_s > 0
+  std::thread idle_thread_;     // when a timeout above or max_rejects_per_s is > 0
 };
 
 }  // namespace draftfeed

@@ -164,5 +164,109 @@ TEST(HostileClientTest, AFloodOfInvalidBatchesIsReadAtTheRejectRate) {
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+// Waits up to 10 s for `done`.
+template <typename F>
+bool Eventually(F done) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+// Opens a stream capturing the last layer, sends one 12-token batch and
+// reads its result: the stream's status, and the payload bytes it got.
+grpc::Status ServeOneBatch(const std::string& address, int64_t* payload) {
+  auto stub = v1::TargetService::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  std::unique_ptr<Stream> stream = stub->StreamHiddenStates(&ctx);
+  v1::StreamRequest req;
+  *req.mutable_open() = OpenFor({-1});
+  stream->Write(req);
+  req.Clear();
+  req.mutable_batch()->set_batch_id(1);
+  const std::vector<int32_t> tokens = testing::RandomTokens(12, 4096, 9);
+  req.mutable_batch()->mutable_token_ids()->Add(tokens.begin(), tokens.end());
+  req.mutable_batch()->add_seq_lens(12);
+  stream->Write(req);
+  stream->WritesDone();
+  v1::StreamResponse r;
+  *payload = 0;
+  while (stream->Read(&r)) {
+    if (r.has_chunk()) *payload += static_cast<int64_t>(r.chunk().data().size());
+  }
+  return stream->Finish();
+}
+
+// Streams that never send Open used to count against --max_streams from
+// their first byte, so four of them locked every good client out of a
+// target of --max_streams 4 until the idle timeout (300 s). A stream counts
+// from its Open now, and one that sends none is ended at --open_timeout_s.
+TEST(HostileClientTest, SilentStreamsHoldNoSlotAndEndAtTheOpenDeadline) {
+  ServiceOptions options;
+  options.max_streams = 4;
+  options.open_timeout_s = 0.5;
+  Server server(options);
+  auto channel = grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials());
+  auto stub = v1::TargetService::NewStub(channel);
+  constexpr int kSilent = 4;
+  grpc::ClientContext contexts[kSilent];
+  std::unique_ptr<Stream> silent[kSilent];
+  for (int i = 0; i < kSilent; ++i) silent[i] = stub->StreamHiddenStates(&contexts[i]);
+  ASSERT_TRUE(Eventually([&] { return server.service().StreamLoads().size() == kSilent; }));
+  EXPECT_EQ(server.service().open_streams(), 0);
+
+  int64_t payload = 0;
+  const grpc::Status good = ServeOneBatch(server.address(), &payload);
+  EXPECT_TRUE(good.ok()) << good.error_code() << ": " << good.error_message();
+  EXPECT_EQ(payload, 12 * server.model().config.hidden_size * 2);
+
+  for (int i = 0; i < kSilent; ++i) {
+    v1::StreamResponse r;
+    EXPECT_FALSE(silent[i]->Read(&r));
+    const grpc::Status st = silent[i]->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+    EXPECT_EQ(st.error_message(),
+              "no Open within 0.5 s of the stream's start (--open_timeout_s=0.5); send Open first");
+  }
+}
+
+// One client (here: one address) holds at most its share of the streams;
+// another client still gets one beside it.
+TEST(HostileClientTest, OneClientHoldsAtMostItsShareOfTheStreams) {
+  ServiceOptions options;
+  options.max_streams = 4;
+  options.max_streams_per_client = 2;
+  Server server(options);
+  auto stub = v1::TargetService::NewStub(
+      grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext a_ctx, b_ctx;
+  std::unique_ptr<Stream> a = stub->StreamHiddenStates(&a_ctx), b = stub->StreamHiddenStates(&b_ctx);
+  v1::StreamRequest open;
+  *open.mutable_open() = OpenFor({-1});
+  v1::StreamResponse r;
+  for (Stream* s : {a.get(), b.get()}) {
+    ASSERT_TRUE(s->Write(open));
+    ASSERT_TRUE(s->Read(&r));
+    ASSERT_TRUE(r.has_opened());
+  }
+  int64_t payload = 0;
+  const grpc::Status third = ServeOneBatch(server.address(), &payload);
+  EXPECT_EQ(third.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(third.error_message(),
+            "this target serves at most --max_streams_per_client=2 streams of one client at "
+            "once and ipv4:127.0.0.1 has that many open; close one first");
+  EXPECT_EQ(payload, 0);
+  for (Stream* s : {a.get(), b.get()}) {
+    s->WritesDone();
+    EXPECT_FALSE(s->Read(&r));
+    EXPECT_TRUE(s->Finish().ok());
+  }
+  ASSERT_TRUE(Eventually([&] { return server.service().open_streams() == 0; }));
+  EXPECT_TRUE(ServeOneBatch(server.address(), &payload).ok());
+}
+
 }  // namespace
 }  // namespace draftfeed

@@ -42,6 +42,19 @@ def run_target(*args, timeout=60):
     ("--host_memory_cap_gib=inf", "--host_memory_cap_gib=inf must be in [0, 1048576]"),
     ("--nccl_timeout_s=0", "--nccl_timeout_s=0 must be a finite number > 0"),
     ("--nccl_timeout_s=nan", "--nccl_timeout_s=nan must be a finite number > 0"),
+    # Time flags overflowed a clock's nanoseconds (1e10 s never finished start-up; 1e300
+    # served nothing and ignored SIGTERM) or made sleeps of hours.
+    ("--stream_idle_timeout_s=1e10",
+     "--stream_idle_timeout_s=1e+10 must be in [0, 604800] seconds (7 days at most)"),
+    ("--stream_idle_timeout_s=1e300", "--stream_idle_timeout_s=1e+300 must be in [0, 604800]"),
+    ("--log_every_s=1e10", "--log_every_s=1e+10 must be in [0, 604800] seconds"),
+    ("--nccl_setup_timeout_s=1e12", "--nccl_setup_timeout_s=1e+12 must be in [0, 604800]"),
+    ("--drain_timeout_s=700000", "--drain_timeout_s=700000 must be in [0, 604800]"),
+    ("--open_timeout_s=-1", "--open_timeout_s=-1 must be in [0, 604800] seconds"),
+    ("--throttle_tokens_per_s=0.01",
+     "--throttle_tokens_per_s=0.01 must be 0 (off) or a finite number >= 1 token/s"),
+    ("--max_streams_per_client=65",
+     "--max_streams_per_client=65 must be in [0, --max_streams=64] (0 = half of --max_streams)"),
 ])
 def test_nonsensical_flags_are_refused(flag, message):
     r = run_target(flag)
