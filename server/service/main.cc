@@ -199,6 +199,17 @@ ABSL_FLAG(bool, check_weights, false,
 namespace draftfeed {
 namespace {
 
+// Removes the server reflection plugin from a ServerBuilder.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    std::erase_if(*plugins, [](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
+      return p->name().find("reflection") != std::string::npos;
+    });
+  }
+};
+
 int Fail(const std::string& msg) {
   LogF("draftfeed-target: error: %s", msg.c_str());
   return 1;
@@ -326,7 +337,7 @@ absl::Status CheckFlags() {
         std::tuple{"--nccl_setup_timeout_s", absl::GetFlag(FLAGS_nccl_setup_timeout_s),
                    kMaxTimeoutS},
         std::tuple{"--log_every_s", absl::GetFlag(FLAGS_log_every_s), kMaxTimeoutS},
-        std::tuple{"--drain_timeout_s", double{absl::GetFlag(FLAGS_drain_timeout_s)},
+        std::tuple{"--drain_timeout_s", static_cast<double>(absl::GetFlag(FLAGS_drain_timeout_s)),
                    kMaxTimeoutS}}) {
     if (!(value >= 0 && value <= most)) {
       return refuse(name, "=", value, " must be in [0, ", most, "] seconds (",
@@ -525,9 +536,15 @@ int Run() {
 
   grpc::EnableDefaultHealthCheckService(true);
   // Reflection cannot check a bearer token, so a target that checks them
-  // serves none.
-  if (tokens == nullptr) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // serves none. Linking grpc++_reflection registers its plugin with every
+  // ServerBuilder (a static initializer), called for or not: WithoutReflection
+  // takes it out again.
   grpc::ServerBuilder builder;
+  if (tokens == nullptr) {
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  } else {
+    builder.SetOption(std::make_unique<WithoutReflection>());
+  }
   int port = 0;
   builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
   builder.RegisterService(&service);

@@ -76,6 +76,29 @@ absl::StatusOr<std::shared_ptr<const TargetOutputs>> PlanTargetOutputs(
   return std::shared_ptr<const TargetOutputs>(std::move(outputs));
 }
 
+// Open.client_name goes into log lines and metric labels as it is: a newline
+// in it forged log lines and an 8 MiB name wrote 16 MB of stderr. Refused:
+// a name over kMaxClientNameBytes, or one holding a control character (C0,
+// DEL, or C1 as UTF-8; proto3 has already checked the UTF-8 itself).
+absl::Status CheckClientName(const std::string& name) {
+  if (name.size() > kMaxClientNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("Open.client_name has ", name.size(),
+                                                   " bytes; at most ", kMaxClientNameBytes));
+  }
+  for (size_t i = 0; i < name.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(name[i]);
+    const bool c1 = c == 0xc2 && i + 1 < name.size() &&
+                    static_cast<unsigned char>(name[i + 1]) >= 0x80 &&
+                    static_cast<unsigned char>(name[i + 1]) <= 0x9f;
+    if (c < 0x20 || c == 0x7f || c1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Open.client_name holds a control character at byte ", i,
+          "; it names the client in log lines and metric labels: printable text only"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<StreamPlan> PlanStream(const TargetService& service, const v1::Open& open) {
@@ -85,6 +108,7 @@ absl::StatusOr<StreamPlan> PlanStream(const TargetService& service, const v1::Op
         "model fingerprint mismatch: the client expects ", open.expected_fingerprint(),
         " but this target serves ", model.id, " with fingerprint ", model.fingerprint));
   }
+  DF_RETURN_IF_ERROR(CheckClientName(open.client_name()));
   StreamPlan plan;
   DF_ASSIGN_OR_RETURN(plan.encoding, ResolveEncoding(service, open.encoding()));
   DF_RETURN_IF_ERROR(CheckTransportKnown(open.transport()));

@@ -17,6 +17,9 @@ namespace draftfeed {
 
 class TargetService;
 
+// The longest Open.client_name a stream may give.
+inline constexpr size_t kMaxClientNameBytes = 128;
+
 struct StreamPlan {
   std::vector<int32_t> layers;  // the stream's default capture layers
   CaptureEncoding encoding = CaptureEncoding::kBf16;
@@ -26,7 +29,8 @@ struct StreamPlan {
   int32_t credits = 0;  // batches in flight at once
 };
 
-// FAILED_PRECONDITION: another model, or target outputs asked of a target
+// INVALID_ARGUMENT: a client_name over kMaxClientNameBytes or holding a
+// control character; FAILED_PRECONDITION: another model, or target outputs asked of a target
 // without lm_head; INVALID_ARGUMENT: an encoding the target does not serve,
 // bad layers or bad target outputs (naming the field); UNIMPLEMENTED: an
 // unknown transport.

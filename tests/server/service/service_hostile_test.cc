@@ -268,5 +268,39 @@ TEST(HostileClientTest, OneClientHoldsAtMostItsShareOfTheStreams) {
   EXPECT_TRUE(ServeOneBatch(server.address(), &payload).ok());
 }
 
+// Open.client_name lands in log lines and metric labels: a newline in it
+// forged log lines, and an 8 MiB one wrote 16 MB of stderr. Up to 128
+// printable bytes are served; more, or a control character, refuse the
+// stream naming the field.
+TEST(HostileClientTest, ClientNamesAreShortAndPrintable) {
+  Server server;
+  auto stub = v1::TargetService::NewStub(
+      grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  auto open_with = [&](const std::string& name) {
+    grpc::ClientContext ctx;
+    std::unique_ptr<Stream> stream = stub->StreamHiddenStates(&ctx);
+    v1::StreamRequest open;
+    *open.mutable_open() = OpenFor({-1});
+    open.mutable_open()->set_client_name(name);
+    stream->Write(open);
+    stream->WritesDone();
+    v1::StreamResponse r;
+    const bool opened = stream->Read(&r) && r.has_opened();
+    while (stream->Read(&r)) {
+    }
+    const grpc::Status st = stream->Finish();
+    return opened ? std::string("opened") : st.error_message();
+  };
+  EXPECT_EQ(open_with(std::string(128, 'n')), "opened");
+  EXPECT_EQ(open_with("trainer \xe8\xae\xad\xe7\xbb\x83"), "opened");  // UTF-8 is printable
+  EXPECT_EQ(open_with(std::string(129, 'n')), "Open.client_name has 129 bytes; at most 128");
+  const std::string control =
+      "Open.client_name holds a control character at byte 1; it names the client in log lines "
+      "and metric labels: printable text only";
+  EXPECT_EQ(open_with("a\ndraftfeed-target: stream opened from ipv4:10.0.0.1:1"), control);
+  EXPECT_EQ(open_with("a\x1b[2J"), control);
+  EXPECT_EQ(open_with("a\xc2\x85"), control);  // U+0085, NEL
+}
+
 }  // namespace
 }  // namespace draftfeed

@@ -230,6 +230,35 @@ def test_health_needs_no_token(make_target, tmp_path):
     assert call_health(t.address) == b"\x08\x01"
 
 
+def list_services(address, metadata=None):
+    """grpc.reflection's ServerReflectionInfo asking list_services (field 7, ""): the status
+    code and the first reply's bytes."""
+    grpc = pytest.importorskip("grpc")
+    with grpc.insecure_channel(address) as ch:
+        for version in ("v1", "v1alpha"):
+            call = ch.stream_stream(f"/grpc.reflection.{version}.ServerReflection/"
+                                    "ServerReflectionInfo")
+            try:
+                replies = list(call(iter([b"\x3a\x00"]), timeout=10, metadata=metadata))
+                return grpc.StatusCode.OK, replies[0]
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNIMPLEMENTED or version == "v1alpha":
+                    return e.code(), b""
+
+
+def test_reflection_is_served_only_to_targets_without_tokens(make_target, tmp_path):
+    """Reflection cannot check a bearer token: a target with --auth_tokens_file serves none
+    (it answered every caller, token or not, though a comment said otherwise)."""
+    grpc = pytest.importorskip("grpc")
+    code, reply = list_services(make_target().address)
+    assert code == grpc.StatusCode.OK and b"draftfeed.v1.TargetService" in reply
+    t = make_target(extra=[f"--auth_tokens_file={token_file(tmp_path / 't', a=TOKEN_A)}"])
+    assert list_services(t.address) == (grpc.StatusCode.UNIMPLEMENTED, b"")
+    assert list_services(t.address, [("authorization", f"Bearer {TOKEN_A}")]) == (
+        grpc.StatusCode.UNIMPLEMENTED, b"")
+    assert call_health(t.address) == b"\x08\x01"
+
+
 def wait_for(t, text, timeout=30):
     deadline = time.time() + timeout
     while text not in t.output():
