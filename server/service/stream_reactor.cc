@@ -182,10 +182,11 @@ void StreamReactor::OnDone() {
     }
     if (s.refused) {
       service_->metrics().CountStreamRefused(s.status.code());
+      service_->LogRefusedStream(StreamClosedLine(s));
     } else {
       service_->metrics().CountStreamClosed(s.status.code());
+      std::fprintf(stderr, "%s\n", StreamClosedLine(s).c_str());
     }
-    std::fprintf(stderr, "%s\n", StreamClosedLine(s).c_str());
   }
   {
     std::lock_guard<std::mutex> lock(link_->mu);

@@ -8,6 +8,7 @@
 #include <grpcpp/server_builder.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/log_line.h"
 #include "common/thread_name.h"
 #include "server/model/sharding_plan.h"
 #include "server/service/call_auth.h"
@@ -175,9 +176,8 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* TargetService::Stre
       AuthenticateCall(options_.tokens.get(), *ctx, "StreamHiddenStates");
   if (!who.ok()) {
     metrics_.CountStreamRefused(who.status().code());
-    std::fprintf(
-        stderr, "%s\n",
-        StreamClosedLine({.peer = ctx->peer(), .refused = true, .status = who.status()}).c_str());
+    LogRefusedStream(
+        StreamClosedLine({.peer = ctx->peer(), .refused = true, .status = who.status()}));
     return new RefusedStream(ToGrpcStatus(who.status()));
   }
   return new StreamReactor(this, ctx, *std::move(who));
@@ -271,6 +271,16 @@ std::vector<StreamLoad> TargetService::StreamLoads() const {
   out.reserve(streams_.size());
   for (StreamReactor* r : streams_) out.push_back(r->Load());
   return out;
+}
+
+void TargetService::LogRefusedStream(const std::string& line) {
+  int64_t suppressed = 0;
+  if (!refusal_log_.Allow(std::chrono::steady_clock::now(), &suppressed)) return;
+  if (suppressed > 0) {
+    LogF("draftfeed-target: %lld more stream refusals suppressed (at most %lld lines a second)",
+         static_cast<long long>(suppressed), static_cast<long long>(kRefusalLinesPerS));
+  }
+  std::fprintf(stderr, "%s\n", line.c_str());
 }
 
 int64_t TargetService::open_streams() const {

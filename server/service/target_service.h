@@ -20,6 +20,7 @@
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 #include "server/model/engine.h"
 #include "server/service/auth_tokens.h"
+#include "server/service/log_rate_limit.h"
 #include "server/service/scheduler.h"
 #include "server/service/stream_transport.h"
 #include "server/service/target_metrics.h"
@@ -144,6 +145,10 @@ class TargetService final
   const TargetMetrics& metrics() const { return metrics_; }
   // Each open stream's credits and waiting result bytes, now.
   std::vector<StreamLoad> StreamLoads() const;
+  // Writes a refused stream's log line, at most kRefusalLinesPerS a second;
+  // the next line written after some were held back says how many.
+  void LogRefusedStream(const std::string& line);
+  static constexpr int64_t kRefusalLinesPerS = 10;
 
  private:
   friend class StreamReactor;
@@ -178,6 +183,7 @@ class TargetService final
   grpc::HealthCheckServiceInterface* health_ = nullptr;  // owned by the server; guarded by mu_
   std::condition_variable idle_cv_;
   bool stopping_idle_ = false;  // guarded by mu_
+  LogRateLimit refusal_log_{kRefusalLinesPerS};
   std::thread idle_thread_;     // when a timeout above or max_rejects_per_s is > 0
 };
 

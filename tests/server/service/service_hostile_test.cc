@@ -302,5 +302,58 @@ TEST(HostileClientTest, ClientNamesAreShortAndPrintable) {
   EXPECT_EQ(open_with("a\xc2\x85"), control);  // U+0085, NEL
 }
 
+// Every refused stream wrote a log line, however many came (6,000 refusals
+// wrote 1.38 MB in 4 s). At most TargetService::kRefusalLinesPerS a second
+// are written now, and the next line written says how many were held back:
+// the lines and the counts they report add up to the refusals.
+TEST(HostileClientTest, RefusedStreamLinesAreRateLimited) {
+  ServiceOptions options;
+  options.max_streams = 1;
+  Server server(options);
+  auto stub = v1::TargetService::NewStub(
+      grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext holder_ctx;
+  std::unique_ptr<Stream> holder = stub->StreamHiddenStates(&holder_ctx);
+  v1::StreamRequest open;
+  *open.mutable_open() = OpenFor({-1});
+  v1::StreamResponse r;
+  ASSERT_TRUE(holder->Write(open));
+  ASSERT_TRUE(holder->Read(&r) && r.has_opened());
+  auto refused_stream = [&] {
+    grpc::ClientContext ctx;
+    std::unique_ptr<Stream> s = stub->StreamHiddenStates(&ctx);
+    s->Write(open);
+    while (s->Read(&r)) {
+    }
+    return s->Finish().error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED;
+  };
+  constexpr int kRefusals = 300;
+  ::testing::internal::CaptureStderr();
+  int refused = 0;
+  for (int i = 0; i < kRefusals; ++i) refused += refused_stream() ? 1 : 0;
+  // One more after a quiet second reports what the flood's last second held back.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  refused += refused_stream() ? 1 : 0;
+  ASSERT_TRUE(Eventually([&] { return server.service().StreamLoads().size() == 1; }));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_EQ(refused, kRefusals + 1);
+  int64_t lines = 0, suppressed = 0;
+  for (size_t at = log.find("stream refused from"); at != std::string::npos;
+       at = log.find("stream refused from", at + 1)) {
+    ++lines;
+  }
+  constexpr std::string_view kMore = " more stream refusals suppressed (at most 10 lines a second)";
+  for (size_t at = log.find(kMore); at != std::string::npos; at = log.find(kMore, at + 1)) {
+    const size_t start = log.rfind(' ', at - 1) + 1;
+    suppressed += std::stoll(log.substr(start, at - start));
+  }
+  EXPECT_LT(lines, kRefusals / 2) << log.size() << " bytes of log";
+  EXPECT_EQ(lines + suppressed, kRefusals + 1) << log;
+  holder->WritesDone();
+  while (holder->Read(&r)) {
+  }
+  EXPECT_TRUE(holder->Finish().ok());
+}
+
 }  // namespace
 }  // namespace draftfeed
