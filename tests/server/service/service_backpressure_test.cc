@@ -94,7 +94,12 @@ void StalledStreamsUnderCap(int64_t cap_batches, int64_t* peak_bytes, int64_t ba
 }
 
 TEST(ServiceTest, HostMemoryStaysUnderTheConfiguredCap) {
-  const int64_t batch_bytes = int64_t{8000} * 5 * 128 * 2;  // 10 MB
+  // A batch's capture is 10,240,000 bytes in a buffer of its pool size class
+  // (10 MiB): the cap counts buffers, so it is set in those (a cap of three
+  // captures' bytes would hold two buffers, and the wait for a third ran
+  // out its 60 s every run).
+  const int64_t batch_bytes =
+      static_cast<int64_t>(HostBufferPool::SizeClass(int64_t{8000} * 5 * 128 * 2));
   int64_t peak = 0;
   int delivered = 0;
   StalledStreamsUnderCap(/*cap_batches=*/0, &peak, batch_bytes, &delivered);
