@@ -12,7 +12,6 @@
 #include <memory>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -38,8 +37,10 @@
 #include "server/service/metrics_http.h"
 #include "server/service/startup.h"
 #include "server/service/target_engines.h"
+#include "server/service/target_flag_checks.h"
 #include "server/service/target_metrics.h"
 #include "server/service/target_service.h"
+#include "server/service/target_signals.h"
 #include "server/service/tls_options.h"
 #include "server/service/transport_registry.h"
 #include "server/service/version.h"
@@ -117,7 +118,10 @@ ABSL_FLAG(double, stream_idle_timeout_s, 300,
           "large result, is not idle); its unsent results and queued batches are dropped. 0 = "
           "never.");
 ABSL_FLAG(int32_t, drain_timeout_s, 60,
-          "On SIGTERM/SIGINT: seconds to let accepted batches finish before cancelling.");
+          "On SIGTERM/SIGINT: seconds to let accepted batches finish before cancelling. A "
+          "second SIGTERM/SIGINT during the drain exits at once (status 1), logging the streams "
+          "and batches it abandons; one while the model loads exits 0. SIGHUP never stops the "
+          "target.");
 ABSL_FLAG(double, throttle_tokens_per_s, 0,
           "Cap the engine at this many tokens/s (0 = off): emulates a slower device in "
           "balancing and split benchmarks.");
@@ -215,142 +219,22 @@ int Fail(const std::string& msg) {
   return 1;
 }
 
-// gRPC messages are under 2 GiB; a chunk is one message.
-constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
-// Larger caps would overflow a byte count.
-constexpr int64_t kMaxHostMemoryCapGib = int64_t{1} << 20;
-// The most seconds of any time flag: 7 days.
-constexpr double kMaxTimeoutS = 7 * 86400;
 
-// The numeric flags, checked before anything loads: a value that would make
-// every batch fail, or that means nothing, stops start-up naming the flag.
-// Comparisons are written so that NaN fails them.
-absl::Status CheckFlags() {
-  auto refuse = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
-  if (!(absl::GetFlag(FLAGS_max_batch_tokens) >= 1)) {
-    return refuse("--max_batch_tokens=", absl::GetFlag(FLAGS_max_batch_tokens), " must be >= 1");
+// SIGHUP: re-reads one token file into `checker` (null: not configured).
+void ReloadOnSighup(const std::string& path, TokenChecker* checker) {
+  if (checker == nullptr) return;
+  std::vector<std::string> warnings;
+  if (absl::Status s = ReloadTokenFile(path, checker, &warnings); !s.ok()) {
+    LogF("draftfeed-target: SIGHUP: kept the %zu tokens in use: %s", checker->size(),
+         std::string(s.message()).c_str());
+    return;
   }
-  // A sequence's positions and token offsets are int32 on the wire and in the
-  // kernels.
-  constexpr int64_t kMaxSequenceTokens = int64_t{1} << 30;
-  if (const int64_t s = absl::GetFlag(FLAGS_max_sequence_tokens);
-      !(s >= 1 && s <= kMaxSequenceTokens)) {
-    return refuse("--max_sequence_tokens=", s, " must be in [1, ", kMaxSequenceTokens, "]");
-  }
-  if (const int64_t c = absl::GetFlag(FLAGS_chunk_bytes); !(c >= 1 && c <= kMaxChunkBytes)) {
-    return refuse("--chunk_bytes=", c, " must be in [1, ", kMaxChunkBytes,
-                  "] (a chunk is one gRPC message)");
-  }
-  if (const std::string e = absl::GetFlag(FLAGS_fp8_experts); e != "fp8" && e != "bf16") {
-    return refuse("--fp8_experts=", e, " is not supported; accepted: fp8, bf16");
-  }
-  if (const std::string g = absl::GetFlag(FLAGS_fp8_gemm);
-      g != "auto" && g != "draftfeed" && g != "cublaslt") {
-    return refuse("--fp8_gemm=", g, " is not supported; accepted: auto, draftfeed, cublaslt");
-  }
-  if (const std::string q = absl::GetFlag(FLAGS_quantize); q != "none" && q != "fp8") {
-    return refuse("--quantize=", q, " is not supported; accepted: none, fp8");
-  }
-  if (!(absl::GetFlag(FLAGS_max_capture_layers) >= 1)) {
-    return refuse("--max_capture_layers=", absl::GetFlag(FLAGS_max_capture_layers),
-                  " must be >= 1");
-  }
-  const int32_t default_credits = absl::GetFlag(FLAGS_default_credits);
-  const int32_t max_credits = absl::GetFlag(FLAGS_max_credits);
-  if (!(max_credits >= 1)) return refuse("--max_credits=", max_credits, " must be >= 1");
-  if (!(default_credits >= 1 && default_credits <= max_credits)) {
-    return refuse("--default_credits=", default_credits,
-                  " must be in [1, --max_credits=", max_credits, "]");
-  }
-  if (const int64_t q = absl::GetFlag(FLAGS_max_queued_batches); !(q >= 1)) {
-    return refuse("--max_queued_batches=", q,
-                  " must be >= 1 (the scheduler queue across all streams; 0 would fail every "
-                  "batch)");
-  }
-  if (const int64_t m = absl::GetFlag(FLAGS_max_stream_pending_mib);
-      !(m >= 0 && m <= (kMaxHostMemoryCapGib << 10))) {
-    return refuse("--max_stream_pending_mib=", m, " must be in [0, ", kMaxHostMemoryCapGib << 10,
-                  "] (0 = no cap)");
-  }
-  if (const int32_t m = absl::GetFlag(FLAGS_max_streams); !(m >= 1)) {
-    return refuse("--max_streams=", m, " must be >= 1");
-  }
-  if (const double r = absl::GetFlag(FLAGS_max_rejects_per_s); !(r >= 0 && std::isfinite(r))) {
-    return refuse("--max_rejects_per_s=", r, " must be a finite number >= 0 (0 = no limit)");
-  }
-  if (const double t = absl::GetFlag(FLAGS_stream_idle_timeout_s); !(t >= 0 && std::isfinite(t))) {
-    return refuse("--stream_idle_timeout_s=", t, " must be a finite number >= 0 (0 = never)");
-  }
-  if (const int32_t p = absl::GetFlag(FLAGS_max_streams_per_client);
-      !(p >= 0 && p <= absl::GetFlag(FLAGS_max_streams))) {
-    return refuse("--max_streams_per_client=", p, " must be in [0, --max_streams=",
-                  absl::GetFlag(FLAGS_max_streams), "] (0 = half of --max_streams)");
-  }
-  if (!(absl::GetFlag(FLAGS_threads) >= 0)) {
-    return refuse("--threads=", absl::GetFlag(FLAGS_threads), " must be >= 0 (0 = all cores)");
-  }
-  if (absl::GetFlag(FLAGS_load_threads) < 0) {
-    return refuse("--load_threads=", absl::GetFlag(FLAGS_load_threads),
-                  " must be >= 0 (0 = min(8, cores))");
-  }
-  if (!(absl::GetFlag(FLAGS_tp) >= 1)) {
-    return refuse("--tp=", absl::GetFlag(FLAGS_tp), " must be >= 1 (1 = no tensor parallelism)");
-  }
-  DF_RETURN_IF_ERROR(ParseMoeParallel(absl::GetFlag(FLAGS_moe_parallel)).status());
-  if (!(absl::GetFlag(FLAGS_drain_timeout_s) >= 0)) {
-    return refuse("--drain_timeout_s=", absl::GetFlag(FLAGS_drain_timeout_s), " must be >= 0");
-  }
-  if (const double t = absl::GetFlag(FLAGS_throttle_tokens_per_s); !(t >= 0)) {
-    return refuse("--throttle_tokens_per_s=", t, " must be >= 0 (0 = off)");
-  }
-  // A slower throttle holds one batch for minutes, and the drain with it.
-  if (const double t = absl::GetFlag(FLAGS_throttle_tokens_per_s);
-      !(t == 0 || (t >= 1 && std::isfinite(t)))) {
-    return refuse("--throttle_tokens_per_s=", t,
-                  " must be 0 (off) or a finite number >= 1 token/s");
-  }
-  if (const double g = absl::GetFlag(FLAGS_host_memory_cap_gib);
-      !(g >= 0 && g <= static_cast<double>(kMaxHostMemoryCapGib))) {
-    return refuse("--host_memory_cap_gib=", g, " must be in [0, ", kMaxHostMemoryCapGib,
-                  "] (0 = no cap)");
-  }
-  if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
-    DF_RETURN_IF_ERROR(MetricsHttpServer::ParseListen(ml).status());
-  }
-  if (const double t = absl::GetFlag(FLAGS_log_every_s); !(t >= 0 && std::isfinite(t))) {
-    return refuse("--log_every_s=", t, " must be a finite number >= 0 (0 = off)");
-  }
-  if (const double t = absl::GetFlag(FLAGS_nccl_timeout_s); !(t > 0 && std::isfinite(t))) {
-    return refuse("--nccl_timeout_s=", t, " must be a finite number > 0");
-  }
-  if (const double t = absl::GetFlag(FLAGS_nccl_setup_timeout_s); !(t > 0 && std::isfinite(t))) {
-    return refuse("--nccl_setup_timeout_s=", t, " must be a finite number > 0");
-  }
-  // Time flags become clock durations (nanosecond int64s) and sleeps: a value
-  // past these limits overflowed them (1e10 s never finished start-up, 1e300
-  // served nothing and ignored SIGTERM) and means nothing a target needs.
-  for (const auto& [name, value, most] :
-       {std::tuple{"--stream_idle_timeout_s", absl::GetFlag(FLAGS_stream_idle_timeout_s),
-                   kMaxTimeoutS},
-        std::tuple{"--open_timeout_s", absl::GetFlag(FLAGS_open_timeout_s), kMaxTimeoutS},
-        std::tuple{"--nccl_timeout_s", absl::GetFlag(FLAGS_nccl_timeout_s), kMaxTimeoutS},
-        std::tuple{"--nccl_setup_timeout_s", absl::GetFlag(FLAGS_nccl_setup_timeout_s),
-                   kMaxTimeoutS},
-        std::tuple{"--log_every_s", absl::GetFlag(FLAGS_log_every_s), kMaxTimeoutS},
-        std::tuple{"--drain_timeout_s", static_cast<double>(absl::GetFlag(FLAGS_drain_timeout_s)),
-                   kMaxTimeoutS}}) {
-    if (!(value >= 0 && value <= most)) {
-      return refuse(name, "=", value, " must be in [0, ", most, "] seconds (",
-                    most / 86400, " days at most)");
-    }
-  }
-  // Before anything calls NCCL (a tensor-parallel engine does at load).
-  DF_RETURN_IF_ERROR(
-      UseNcclSocketIfname(absl::GetFlag(FLAGS_nccl_socket_ifname), "--nccl_socket_ifname"));
-  return absl::OkStatus();
+  for (const std::string& w : warnings) LogF("draftfeed-target: warning: %s", w.c_str());
+  LogF("draftfeed-target: SIGHUP: %zu bearer tokens from %s, for calls from now on",
+       checker->size(), path.c_str());
 }
 
-int Run() {
+int Run(TargetSignals* signals) {
   // Which backend: explicit --devices / cuda:N, else a GPU when there is one.
   std::string device = absl::GetFlag(FLAGS_device);
   std::vector<int> gpus;
@@ -382,7 +266,7 @@ int Run() {
                              "--device=cpu"));
   }
 #endif
-  if (absl::Status s = CheckFlags(); !s.ok()) return Fail(std::string(s.message()));
+  if (absl::Status s = CheckTargetFlags(); !s.ok()) return Fail(std::string(s.message()));
   const int tp = absl::GetFlag(FLAGS_tp);
   const MoeParallel moe_parallel = *ParseMoeParallel(absl::GetFlag(FLAGS_moe_parallel));
   if (absl::GetFlag(FLAGS_print_plan)) {
@@ -452,14 +336,12 @@ int Run() {
     return Fail("--metrics_token_file needs --metrics_listen (the /metrics endpoint it guards)");
   }
 
-  // Signals are taken by sigwait below; every thread started from here on
-  // inherits the block.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGHUP);  // re-reads --auth_tokens_file
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  if (tokens != nullptr || metrics_tokens != nullptr) {
+    signals->SetReload([=] {
+      ReloadOnSighup(tokens_path, tokens.get());
+      ReloadOnSighup(metrics_tokens_path, metrics_tokens.get());
+    });
+  }
 
   const auto t0 = std::chrono::steady_clock::now();
   auto model = OpenModel(absl::GetFlag(FLAGS_model));
@@ -561,6 +443,11 @@ int Run() {
                                             : " (address in use or malformed?)"));
   }
   service.ServeHealth(server.get());
+  // From here SIGTERM drains (before: it exits, nothing served).
+  signals->Serving([&service] {
+    return absl::StrCat(service.open_streams(), " open streams and ",
+                        service.scheduler().queued(), " queued batches");
+  });
   AddServiceGauges(&service, absl::GetFlag(FLAGS_metrics_per_stream));
   AddGpuMemoryGauges(service.metrics().registry(), gpus);
   std::unique_ptr<MetricsHttpServer> metrics_http;
@@ -607,24 +494,7 @@ int Run() {
     }
   }
 
-  int sig = 0;
-  for (sigwait(&signals, &sig); sig == SIGHUP; sigwait(&signals, &sig)) {
-    if (tokens == nullptr) {
-      LogF("draftfeed-target: SIGHUP: no --auth_tokens_file to re-read");
-      continue;
-    }
-    std::vector<std::string> warnings;
-    if (absl::Status s = ReloadTokenFile(tokens_path, tokens.get(), &warnings); !s.ok()) {
-      LogF("draftfeed-target: SIGHUP: kept the %zu tokens in use: %s", tokens->size(),
-           std::string(s.message()).c_str());
-      continue;
-    }
-    for (const std::string& w : warnings) {
-      LogF("draftfeed-target: warning: %s", w.c_str());
-    }
-    LogF("draftfeed-target: SIGHUP: %zu bearer tokens from %s, for calls from now on",
-         tokens->size(), tokens_path.c_str());
-  }
+  const int sig = signals->WaitForStop();
   LogF("draftfeed-target: %s received, finishing accepted batches",
        sig == SIGTERM ? "SIGTERM" : "SIGINT");
   throughput.reset();
@@ -639,6 +509,7 @@ int Run() {
       static_cast<long long>(service.scheduler().completed_batches()),
       static_cast<long long>(service.scheduler().completed_tokens()),
       static_cast<long long>(service.scheduler().skipped_batches()));
+  signals->Drained();  // a late signal no longer asks the service what it abandons
   return 0;
 }
 
@@ -646,6 +517,10 @@ int Run() {
 }  // namespace draftfeed
 
 int main(int argc, char** argv) {
+  // Before any thread starts, so that every thread inherits the block: one
+  // thread takes the signals in every phase (server/service/target_signals.h).
+  draftfeed::BlockTargetSignals();
+  draftfeed::TargetSignals* signals = draftfeed::TargetSignals::Start();
   absl::SetProgramUsageMessage(
       "Serves the hidden states of a frozen Qwen3.5/3.6 or Qwen3 model to drafter trainers.\n"
       "  draftfeed-target --model tiny-random --listen 127.0.0.1:50051 --device cpu\n"
@@ -663,5 +538,5 @@ int main(int argc, char** argv) {
     return draftfeed::Fail(std::string(s.message()));
   }
   absl::ParseCommandLine(argc, argv);
-  return draftfeed::Run();
+  return draftfeed::Run(signals);
 }

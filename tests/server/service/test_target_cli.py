@@ -140,3 +140,105 @@ def test_check_weights_names_a_nan_tensor(tmp_path):
         assert t.terminate() == 0
     finally:
         t.kill()
+
+
+def blocks_sighup(pid):
+    """Whether the process's main thread blocks SIGHUP (SigBlk in /proc): main has begun."""
+    import signal
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("SigBlk:"):
+                return int(line.split()[1], 16) & (1 << (signal.SIGHUP - 1)) != 0
+    except FileNotFoundError:
+        pass
+    return False
+
+
+def start_loading(tmp_path):
+    """A target making and checking small-random-moe (about 1.5 s of loading here), once its
+    main thread has blocked SIGHUP; its log file and port file."""
+    import time
+    log = open(tmp_path / "log", "w+")
+    port_file = tmp_path / "port"
+    p = subprocess.Popen([str(TARGET_BIN), "--model=small-random-moe", "--listen=127.0.0.1:0",
+                          f"--port_file={port_file}", "--threads=1", "--check_weights"],
+                         stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 30
+    while not blocks_sighup(p.pid):
+        assert p.poll() is None and time.time() < deadline
+        time.sleep(0.001)
+    return p, log, port_file
+
+
+def read_log(log):
+    log.flush()
+    log.seek(0)
+    return log.read()
+
+
+def test_sighup_while_loading_never_kills_and_sigterm_exits_cleanly(tmp_path):
+    """gRPC's threads started before the signals were blocked: a SIGHUP or SIGTERM during the
+    model load went to one of them and killed the target by the default action. Now SIGHUP
+    is logged and the target serves; SIGTERM while loading exits 0, saying so."""
+    import signal
+    import time
+    p, log, port_file = start_loading(tmp_path)
+    try:
+        for _ in range(3):
+            p.send_signal(signal.SIGHUP)
+            time.sleep(0.05)
+        deadline = time.time() + 60
+        while not port_file.exists():
+            assert p.poll() is None, read_log(log)
+            assert time.time() < deadline
+            time.sleep(0.05)
+        assert "SIGHUP: nothing to re-read" in read_log(log)
+        p.send_signal(signal.SIGHUP)  # serving: the same
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, read_log(log)
+        assert "stopped after 0 batches" in read_log(log)
+    finally:
+        p.kill()
+    (tmp_path / "second").mkdir()
+    p, log, port_file = start_loading(tmp_path / "second")
+    try:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0, read_log(log)
+        assert "SIGTERM received while loading: exiting, nothing was served" in read_log(log)
+        assert not port_file.exists()
+    finally:
+        p.kill()
+
+
+def test_a_second_sigterm_during_the_drain_exits_at_once(tmp_path):
+    """The drain waits for accepted batches (here one of 30 tokens at 1 token/s); a second
+    SIGTERM is the documented fast exit: status 1, logging what it abandons. It used to be
+    ignored until the drain ended."""
+    import re
+    import signal
+    import time
+    import numpy as np
+    import draftfeed
+    t = TargetProcess(extra=["--throttle_tokens_per_s=1"])
+    try:
+        feed = draftfeed.Feed(targets=[t.address], layers=[-1], connect_timeout_s=10)
+        feed.submit(np.arange(30, dtype=np.int32), [30])
+        deadline = time.time() + 10
+        while "stream opened" not in t.output():
+            assert time.time() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)  # the batch is running
+        t.proc.send_signal(signal.SIGTERM)
+        while "SIGTERM received, finishing accepted batches" not in t.output():
+            assert time.time() < deadline
+            time.sleep(0.05)
+        t.proc.send_signal(signal.SIGTERM)
+        assert t.proc.wait(10) == 1
+        assert re.search(r"second SIGTERM during the drain: exiting now, abandoning 1 open "
+                         r"streams and \d+ queued batches", t.output()), t.output()
+        try:
+            feed.close()
+        except draftfeed.DraftfeedError:
+            pass
+    finally:
+        t.kill()
