@@ -27,6 +27,7 @@ std::optional<BatchSink::Landing> Feed::Impl::Claim(const void* stream, const Ch
   Target* t = p.target;
   const int64_t T = static_cast<int64_t>(p.token_ids.size());
   p.last_progress = Clock::now();
+  p.conn->last_progress = p.last_progress;
   if (c.token_offset < 0 || c.token_count < 0 || c.token_offset + c.token_count > T ||
       static_cast<int64_t>(payload_bytes) != c.token_count * t->bytes_per_token) {
     FailMalformedChunk(t, c.batch_id, p, c, payload_bytes);
@@ -71,6 +72,7 @@ void Feed::Impl::Landed(const void* stream, const ChunkHeader& c, size_t payload
   Pending& p = it->second;
   --p.landings;
   p.last_progress = Clock::now();
+  p.conn->last_progress = p.last_progress;
   if (!ok) {
     FailMalformedChunk(p.target, c.batch_id, p, c, payload_bytes);
     return;
@@ -141,6 +143,7 @@ void Feed::Impl::HandleResponse(Target* t, Conn* conn, const v1::StreamResponse&
   }
   Pending& p = it->second;
   p.last_progress = Clock::now();
+  conn->last_progress = p.last_progress;
   if (resp.msg_case() == v1::StreamResponse::kError) {
     const v1::BatchError& e = resp.error();
     const auto code = static_cast<absl::StatusCode>(e.code());

@@ -84,10 +84,12 @@ void Feed::Impl::SuperviseLoop() {
     const Clock::time_point now = Clock::now();
     Dispatch();
     RecordWindowsLocked();
-    // Hung targets: a batch without progress for batch_timeout_s.
+    // Hung targets: a batch without progress, and its stream without any,
+    // for batch_timeout_s.
     for (auto& [id, p] : pending) {
       if (p.complete || p.conn == nullptr) continue;
-      if (now - p.last_progress > std::chrono::duration<double>(options.batch_timeout_s)) {
+      const Clock::time_point last = std::max(p.last_progress, p.conn->last_progress);
+      if (now - last > std::chrono::duration<double>(options.batch_timeout_s)) {
         Target* t = p.target;
         t->stats.last_error = absl::StrCat("no progress on batch ", id, " for ",
                                            options.batch_timeout_s, "s; treating it as hung");

@@ -62,6 +62,10 @@ struct Feed::Impl final : BatchSink {
     // Cancelled to drop batches (Feed::Cancel), not lost: its end is no
     // failure, and the target reconnects at once (guarded by Impl::mu).
     bool cancelled_by_client = false;
+    // The last chunk, BatchDone or BatchError of any of its batches (guarded
+    // by Impl::mu): a batch queued behind others the target is serving (a
+    // long sequence's forwards take minutes) is waiting, not hung.
+    std::chrono::steady_clock::time_point last_progress{};
   };
 
   enum class State { kConnecting, kLive, kDown, kRefused };

@@ -149,8 +149,9 @@ struct FeedOptions {
   std::optional<bool> read_handoff;
   // Seconds to wait for a target to answer GetTargetInfo / Open.
   double connect_timeout_s = 30.0;
-  // A batch with no progress (no chunk) for this long marks its target hung:
-  // the stream is cancelled and its batches go to other targets.
+  // A batch with no progress (no chunk), on a stream with none either (a
+  // batch queued behind a long one is waiting), for this long marks its
+  // target hung: the stream is cancelled and its batches go to other targets.
   double batch_timeout_s = 120.0;
   // With work outstanding and no live target for this long, every waiting
   // call fails with UNAVAILABLE instead of hanging.

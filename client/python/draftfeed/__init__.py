@@ -313,7 +313,8 @@ class Feed:
       expected_fingerprint: refuse targets serving another model; default: the
         first target's fingerprint, which every other target must match.
       verify_checksum: check every batch against the target's checksum.
-      batch_timeout_s: a batch without progress this long marks its target hung;
+      batch_timeout_s: a batch without progress, on a stream without any, this long marks its
+        target hung;
         its batches go to other targets.
       unavailable_timeout_s: with no live target this long, calls raise
         UNAVAILABLE instead of waiting forever.

@@ -56,3 +56,18 @@ def test_over_the_limit_names_both_numbers_and_the_stream_goes_on(targets, trans
             f.next()
         f.submit(TOKENS[:300], np.array([300], dtype=np.int32))
         assert f.next().hidden_bits.shape == (300, 1, 128)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_batch_queued_behind_slow_ones_is_waiting_not_hung(make_target, transport):
+    # Each 150-token batch takes 1.5 s (the target throttled to 100 tokens/s), so the fourth
+    # of four sent at once waits 4.5 s for its first chunk, longer than batch_timeout_s: the
+    # stream makes progress all along, so no target is declared hung and nothing is re-sent.
+    t = make_target(extra=("--throttle_tokens_per_s=100",))
+    batches = [(TOKENS[i * 150:(i + 1) * 150], np.array([150], dtype=np.int32)) for i in range(4)]
+    with draftfeed.Feed(targets=[t.address], layers=[-1], prefetch=4, batch_timeout_s=2.5,
+                        transport=transport) as f:
+        got = [r.batch_id for r in f.map(batches)]
+        stats = f.stats()
+    assert got == [1, 2, 3, 4]
+    assert stats["resent"] == 0 and stats["targets"][0]["failures"] == 0, stats

@@ -71,6 +71,10 @@ class Conn:
         self.reader = None
         self.finished = False             # guarded by the feed's lock
         self.cancelled_by_client = False  # Feed.cancel ended it: no failure, reconnect now
+        # The last chunk, BatchDone or BatchError of any of its batches (guarded by the feed's
+        # lock): a batch queued behind others being served (a long sequence's forwards take
+        # minutes) is waiting, not hung.
+        self.last_progress = 0.0
         self._landing_cv = threading.Condition()
         self._landings = 0
 

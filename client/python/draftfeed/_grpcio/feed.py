@@ -233,7 +233,7 @@ class Impl(ConnMixin, TableMixin):
                 for bid, p in self.pending.items():  # hung targets
                     if p.complete or p.conn is None:
                         continue
-                    if now - p.last_progress > o.batch_timeout_s:
+                    if now - max(p.last_progress, p.conn.last_progress) > o.batch_timeout_s:
                         t = p.target
                         t.stats["last_error"] = (f"no progress on batch {bid} for "
                                                  f"{o.batch_timeout_s:g}s; treating it as hung")

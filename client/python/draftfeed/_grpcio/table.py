@@ -53,7 +53,7 @@ class TableMixin:
                 return None  # re-sent elsewhere, or already returned
             t = p.target
             T = p.token_ids.size
-            p.last_progress = time.monotonic()
+            p.last_progress = conn.last_progress = time.monotonic()
             if (offset < 0 or count < 0 or offset + count > T
                     or payload_bytes != count * t.bytes_per_token):
                 self._fail_malformed(t, batch_id, p, header, payload_bytes)
@@ -75,7 +75,7 @@ class TableMixin:
             if (p is None or p.complete or p.conn is not conn or p.epoch != claim.epoch):
                 return  # re-assigned meanwhile: these bytes are not wanted
             p.landings -= 1
-            p.last_progress = time.monotonic()
+            p.last_progress = conn.last_progress = time.monotonic()
             if not ok:
                 self._fail_malformed(p.target, batch_id, p, header, payload_bytes)
                 return
@@ -106,7 +106,7 @@ class TableMixin:
                 if kind == "done" and not conn.cancelled_by_client:
                     self.stats["duplicates_dropped"] += 1
                 return
-            p.last_progress = time.monotonic()
+            p.last_progress = conn.last_progress = time.monotonic()
             t = conn.target
             if kind == "error":
                 if msg.code in (UNAVAILABLE, RESOURCE_EXHAUSTED):
