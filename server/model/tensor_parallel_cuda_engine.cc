@@ -234,6 +234,32 @@ bool TensorParallelCudaEngine::serves_target_outputs() const {
   return rank(impl_->plan.capture_rank).serves_target_outputs();
 }
 
+int64_t TensorParallelCudaEngine::max_carry_tokens() const {
+  int64_t tokens = impl_->engines.front()->max_carry_tokens();
+  for (const auto& e : impl_->engines) tokens = std::min(tokens, e->max_carry_tokens());
+  return tokens;
+}
+
+int64_t TensorParallelCudaEngine::CarryBytes(int64_t tokens) const {
+  int64_t bytes = 0;
+  for (const auto& e : impl_->engines) bytes += e->CarryBytes(tokens);
+  return bytes;
+}
+
+absl::Status TensorParallelCudaEngine::ReserveCarry(int64_t tokens) {
+  for (size_t r = 0; r < impl_->engines.size(); ++r) {
+    if (absl::Status s = impl_->engines[r]->ReserveCarry(tokens); !s.ok()) {
+      for (const auto& e : impl_->engines) (void)e->ReserveCarry(0);  // all or none
+      return absl::Status(s.code(), absl::StrCat("tp rank ", r, ": ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void TensorParallelCudaEngine::DropCarry() {
+  for (const auto& e : impl_->engines) e->DropCarry();
+}
+
 absl::Status TensorParallelCudaEngine::Forward(const ForwardInput& in, std::span<std::byte> out) {
   return impl_->RunAll(in, [&] { return impl_->capturer().Forward(in, out); });
 }

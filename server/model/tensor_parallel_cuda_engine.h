@@ -39,6 +39,12 @@ class TensorParallelCudaEngine final : public Engine {
   int64_t max_capture_layers() const override;
   // The capture rank's: it computes the target outputs with the whole lm_head.
   bool serves_target_outputs() const override;
+  // Chunked prefill: every rank carries its own heads' K/V and GDN states
+  // (each forward runs on all ranks with the same resume_tokens/carry_last).
+  int64_t max_carry_tokens() const override;
+  int64_t CarryBytes(int64_t tokens) const override;  // all ranks together
+  absl::Status ReserveCarry(int64_t tokens) override;
+  void DropCarry() override;
   absl::Status Forward(const ForwardInput& in, std::span<std::byte> out) override;
   absl::Status ForwardAsync(const ForwardInput& in, std::span<std::byte> out,
                             CopiedCallback on_copied) override;

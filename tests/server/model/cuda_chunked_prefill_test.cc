@@ -16,6 +16,8 @@
 
 #include "server/model/cpu_engine.h"
 #include "server/model/cuda_engine.h"
+#include "server/model/sharding_plan.h"
+#include "server/model/tensor_parallel_cuda_engine.h"
 #include "server/model/tensor.h"
 #include "server/service/forward_chunks.h"
 
@@ -164,6 +166,35 @@ INSTANTIATE_TEST_SUITE_P(Models, CudaChunkedPrefillDense,
                              if (ch == '-') ch = '_';
                            return n;
                          });
+
+// Tensor parallel (every rank on GPU 0, summed by the one-device kernel):
+// each rank carries its own heads, and chunks equal one pass bit for bit.
+TEST(CudaChunkedPrefillTensorParallel, ChunksEqualOnePass) {
+  if (!HasGpu()) GTEST_SKIP() << "no CUDA device";
+  for (const char* spec : {"tiny-random", "small-random-qwen3", "tiny-random-qwen3-moe"}) {
+    SCOPED_TRACE(spec);
+    auto model = OpenModel(spec);
+    ASSERT_TRUE(model.ok()) << model.status();
+    const ModelConfig& c = (*model)->config;
+    auto plan = PlanTensorParallel(c, 2);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    CudaEngineOptions opt;
+    opt.max_tokens = 1024;
+    opt.max_seqs = 16;
+    auto tp = TensorParallelCudaEngine::Create(model->get(), *std::move(plan), {0, 0}, opt);
+    ASSERT_TRUE(tp.ok()) << tp.status();
+    ASSERT_TRUE((*tp)->ReserveCarry(2048).ok());
+    EXPECT_EQ((*tp)->max_carry_tokens(), 2048);
+    const std::vector<int32_t> lens = {20, 900, 9};
+    const auto ids = Tokens(929, c.vocab_size, 4);
+    const std::vector<int32_t> layers = {0, static_cast<int32_t>(c.num_layers - 1), kFinalLayerId};
+    const auto want = OnePass(**tp, ids, lens, layers);
+    const Diff d = Compare(want, InChunks(**tp, ids, lens, layers, 256));
+    std::printf("%s tp2 budget 256: %lld of %zu values differ from one pass\n", spec,
+                static_cast<long long>(d.differing), want.size());
+    EXPECT_EQ(d.differing, 0) << spec;
+  }
+}
 
 // Real shapes (random weights made on the GPU): one 6,000-token sequence in
 // forwards of 2,048 against one pass, at every captured layer.
