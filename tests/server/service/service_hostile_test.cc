@@ -243,7 +243,8 @@ TEST(HostileClientTest, OneClientHoldsAtMostItsShareOfTheStreams) {
   auto stub = v1::TargetService::NewStub(
       grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
   grpc::ClientContext a_ctx, b_ctx;
-  std::unique_ptr<Stream> a = stub->StreamHiddenStates(&a_ctx), b = stub->StreamHiddenStates(&b_ctx);
+  std::unique_ptr<Stream> a = stub->StreamHiddenStates(&a_ctx);
+  std::unique_ptr<Stream> b = stub->StreamHiddenStates(&b_ctx);
   v1::StreamRequest open;
   *open.mutable_open() = OpenFor({-1});
   v1::StreamResponse r;
