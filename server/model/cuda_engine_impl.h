@@ -282,6 +282,11 @@ struct CudaEngine::Impl {
   }
 
   absl::Status Init(const Model* m, const CudaEngineOptions& opt);
+  // RESOURCE_EXHAUSTED with the memory plan, before anything is allocated,
+  // when `bytes` of `what` ("weights", "workspace") cannot fit in what the
+  // device has free: free and total memory, the weights and workspace, and
+  // which flag lowers which. OK when they fit (the allocation may still fail).
+  absl::Status CheckFits(size_t bytes, const char* what, size_t weight_bytes) const;
   // The device's tensors: the rank's shapes, else the config's.
   std::vector<WeightSpec> Specs() const {
     return options.rank.specs.empty() ? DecoderWeightSpecs(model->config) : options.rank.specs;

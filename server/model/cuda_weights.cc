@@ -163,6 +163,7 @@ absl::Status CudaEngine::Impl::UploadWeights() {
       }
     }
   }
+  DF_RETURN_IF_ERROR(CheckFits(total, "weights", total));
   if (absl::Status s = weights.Reserve(total); !s.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", total >> 20, " MiB for the weights: ", s.message()));

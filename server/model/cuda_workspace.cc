@@ -14,6 +14,23 @@
 
 namespace draftfeed {
 
+absl::Status CudaEngine::Impl::CheckFits(size_t bytes, const char* what,
+                                         size_t weight_bytes) const {
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess || bytes <= free_b) return absl::OkStatus();
+  const size_t workspace = work.used() > 0 ? workspace_total : bytes;
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "cannot hold the ", what, ": it needs ", bytes >> 20, " MiB and ",
+      free_b >> 20, " MiB of its ", total_b >> 20, " MiB are free (",
+      (total_b - free_b) >> 20, " MiB held by this process's earlier allocations or others). ",
+      "Plan: weights ", weight_bytes > 0 ? absl::StrCat(weight_bytes >> 20, " MiB") : "after this",
+      ", workspace ", workspace >> 20, " MiB for --max_batch_tokens=", options.max_tokens,
+      " x --max_capture_layers=", options.max_layers,
+      ", then the carry for --max_sequence_tokens. Lower --max_batch_tokens or "
+      "--max_capture_layers for the workspace, --max_sequence_tokens for the carry; split the "
+      "weights with --tp, or use an FP8 checkpoint or --quantize fp8"));
+}
+
 absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt) {
   model = m;
   options = opt;
@@ -142,6 +159,7 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   add(T * fp8_k_max);                              // x8
   add(T * (fp8_k_max / cuda::kFp8Block) * 4);      // x8_scale
   add(gemm_ws);
+  DF_RETURN_IF_ERROR(CheckFits(total, "workspace", 0));
   if (absl::Status s = work.Reserve(total); !s.ok()) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate the ", total >> 20,
                                                      " MiB workspace for a token budget of ", T,
