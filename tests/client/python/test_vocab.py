@@ -1,12 +1,10 @@
 """draftfeed.vocab: token counting, the draft vocabulary's d2t / t2d, safetensors and torch files,
 drafter checkpoints, and every refusal.
 
-The module is pure numpy, so it is tested without the compiled client: `from draftfeed import vocab`
-when the package imports (PYTHONPATH=build/python with _draftfeed built), else the source file
-client/python/draftfeed/vocab.py loaded on its own (the package's __init__ needs _draftfeed).
+The module is pure numpy; the package imports without the compiled client (its pure-Python
+client then stands in), so it is tested the way trainers import it.
 """
 
-import importlib.util
 import json
 import pathlib
 import pickle
@@ -21,22 +19,8 @@ import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
-SOURCE = REPO / "client" / "python" / "draftfeed" / "vocab.py"
 
-
-def _load_vocab():
-    try:
-        from draftfeed import vocab
-        return vocab
-    except ImportError:
-        spec = importlib.util.spec_from_file_location("draftfeed_vocab_source", SOURCE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-        return module
-
-
-vocab = _load_vocab()
+from draftfeed import vocab  # noqa: E402
 TokenCounter, DraftVocab, count_tokens = vocab.TokenCounter, vocab.DraftVocab, vocab.count_tokens
 
 try:
@@ -700,12 +684,17 @@ def test_torch_files_load_weights_only(tmp_path):
 
 
 def test_module_imports_neither_torch_nor_the_compiled_client():
-    code = ("import importlib.util, sys\n"
-            f"spec = importlib.util.spec_from_file_location('v', {str(SOURCE)!r})\n"
-            "m = importlib.util.module_from_spec(spec); sys.modules['v'] = m\n"
-            "spec.loader.exec_module(m)\n"
+    # The three vocab modules loaded under a bare package (no draftfeed/__init__, which
+    # imports a client): what they import themselves is all that loads.
+    source = REPO / "client" / "python" / "draftfeed"
+    code = ("import sys, types\n"
+            "pkg = types.ModuleType('draftfeed')\n"
+            f"pkg.__path__ = [{str(source)!r}]\n"
+            "sys.modules['draftfeed'] = pkg\n"
+            "import draftfeed.vocab as m\n"
             "v = m.DraftVocab.from_counts([3, 0, 2, 1], 2)\n"
             "assert v.ids.tolist() == [0, 2]\n"
             "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('draftfeed')))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert r.stdout.strip() == "[]", r.stdout + r.stderr
+    assert r.stdout.strip() == ("['draftfeed', 'draftfeed.vocab', 'draftfeed.vocab_counting', "
+                                "'draftfeed.vocab_files']"), r.stdout + r.stderr
