@@ -123,7 +123,7 @@ def test_cpu_splits_report_invariants_and_prediction(tmp_path):
 
 # The 2-GPU 27B calibration of 2026-11-30 (bench/results/splits-h200-2gpu-2026-11-30d: one
 # target 11,701 tokens/s, one dflash-full drafter 48,215 over NCCL, 32,024 over gRPC with its
-# host->GPU copy, gRPC link 28,714) predicts 8 GPUs. These are the README's figures.
+# host->GPU copy, gRPC link 28,714) predicts 8 GPUs. These are docs/performance.md's figures.
 CAL_27B = REPO / "bench" / "results" / "splits-h200-2gpu-2026-11-30d" / "calibration.json"
 
 

@@ -1,6 +1,6 @@
-"""What a new user of draftfeed-target meets first: --help grouped by purpose and in step with the
-README, a mistyped flag answered with the flag meant, a wrong --model answered with every built-in
-model, and log lines that each carry the time they were written."""
+"""What a new user of draftfeed-target meets first: --help grouped by purpose and in step with
+docs/target.md, a mistyped flag answered with the flag meant, a wrong --model answered with every
+built-in model, and log lines that each carry the time they were written."""
 
 import datetime
 import re
@@ -61,20 +61,20 @@ def test_help_groups_every_flag_by_purpose():
                         ("fp8_experts", "GPU and CPU"), ("metrics_listen", "Observability"),
                         ("log_every_s", "Observability")]:
         assert where[flag] == group, (flag, where.get(flag))
-    # The README's flag table documents the same flags.
-    readme = (REPO / "README.md").read_text()
-    table = set(re.findall(r"^\| `--([a-z0-9_]+)`(?:, `--([a-z0-9_]+)`)? \|", readme, re.M))
+    # docs/target.md's flag tables document the same flags.
+    doc = (REPO / "docs" / "target.md").read_text()
+    table = set(re.findall(r"^\| `--([a-z0-9_]+)`(?:, `--([a-z0-9_]+)`)? \|", doc, re.M))
     documented = {f for pair in table for f in pair if f}
     assert set(every) - documented == set(), sorted(set(every) - documented)
 
 
 def test_fp8_experts_help_says_what_the_measurements_say():
-    """README's results: the 35B-A3B-FP8 shape runs 94,683 tokens/s with FP8 experts and 72,231
+    """docs/performance.md: the 35B-A3B-FP8 shape runs 94,683 tokens/s with FP8 experts and 72,231
     with --fp8_experts bf16 (bench/results); the help must not say bf16 is the faster."""
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "performance.md").read_text()
     m = re.search(r"\*\*([\d,]+) tokens/s\*\* \(FP8 experts[^|]*?; ([\d,]+) with `--fp8_experts "
                   r"bf16`", readme)
-    assert m, "README's FP8 MoE engine row"
+    assert m, "docs/performance.md's FP8 MoE engine row"
     fp8, bf16 = (int(x.replace(",", "")) for x in m.groups())
     assert fp8 > bf16
     text = flag_help(help_text(), "fp8_experts")
