@@ -8,8 +8,8 @@ exit 0 within TIMEOUT_S. Lines after a command up to the next "$ " are output it
 (each, stripped, a substring of one of its stdout lines). ```bash blocks are for reading only
 (they need a GPU, a checkpoint or root). A path is an inline `code` span without spaces whose
 first component is a top-level entry of the repository (or, for a folder README, an entry of
-that folder); braces expand ({h,cc}), globs must match, and spans with placeholders (<name>,
-DIR, ...) are not paths."""
+that folder, whose own files it may name bare); braces expand ({h,cc}), globs must match, and
+spans with placeholders (<name>, DIR, ...) are not paths."""
 
 import glob
 import itertools
@@ -97,6 +97,7 @@ def test_a_documented_command_runs(cmd, expected):
         assert any(want in line for line in lines), f"{cmd}: no line has {want!r}\n{r.stdout}"
 
 
+SOURCE_FILE = re.compile(r"^[\w.*-]+\.(h|cc|cu|cuh|py|txt)$")
 PLACEHOLDER = re.compile(r"<[^>]*>|\.\.\.|\bDIR\b|\bBUILD\b|\bPREFIX\b|\bNAME\b|\bFILE\b")
 
 
@@ -118,10 +119,15 @@ def named_paths(doc):
     """(span, [candidate bases]) for each span of `doc` that names a repository path."""
     top = {p.name for p in REPO.iterdir() if not p.name.startswith(("build", "dist", ".git"))}
     here = doc.parent
+    folder_readme = doc.name == "README.md" and here != REPO
     for span in inline_code(doc.read_text()):
         span = span.rstrip(".,;:")
-        if " " in span or "/" not in span or "://" in span or span.startswith("/") \
-                or PLACEHOLDER.search(span):
+        if " " in span or "://" in span or span.startswith("/") or PLACEHOLDER.search(span):
+            continue
+        if "/" not in span:
+            # A folder README's own files, named bare (`stream_reactor.cc`).
+            if folder_readme and SOURCE_FILE.match(span):
+                yield span, here
             continue
         first = span.split("/", 1)[0]
         if first in top:
