@@ -90,87 +90,72 @@ std::string_view Suffix(std::string_view name) {
   return dot == std::string_view::npos ? name : name.substr(dot + 1);
 }
 
-TensorSlicing Cut(WeightSpec spec, int axis, std::vector<int64_t> segments, std::string rule,
-                  std::vector<int64_t> parts) {
-  TensorSlicing s;
-  s.spec = std::move(spec);
-  s.replicated = false;
-  s.axis = axis;
-  s.segments = std::move(segments);
-  s.parts = std::move(parts);
-  s.rule = std::move(rule);
-  return s;
-}
-
 // Parts of a head count over tp ranks: tp, or one per head when the ranks
 // outnumber the heads (a multiple of them, as CheckDivides ensures).
 int64_t PartsOf(int64_t heads, int tp) { return heads % tp == 0 ? tp : heads; }
 
-// The rule of one tensor, from its slot in LayerWeights: what the forward of
-// its block computes per head or per column.
-TensorSlicing SliceOf(const ModelConfig& c, int tp, MoeParallel moe, WeightSpec spec) {
-  using W = LayerWeights;
-  const Tensor W::*m = spec.member;
-  const int64_t rows = spec.shape.empty() ? 0 : spec.shape[0];
-  const int last = static_cast<int>(spec.shape.size()) - 1;
-  TensorSlicing whole;
-  whole.rule = "replicated";
-  if (spec.layer < 0) {  // embed_tokens, the final norm
-    whole.spec = std::move(spec);
-    return whole;
+absl::Status BadCut(const WeightSpec& spec, const std::string& problem) {
+  return absl::InvalidArgumentError(absl::StrCat("weight ", spec.name, " [",
+                                                 absl::StrJoin(spec.shape, ", "), "] ", problem));
+}
+
+// A column-parallel, row-parallel or segmented cut of spec's declared parts
+// (the whole axis when it declares none), along axis `first_axis` (the last
+// axis for a row cut); `prefix` opens the rule ("per-expert ").
+absl::StatusOr<TensorSlicing> CutAxis(WeightSpec spec, int tp, TpCut kind, int first_axis,
+                                      const char* prefix) {
+  const TensorParallelCut& cut = spec.tp_cut;
+  const int ndim = static_cast<int>(spec.shape.size());
+  const int axis = kind == TpCut::kRow ? ndim - 1 : first_axis;
+  if (axis < first_axis || axis >= ndim) {
+    return BadCut(spec, absl::StrCat("has no axis ", first_axis, " for its ", TpCutName(kind),
+                                     " cut"));
   }
-  // Column-parallel: output rows by head or column. q_proj with the output
-  // gate interleaves per head ([q_h; gate_h] blocks of 2*head_dim rows), so a
-  // head range is still one row range.
-  if (m == &W::q_proj || m == &W::gate_proj || m == &W::up_proj || m == &W::in_proj_z ||
-      m == &W::in_proj_a || m == &W::in_proj_b || m == &W::A_log || m == &W::dt_bias ||
-      m == &W::shared_gate_proj || m == &W::shared_up_proj) {
-    return Cut(
-        std::move(spec), 0, {rows},
-        m == &W::q_proj && c.features.gated_attention ? "rows (per-head [q; gate] blocks)" : "rows",
-        {tp});
+  if ((kind == TpCut::kRow && !cut.segments.empty()) ||
+      (kind == TpCut::kColumn && cut.segments.size() > 1) ||
+      (kind == TpCut::kSegmented && cut.segments.empty())) {
+    return BadCut(spec, absl::StrCat("declares a ", TpCutName(kind), " cut of ",
+                                     cut.segments.size(),
+                                     " segments (row: none, column: at most one, segmented: "
+                                     "one or more)"));
   }
-  // Query head h reads KV head h / (Hq/Hkv): with more ranks than KV heads,
-  // a rank's query heads all read one KV head, which those ranks share.
-  if (m == &W::k_proj || m == &W::v_proj) {
-    const int64_t parts = PartsOf(c.num_kv_heads, tp);
-    return Cut(std::move(spec), 0, {rows},
-               parts == tp ? "rows" : absl::StrCat("rows (each KV head on ", tp / parts, " ranks)"),
-               {parts});
-  }
-  // Row-parallel: the input columns that the rank's heads or columns produce.
-  if (m == &W::o_proj || m == &W::down_proj || m == &W::out_proj || m == &W::shared_down_proj) {
-    const int64_t cols = spec.shape[static_cast<size_t>(last)];
-    return Cut(std::move(spec), last, {cols}, "columns", {tp});
-  }
-  // GDN's fused q | k | v channels (in_proj_qkv rows, conv1d channels): each
-  // segment cut by heads, so the rank's conv channels are its heads' own
-  // (value head j reads key head j / (Nv/Nk), shared as KV heads are).
-  if (m == &W::in_proj_qkv || m == &W::conv1d) {
-    const int64_t qk = c.linear_num_key_heads * c.linear_key_head_dim;
-    const int64_t v = c.linear_num_value_heads * c.linear_value_head_dim;
-    const int64_t parts = PartsOf(c.linear_num_key_heads, tp);
-    return Cut(std::move(spec), 0, {qk, qk, v},
-               parts == tp ? "segmented rows (q | k | v by heads)"
-                           : absl::StrCat("segmented rows (q | k | v by heads, each key head on ",
-                                          tp / parts, " ranks)"),
-               {parts, parts, tp});
-  }
-  if (m == &W::experts_gate_up || m == &W::experts_down) {
-    if (moe == MoeParallel::kExpert) {
-      return Cut(std::move(spec), 0, {rows}, "experts", {tp});
+  const int64_t extent = spec.shape[static_cast<size_t>(axis)];
+  std::vector<TpSegment> segments = cut.segments;
+  if (segments.empty()) segments.push_back({extent, 0});
+  TensorSlicing s;
+  s.replicated = false;
+  s.axis = axis;
+  int64_t sum = 0;
+  std::string shared;
+  for (const TpSegment& seg : segments) {
+    const int64_t parts = seg.shared_heads > 0 ? PartsOf(seg.shared_heads, tp) : tp;
+    if (seg.extent <= 0 || seg.extent % parts != 0) {
+      return BadCut(spec, absl::StrCat("declares a segment of ", seg.extent, " along axis ", axis,
+                                       ", which --tp ", tp, " does not cut into ", parts,
+                                       " equal parts"));
     }
-    // [E, 2I, D]: per expert [gate; up], each cut by rows; [E, D, I]: columns.
-    const int64_t i = c.moe_intermediate_size;
-    if (m == &W::experts_gate_up) {
-      return Cut(std::move(spec), 1, {i, i}, "per-expert segmented rows (gate | up)", {tp, tp});
+    if (parts < tp && shared.empty()) {
+      shared = absl::StrCat("each ", cut.shared_head, " on ", tp / parts, " ranks");
     }
-    return Cut(std::move(spec), 2, {i}, "per-expert columns", {tp});
+    s.segments.push_back(seg.extent);
+    s.parts.push_back(parts);
+    sum += seg.extent;
   }
-  // Norm weights (residual, q/k per head, GDN gated norm per value head), the
-  // router and the shared expert's gate: small, read whole by every rank.
-  whole.spec = std::move(spec);
-  return whole;
+  if (sum != extent) {
+    return BadCut(spec, absl::StrCat("declares segments [", absl::StrJoin(s.segments, ", "),
+                                     "] summing to ", sum, ", not its axis ", axis, " (", extent,
+                                     ")"));
+  }
+  std::vector<std::string> details;
+  if (!cut.note.empty()) details.push_back(cut.note);
+  if (!shared.empty()) details.push_back(shared);
+  s.rule = absl::StrCat(prefix,
+                        kind == TpCut::kRow         ? "columns"
+                        : kind == TpCut::kSegmented ? "segmented rows"
+                                                    : "rows",
+                        details.empty() ? "" : absl::StrCat(" (", absl::StrJoin(details, ", "), ")"));
+  s.spec = std::move(spec);
+  return s;
 }
 
 std::string AfterOf(BlockKind kind, const ModelConfig& c) {
@@ -257,6 +242,51 @@ int64_t ShardingPlan::ReplicatedWeightBytes(int64_t element_bytes) const {
   return n * element_bytes;
 }
 
+absl::StatusOr<TensorSlicing> SliceTensor(WeightSpec spec, int tp, MoeParallel moe) {
+  if (tp < 1) return absl::InvalidArgumentError(absl::StrCat("--tp ", tp, " must be >= 1"));
+  const TpCut kind = spec.tp_cut.kind;  // read before spec is moved from
+  switch (kind) {
+    case TpCut::kUndeclared:
+      break;
+    case TpCut::kReplicated: {
+      TensorSlicing whole;
+      whole.rule = "replicated";
+      whole.spec = std::move(spec);
+      return whole;
+    }
+    case TpCut::kColumn:
+    case TpCut::kRow:
+    case TpCut::kSegmented:
+      return CutAxis(std::move(spec), tp, kind, 0, "");
+    case TpCut::kExpert: {
+      const TpCut per_expert = spec.tp_cut.per_expert;
+      if (per_expert != TpCut::kColumn && per_expert != TpCut::kRow &&
+          per_expert != TpCut::kSegmented) {
+        return BadCut(spec, absl::StrCat("declares an expert cut whose per-expert cut is ",
+                                         TpCutName(per_expert),
+                                         " (column, row or segmented: how --moe_parallel split "
+                                         "cuts each expert)"));
+      }
+      if (moe == MoeParallel::kSplit) return CutAxis(std::move(spec), tp, per_expert, 1, "per-expert ");
+      if (spec.shape.empty() || spec.shape[0] % tp != 0) {
+        return BadCut(spec, absl::StrCat("has experts that --tp ", tp, " does not divide"));
+      }
+      const int64_t experts = spec.shape[0];
+      TensorSlicing s;
+      s.replicated = false;
+      s.segments = {experts};
+      s.parts = {tp};
+      s.rule = "experts";
+      s.spec = std::move(spec);
+      return s;
+    }
+  }
+  return BadCut(spec, absl::StrCat("declares no tensor-parallel cut (its WeightSpec's tp_cut is ",
+                                   TpCutName(spec.tp_cut.kind),
+                                   "; every tensor says column, row, segmented, replicated or "
+                                   "expert where weight_layout.cc makes it)"));
+}
+
 absl::StatusOr<ShardingPlan> PlanTensorParallel(const ModelConfig& config, int tp,
                                                 MoeParallel moe) {
   if (tp < 1) return absl::InvalidArgumentError(absl::StrCat("--tp ", tp, " must be >= 1"));
@@ -282,7 +312,8 @@ absl::StatusOr<ShardingPlan> PlanTensorParallel(const ModelConfig& config, int t
   plan.experts_per_rank =
       moe_model && moe == MoeParallel::kExpert ? config.num_experts / tp : config.num_experts;
   for (WeightSpec& spec : DecoderWeightSpecs(config)) {
-    plan.tensors.push_back(SliceOf(config, tp, moe, std::move(spec)));
+    DF_ASSIGN_OR_RETURN(TensorSlicing t, SliceTensor(std::move(spec), tp, moe));
+    plan.tensors.push_back(std::move(t));
   }
   if (tp > 1) {
     for (int64_t i = 0; i < config.num_layers; ++i) {

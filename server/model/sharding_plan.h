@@ -113,9 +113,16 @@ struct ShardingPlan {
 // The plan of `config` (validated) over tp ranks. INVALID_ARGUMENT when tp < 1
 // or when tp does not divide a count that is split (for KV heads and GDN key
 // heads: neither divides nor is a multiple of it), naming every such count
-// with its value and the tps this model takes.
+// with its value and the tps this model takes; or when a tensor's declared cut
+// is missing or does not fit it (SliceTensor).
 absl::StatusOr<ShardingPlan> PlanTensorParallel(const ModelConfig& config, int tp,
                                                 MoeParallel moe = MoeParallel::kExpert);
+
+// One tensor's cut over tp ranks, as its spec declares it (spec.tp_cut).
+// INVALID_ARGUMENT naming the tensor when it declares none (TpCut::kUndeclared:
+// no tensor is replicated by omission) or declares parts that do not fit its
+// shape or do not cut into tp equal parts.
+absl::StatusOr<TensorSlicing> SliceTensor(WeightSpec spec, int tp, MoeParallel moe);
 
 // One rank's bytes of `model`'s decoder weights as stored (each tensor's own
 // dtype; device-random models carry dtypes too).

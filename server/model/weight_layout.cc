@@ -21,13 +21,24 @@ RandomInit ProjectionInit(int64_t in) {
   return {.scale = 1.0 / std::sqrt(static_cast<double>(in))};
 }
 
+// Tensor-parallel cuts (TensorParallelCut), named for what they cut.
+TensorParallelCut Replicated() { return {.kind = TpCut::kReplicated}; }
+TensorParallelCut ColumnParallel(std::string note = "") {
+  return {.kind = TpCut::kColumn, .note = std::move(note)};
+}
+// Rows of `heads` heads that ranks beyond their count share.
+TensorParallelCut SharedHeadColumns(int64_t rows, int64_t heads, std::string head) {
+  return {.kind = TpCut::kColumn, .segments = {{rows, heads}}, .shared_head = std::move(head)};
+}
+TensorParallelCut RowParallel() { return {.kind = TpCut::kRow}; }
+
 // Appends the tensors of one block; `add` names them under "layers.<i>.".
 class BlockBuilder {
  public:
   BlockBuilder(BlockKind kind, int layer, std::vector<WeightSpec>& out)
       : kind_(kind), layer_(layer), out_(out) {}
   WeightSpec& Add(absl::string_view suffix, std::vector<int64_t> shape, std::string origin,
-                  Tensor LayerWeights::*member, RandomInit init) {
+                  Tensor LayerWeights::*member, RandomInit init, TensorParallelCut cut) {
     WeightSpec s;
     s.name = absl::StrCat("layers.", layer_, ".", suffix);
     s.shape = std::move(shape);
@@ -36,13 +47,15 @@ class BlockBuilder {
     s.member = member;
     s.block = kind_;
     s.init = init;
+    s.tp_cut = std::move(cut);
     out_.push_back(std::move(s));
     return out_.back();
   }
   // A projection [out, in], initialised for its fan-in.
   WeightSpec& Projection(absl::string_view suffix, int64_t rows, int64_t cols, std::string origin,
-                         Tensor LayerWeights::*member) {
-    return Add(suffix, {rows, cols}, std::move(origin), member, ProjectionInit(cols));
+                         Tensor LayerWeights::*member, TensorParallelCut cut) {
+    return Add(suffix, {rows, cols}, std::move(origin), member, ProjectionInit(cols),
+               std::move(cut));
   }
 
  private:
@@ -53,10 +66,11 @@ class BlockBuilder {
 
 void NormsSpecs(const ModelConfig& c, BlockBuilder& b) {
   const std::string hid = Field("hidden_size", c.hidden_size);
+  // Every rank normalises the whole replicated residual stream.
   b.Add("input_layernorm.weight", {c.hidden_size}, hid, &LayerWeights::input_layernorm,
-        NormInit(c));
+        NormInit(c), Replicated());
   b.Add("post_attention_layernorm.weight", {c.hidden_size}, hid,
-        &LayerWeights::post_attention_layernorm, NormInit(c));
+        &LayerWeights::post_attention_layernorm, NormInit(c), Replicated());
 }
 
 void AttentionSpecs(const ModelConfig& c, BlockBuilder& b) {
@@ -68,22 +82,28 @@ void AttentionSpecs(const ModelConfig& c, BlockBuilder& b) {
   const std::string hd = Field("head_dim", c.head_dim);
   const std::string hq = Field("num_attention_heads", c.num_heads);
   const std::string kv = absl::StrCat(Field("num_key_value_heads", c.num_kv_heads), ", ", hd);
+  // The output gate interleaves per head ([q_h; gate_h] blocks of 2*head_dim
+  // rows), so a head range is still one row range.
   b.Projection("self_attn.q_proj.weight", q_rows, d,
                absl::StrCat(hq, ", ", hd, gated ? " x2 for the output gate" : "", ", ", hid),
-               &LayerWeights::q_proj)
+               &LayerWeights::q_proj, ColumnParallel(gated ? "per-head [q; gate] blocks" : ""))
       .fp8_eligible = true;
+  // Query head h reads KV head h / (Hq/Hkv): with more ranks than KV heads, a
+  // rank's query heads all read one KV head, which those ranks share.
   b.Projection("self_attn.k_proj.weight", kv_rows, d, absl::StrCat(kv, ", ", hid),
-               &LayerWeights::k_proj)
+               &LayerWeights::k_proj, SharedHeadColumns(kv_rows, c.num_kv_heads, "KV head"))
       .fp8_eligible = true;
   b.Projection("self_attn.v_proj.weight", kv_rows, d, absl::StrCat(kv, ", ", hid),
-               &LayerWeights::v_proj)
+               &LayerWeights::v_proj, SharedHeadColumns(kv_rows, c.num_kv_heads, "KV head"))
       .fp8_eligible = true;
   b.Projection("self_attn.o_proj.weight", d, c.num_heads * c.head_dim,
-               absl::StrCat(hid, ", ", hq, ", ", hd), &LayerWeights::o_proj)
+               absl::StrCat(hid, ", ", hq, ", ", hd), &LayerWeights::o_proj, RowParallel())
       .fp8_eligible = true;
-  if (c.features.qk_norm) {
-    b.Add("self_attn.q_norm.weight", {c.head_dim}, hd, &LayerWeights::q_norm, NormInit(c));
-    b.Add("self_attn.k_norm.weight", {c.head_dim}, hd, &LayerWeights::k_norm, NormInit(c));
+  if (c.features.qk_norm) {  // per head, the same for every head: read whole
+    b.Add("self_attn.q_norm.weight", {c.head_dim}, hd, &LayerWeights::q_norm, NormInit(c),
+          Replicated());
+    b.Add("self_attn.k_norm.weight", {c.head_dim}, hd, &LayerWeights::k_norm, NormInit(c),
+          Replicated());
   }
 }
 
@@ -98,28 +118,40 @@ void GatedDeltaNetSpecs(const ModelConfig& c, BlockBuilder& b) {
   const std::string qkv = absl::StrCat(Field("linear_num_key_heads", nk), ", ",
                                        Field("linear_key_head_dim", dk), ", ", value);
   const std::string nvf = Field("linear_num_value_heads", nv);
+  // The fused q | k | v channels (in_proj_qkv rows, conv1d channels): each
+  // part cut by heads, so a rank's conv channels are its heads' own (value
+  // head j reads key head j / (Nv/Nk), shared as KV heads are).
+  const TensorParallelCut qkv_cut = {.kind = TpCut::kSegmented,
+                                     .segments = {{nk * dk, nk}, {nk * dk, nk}, {nv * dv, 0}},
+                                     .note = "q | k | v by heads",
+                                     .shared_head = "key head"};
   b.Projection("linear_attn.in_proj_qkv.weight", conv_dim, d, absl::StrCat(qkv, ", ", hid),
-               &LayerWeights::in_proj_qkv)
+               &LayerWeights::in_proj_qkv, qkv_cut)
       .fp8_eligible = true;
+  // z, the gates and their parameters: one row per value head (channel).
   b.Projection("linear_attn.in_proj_z.weight", nv * dv, d, absl::StrCat(value, ", ", hid),
-               &LayerWeights::in_proj_z)
+               &LayerWeights::in_proj_z, ColumnParallel())
       .fp8_eligible = true;
   b.Projection("linear_attn.in_proj_b.weight", nv, d, absl::StrCat(nvf, ", ", hid),
-               &LayerWeights::in_proj_b);
+               &LayerWeights::in_proj_b, ColumnParallel());
   b.Projection("linear_attn.in_proj_a.weight", nv, d, absl::StrCat(nvf, ", ", hid),
-               &LayerWeights::in_proj_a);
+               &LayerWeights::in_proj_a, ColumnParallel());
   b.Add("linear_attn.conv1d.weight", {conv_dim, 1, c.linear_conv_kernel},
         absl::StrCat(qkv, ", ", Field("linear_conv_kernel_dim", c.linear_conv_kernel)),
-        &LayerWeights::conv1d, {.scale = 0.3});
+        &LayerWeights::conv1d, {.scale = 0.3}, qkv_cut);
   b.Add("linear_attn.A_log", {nv}, nvf, &LayerWeights::A_log,
-        {.dist = RandomInit::Dist::kLogUniform, .lo = 1.0, .hi = 16.0})
+        {.dist = RandomInit::Dist::kLogUniform, .lo = 1.0, .hi = 16.0}, ColumnParallel())
       .device_f32 = true;
-  b.Add("linear_attn.dt_bias", {nv}, nvf, &LayerWeights::dt_bias, {.scale = 0.1}).device_f32 = true;
-  // The gated norm is multiplicative whatever the residual norms' convention.
+  b.Add("linear_attn.dt_bias", {nv}, nvf, &LayerWeights::dt_bias, {.scale = 0.1},
+        ColumnParallel())
+      .device_f32 = true;
+  // The gated norm is multiplicative whatever the residual norms' convention;
+  // per value head, the same for every head: read whole.
   b.Add("linear_attn.norm.weight", {dv}, Field("linear_value_head_dim", dv), &LayerWeights::norm,
-        {.offset = 1.0, .scale = 0.1});
+        {.offset = 1.0, .scale = 0.1}, Replicated());
   b.Projection("linear_attn.out_proj.weight", d, nv * dv,
-               absl::StrCat(Field("hidden_size", d), ", ", value), &LayerWeights::out_proj)
+               absl::StrCat(Field("hidden_size", d), ", ", value), &LayerWeights::out_proj,
+               RowParallel())
       .fp8_eligible = true;
 }
 
@@ -128,12 +160,13 @@ void DenseMlpSpecs(const ModelConfig& c, BlockBuilder& b) {
   const std::string hid = Field("hidden_size", d);
   const std::string inter = Field("intermediate_size", f);
   b.Projection("mlp.gate_proj.weight", f, d, absl::StrCat(inter, ", ", hid),
-               &LayerWeights::gate_proj)
+               &LayerWeights::gate_proj, ColumnParallel())
       .fp8_eligible = true;
-  b.Projection("mlp.up_proj.weight", f, d, absl::StrCat(inter, ", ", hid), &LayerWeights::up_proj)
+  b.Projection("mlp.up_proj.weight", f, d, absl::StrCat(inter, ", ", hid), &LayerWeights::up_proj,
+               ColumnParallel())
       .fp8_eligible = true;
   b.Projection("mlp.down_proj.weight", d, f, absl::StrCat(hid, ", ", inter),
-               &LayerWeights::down_proj)
+               &LayerWeights::down_proj, RowParallel())
       .fp8_eligible = true;
 }
 
@@ -154,33 +187,62 @@ void MoeMlpSpecs(const ModelConfig& c, BlockBuilder& b) {
   const std::string inter = Field("moe_intermediate_size", i);
   RandomInit router = ProjectionInit(d);
   router.row_log_sigma = kRouterRowLogSigma;
-  b.Add("mlp.gate.weight", {e, d}, absl::StrCat(experts, ", ", hid), &LayerWeights::router, router);
+  // Every rank scores all experts (and, with the shared expert's gate, reads
+  // the small router whole).
+  b.Add("mlp.gate.weight", {e, d}, absl::StrCat(experts, ", ", hid), &LayerWeights::router, router,
+        Replicated());
+  // Split: per expert [gate; up] rows, each cut alone; down's columns to match.
   WeightSpec& gate_up = b.Add("mlp.experts.gate_up_proj", {e, 2 * i, d},
                               absl::StrCat(experts, ", ", inter, " x2 (gate, up), ", hid),
-                              &LayerWeights::experts_gate_up, ProjectionInit(d));
+                              &LayerWeights::experts_gate_up, ProjectionInit(d),
+                              {.kind = TpCut::kExpert,
+                               .per_expert = TpCut::kSegmented,
+                               .segments = {{i, 0}, {i, 0}},
+                               .note = "gate | up"});
   gate_up.expert_parts = {"gate_proj", "up_proj"};
   gate_up.fp8_eligible = true;
-  WeightSpec& down =
-      b.Add("mlp.experts.down_proj", {e, d, i}, absl::StrCat(experts, ", ", hid, ", ", inter),
-            &LayerWeights::experts_down, ProjectionInit(i));
+  WeightSpec& down = b.Add(
+      "mlp.experts.down_proj", {e, d, i}, absl::StrCat(experts, ", ", hid, ", ", inter),
+      &LayerWeights::experts_down, ProjectionInit(i),
+      {.kind = TpCut::kExpert, .per_expert = TpCut::kRow});
   down.expert_parts = {"down_proj"};
   down.fp8_eligible = true;
   if (c.features.mlp != MlpKind::kMoeSharedExpert) return;
   const int64_t s = c.shared_expert_intermediate_size;
   const std::string shared = Field("shared_expert_intermediate_size", s);
   b.Projection("mlp.shared_expert.gate_proj.weight", s, d, absl::StrCat(shared, ", ", hid),
-               &LayerWeights::shared_gate_proj)
+               &LayerWeights::shared_gate_proj, ColumnParallel())
       .fp8_eligible = true;
   b.Projection("mlp.shared_expert.up_proj.weight", s, d, absl::StrCat(shared, ", ", hid),
-               &LayerWeights::shared_up_proj)
+               &LayerWeights::shared_up_proj, ColumnParallel())
       .fp8_eligible = true;
   b.Projection("mlp.shared_expert.down_proj.weight", d, s, absl::StrCat(hid, ", ", shared),
-               &LayerWeights::shared_down_proj)
+               &LayerWeights::shared_down_proj, RowParallel())
       .fp8_eligible = true;
-  b.Projection("mlp.shared_expert_gate.weight", 1, d, hid, &LayerWeights::shared_expert_gate);
+  // One row: every rank gates its partial shared output by the whole logit.
+  b.Projection("mlp.shared_expert_gate.weight", 1, d, hid, &LayerWeights::shared_expert_gate,
+               Replicated());
 }
 
 }  // namespace
+
+const char* TpCutName(TpCut cut) {
+  switch (cut) {
+    case TpCut::kUndeclared:
+      return "undeclared";
+    case TpCut::kReplicated:
+      return "replicated";
+    case TpCut::kColumn:
+      return "column";
+    case TpCut::kRow:
+      return "row";
+    case TpCut::kSegmented:
+      return "segmented";
+    case TpCut::kExpert:
+      return "expert";
+  }
+  return "unknown";
+}
 
 int64_t WeightSpec::numel() const {
   int64_t n = 1;
@@ -277,6 +339,8 @@ std::vector<WeightSpec> DecoderWeightSpecs(const ModelConfig& c) {
     s.origin = std::move(origin);
     s.global = slot;
     s.init = init;
+    // The embedding and the final norm act on the replicated residual stream.
+    s.tp_cut = Replicated();
     specs.push_back(std::move(s));
   };
 
@@ -304,6 +368,8 @@ WeightSpec LmHeadSpec(const ModelConfig& c) {
       absl::StrCat(Field("vocab_size", c.vocab_size), ", ", Field("hidden_size", c.hidden_size));
   s.global = &ModelWeights::lm_head;
   s.init = ProjectionInit(c.hidden_size);
+  // Only the capture rank reads it, whole: the vocabulary is not cut yet.
+  s.tp_cut = Replicated();
   return s;
 }
 

@@ -54,6 +54,45 @@ struct RandomInit {
   double row_log_sigma = 0.0;
 };
 
+// How tensor parallelism cuts a tensor over the ranks. Every spec declares
+// one where it is made (weight_layout.cc); the sharding plan turns it into
+// each rank's part and refuses a spec that declares none, so a new tensor
+// cannot end up silently whole on every rank. The split is Megatron's: a
+// block's input projections are column-parallel (their output rows cut by
+// head or column, so a rank computes whole heads), its output projection
+// row-parallel (its input columns cut to match, so a rank's block output is a
+// partial sum).
+enum class TpCut : uint8_t {
+  kUndeclared,  // refused by PlanTensorParallel
+  kReplicated,  // whole on every rank: embeddings, norms, the router, small gates
+  kColumn,      // column-parallel: axis 0 (output rows) cut by head or column
+  kRow,         // row-parallel: the last axis (input columns) cut as its producers are
+  kSegmented,   // column-parallel over fused parts: `segments` along axis 0, each cut alone
+  kExpert,      // stacked experts [E, ...]: whole experts per rank (--moe_parallel ep), or
+                // every expert cut as `per_expert` says, one axis further in (split)
+};
+const char* TpCutName(TpCut cut);  // "undeclared", "replicated", "column", ...
+
+// One part of a cut axis. shared_heads > 0: the part is cut by that many
+// heads, and when tp is a multiple of them each head is one part, held by the
+// ranks whose query (value) heads read it (KV heads, GDN key heads).
+struct TpSegment {
+  int64_t extent = 0;
+  int64_t shared_heads = 0;
+};
+
+struct TensorParallelCut {
+  TpCut kind = TpCut::kUndeclared;
+  // kExpert only: how --moe_parallel split cuts each expert (kSegmented, kRow).
+  TpCut per_expert = TpCut::kUndeclared;
+  // kSegmented (and kExpert's kSegmented): the fused parts in order, their
+  // extents summing to the axis. kColumn: empty (the whole axis in tp parts)
+  // or one segment whose heads ranks may share.
+  std::vector<TpSegment> segments;
+  std::string note;         // for people: "q | k | v by heads", "per-head [q; gate] blocks"
+  std::string shared_head;  // what a shared head is called: "KV head", "key head"
+};
+
 struct WeightSpec {
   std::string name;  // HF suffix after the model prefix, e.g. "layers.3.self_attn.k_proj.weight"
   std::vector<int64_t> shape;
@@ -73,6 +112,7 @@ struct WeightSpec {
   // "up_proj"} for layers.N.mlp.experts.{e}.gate_proj.weight, then up_proj,
   // each [rows / parts, cols], stacked along dim 1 in this order).
   std::vector<std::string> expert_parts;
+  TensorParallelCut tp_cut;  // declared by every spec (see TensorParallelCut)
   int64_t numel() const;
 };
 

@@ -194,6 +194,75 @@ TEST(ShardingPlanTest, MoeStrategiesCutExpertsOrTheirWidth) {
             (std::vector<int64_t>{8, 128, 32}));
 }
 
+TEST(ShardingPlanTest, RefusesATensorThatDeclaresNoCut) {
+  // A tensor added to weight_layout.cc without saying how it is cut: the
+  // plan used to keep anything it did not recognise whole on every rank.
+  WeightSpec spec;
+  spec.name = "layers.2.mlp.mystery_proj.weight";
+  spec.shape = {8, 16};
+  spec.layer = 2;
+  spec.member = &LayerWeights::gate_proj;
+  for (int tp : {1, 2}) {
+    absl::StatusOr<TensorSlicing> t = SliceTensor(spec, tp, MoeParallel::kExpert);
+    ASSERT_FALSE(t.ok()) << "tp " << tp;
+    EXPECT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(t.status().message(),
+              "weight layers.2.mlp.mystery_proj.weight [8, 16] declares no tensor-parallel cut "
+              "(its WeightSpec's tp_cut is undeclared; every tensor says column, row, "
+              "segmented, replicated or expert where weight_layout.cc makes it)");
+  }
+  // Declared, the same spec is cut as it says.
+  spec.tp_cut.kind = TpCut::kColumn;
+  absl::StatusOr<TensorSlicing> rows = SliceTensor(spec, 2, MoeParallel::kExpert);
+  ASSERT_TRUE(rows.ok()) << rows.status();
+  EXPECT_EQ(rows->RankShape(2), (std::vector<int64_t>{4, 16}));
+  spec.tp_cut.kind = TpCut::kRow;
+  absl::StatusOr<TensorSlicing> cols = SliceTensor(spec, 2, MoeParallel::kExpert);
+  ASSERT_TRUE(cols.ok()) << cols.status();
+  EXPECT_EQ(cols->RankShape(2), (std::vector<int64_t>{8, 8}));
+}
+
+TEST(ShardingPlanTest, RefusesADeclaredCutThatDoesNotFitTheTensor) {
+  WeightSpec spec;
+  spec.name = "layers.0.linear_attn.in_proj_qkv.weight";
+  spec.shape = {96, 16};
+  spec.layer = 0;
+  spec.tp_cut = {.kind = TpCut::kSegmented, .segments = {{32, 0}, {32, 0}}};
+  absl::StatusOr<TensorSlicing> t = SliceTensor(spec, 2, MoeParallel::kExpert);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().message(),
+            "weight layers.0.linear_attn.in_proj_qkv.weight [96, 16] declares segments [32, 32] "
+            "summing to 64, not its axis 0 (96)");
+  spec.tp_cut.segments = {{32, 0}, {32, 0}, {32, 0}};
+  t = SliceTensor(spec, 3, MoeParallel::kExpert);
+  ASSERT_FALSE(t.ok());
+  EXPECT_THAT(t.status().message(), HasSubstr("declares a segment of 32 along axis 0, which --tp 3"
+                                              " does not cut into 3 equal parts"));
+  // An expert tensor must say how split cuts each expert, even under ep.
+  spec.tp_cut = {.kind = TpCut::kExpert};
+  t = SliceTensor(spec, 2, MoeParallel::kExpert);
+  ASSERT_FALSE(t.ok());
+  EXPECT_THAT(t.status().message(), HasSubstr("per-expert cut is undeclared"));
+}
+
+TEST(ShardingPlanTest, EveryBuiltinTensorDeclaresItsCut) {
+  int shapes = 0;
+  for (const BuiltinModel& b : BuiltinModels()) {
+    // "tiny-random[:SEED]"; the FP8 entry ("NAME-fp8[:SEED]") is a variant of the others.
+    const std::string spec_name = b.spec.substr(0, b.spec.find('['));
+    if (spec_name.rfind("NAME", 0) == 0) continue;
+    absl::StatusOr<std::unique_ptr<Model>> m = MakeRandomModel(spec_name);
+    ASSERT_TRUE(m.ok()) << b.spec << ": " << m.status();
+    ++shapes;
+    std::vector<WeightSpec> specs = DecoderWeightSpecs((*m)->config);
+    specs.push_back(LmHeadSpec((*m)->config));
+    for (const WeightSpec& spec : specs) {
+      EXPECT_NE(spec.tp_cut.kind, TpCut::kUndeclared) << b.spec << ": " << spec.name;
+    }
+  }
+  EXPECT_GE(shapes, 10);  // the table's shapes, dense, hybrid and MoE
+}
+
 // The whole tensor's flat index of element `local` of rank `rank`'s part,
 // worked out from the rule independently of SliceForRank's gather.
 int64_t WholeIndex(const TensorSlicing& t, int tp, int rank, int64_t local) {
