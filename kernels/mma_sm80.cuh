@@ -1,6 +1,7 @@
 // Warp-level tensor-core helpers (sm_80+: ldmatrix, mma.sync m16n8k16 with
-// bf16 inputs and fp32 accumulators, cp.async) shared by the GDN, attention
-// and MoE grouped-GEMM kernels.
+// bf16 inputs and fp32 accumulators, cp.async; sm_89+: mma.sync m16n8k32
+// with e4m3 inputs) shared by the GDN, attention, MoE grouped-GEMM and
+// portable FP8 GEMM kernels.
 // Internal to kernels/: device helpers only, no launchers.
 #pragma once
 
@@ -74,6 +75,27 @@ __device__ __forceinline__ void Mma(float* d, const uint32_t (&a)[4], uint32_t b
       "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d[0..3] += A·B, m16n8k32, e4m3 in, fp32 accumulate (sm_89+; callers guard
+// with __CUDA_ARCH__ >= 890). PTX ISA fragments: in bytes exactly Mma's, each
+// 32-bit register holding four e4m3 along K: A {(g, 4q..4q+3), (g+8, 4q..),
+// (g, 16+4q..), (g+8, 16+4q..)}; B {(k 4q..4q+3, n g), (k 16+4q.., n g)};
+// C/D as Mma's. So the ldmatrix calls that load a bf16 k16 step load an e4m3
+// k32 step from the same 32 bytes of each row.
+__device__ __forceinline__ void MmaE4m3(float* d, const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Byte offset of (row, 16-byte chunk) in a tile of 128-byte rows: chunk c of
+// row r is stored at chunk c ^ (r % 8), so the 8 rows one ldmatrix phase
+// reads fall in 8 different bank groups.
+__device__ __forceinline__ int Swizzle128(int row, int chunk) {
+  return row * 128 + ((chunk ^ (row & 7)) << 4);
 }
 
 // Two floats (round to nearest) to one register of two bf16, the first in

@@ -42,7 +42,9 @@ using sm80::CpAsyncCommit;
 using sm80::CpAsyncWait;
 using sm80::LdMatrixX4;
 using sm80::Mma;
+using sm80::MmaE4m3;
 using sm80::SmemAddr;
+using sm80::Swizzle128;
 
 constexpr int kBM = kMoeTileRows;
 constexpr int kBN = 128;        // B rows (output columns, or gate + up columns) per block
@@ -55,23 +57,7 @@ constexpr int kLoadsPerThread = kBM / kLoadRows;
 constexpr int kSmemBytes = kStages * (kBM + kBN) * kRowBytes;
 static_assert(kBM == kBN && kBM % kLoadRows == 0, "one load loop covers A and B");
 static_assert(kRowBytes == kMoeFp8Block, "an FP8 K step is one scale block");
-
-// d[0..3] += A·B, m16n8k32, e4m3 in, fp32 accumulate; fragments as Mma's
-// with each 32-bit register holding four e4m3 along K.
-__device__ __forceinline__ void MmaE4m3(float* d, const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Byte offset of (row, 16-byte chunk) in a [rows][kRowBytes] stage: chunk c
-// of row r is stored at chunk c ^ (r % 8), so the 8 rows one ldmatrix phase
-// reads fall in 8 different bank groups.
-__device__ __forceinline__ int Swizzle(int row, int chunk) {
-  return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
-}
+static_assert(kRowBytes == 128, "stage rows are Swizzle128's");
 
 enum class Epilogue { kSwiGlu, kPlain };
 
@@ -149,8 +135,8 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 1 : 2) GroupedGemmKernel(Gemm
     for (int i = 0; i < kLoadsPerThread; ++i) {
       const int r = load_row + kLoadRows * i;
       const bool av = a_ok[i] && k_ok, bv = b_ok[i] && k_ok;
-      CpAsync16(da + Swizzle(r, chunk), av ? a_src[i] + kt * kRowBytes : p.a, av);
-      CpAsync16(db + Swizzle(r, chunk), bv ? b_src[i] + kt * kRowBytes : p.w, bv);
+      CpAsync16(da + Swizzle128(r, chunk), av ? a_src[i] + kt * kRowBytes : p.a, av);
+      CpAsync16(db + Swizzle128(r, chunk), bv ? b_src[i] + kt * kRowBytes : p.w, bv);
     }
   };
 
@@ -205,12 +191,12 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 1 : 2) GroupedGemmKernel(Gemm
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {
         const int r = wm * 64 + mi * 16 + (lane & 15);
-        LdMatrixX4(af[mi], as + Swizzle(r, kk * 2 + (lane >> 4)));
+        LdMatrixX4(af[mi], as + Swizzle128(r, kk * 2 + (lane >> 4)));
       }
 #pragma unroll
       for (int pj = 0; pj < 2; ++pj) {
         const int n = wn * 32 + pj * 16 + (lane & 7) + ((lane >> 4) << 3);
-        LdMatrixX4(bfrag[pj], bs + Swizzle(n, kk * 2 + ((lane >> 3) & 1)));
+        LdMatrixX4(bfrag[pj], bs + Swizzle128(n, kk * 2 + ((lane >> 3) & 1)));
       }
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {

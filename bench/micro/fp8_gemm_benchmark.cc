@@ -1,5 +1,6 @@
-// The FP8 GEMMs at the Qwen3.6-27B shapes: cuBLASLt's block-scaled GEMM and
-// draftfeed's own (Fp8OwnBlockGemm), both as the engine runs them
+// The FP8 GEMMs at the Qwen3.6-27B shapes: cuBLASLt's block-scaled GEMM,
+// draftfeed's own Hopper one (Fp8OwnBlockGemm) and its portable mma.sync one
+// (Fp8PortableBlockGemm, what sm_100 and sm_120 run), all as the engine runs them
 // (activations per token and 128 group, weights per 128x128 block), beside
 // two ceilings measured in the same run, cuBLASLt's bf16 GEMM and its
 // per-tensor-scaled FP8 GEMM (the fastest FP8 mode it has, the limit block
@@ -13,8 +14,9 @@
 
 #include "bench/micro/gpu_benchmark.h"
 #include "benchmark/benchmark.h"
-#include "kernels/hopper_gemm.cuh"
 #include "kernels/fp8_gemm_operands.cuh"
+#include "kernels/fp8_gemm_portable.cuh"
+#include "kernels/hopper_gemm.cuh"
 #include "server/model/cuda_fp8_gemm.h"
 #include "server/model/cuda_gemm.h"
 
@@ -63,14 +65,18 @@ void RunBlockScaled(benchmark::State& state, int64_t n, int64_t k) {
   });
 }
 
-// draftfeed's own block-scaled GEMM (kernels/hopper_gemm.cuh), same operands.
-void RunOwnBlockScaled(benchmark::State& state, int64_t n, int64_t k) {
+// One of draftfeed's block-scaled GEMMs on the same operands: the Hopper one
+// (kernels/hopper_gemm.cuh) or the portable one (kernels/fp8_gemm_portable.cuh).
+using OwnGemm = cudaError_t (*)(const uint8_t*, const float*, const uint8_t*, const float*, int64_t,
+                                bf16*, int64_t, int64_t, int64_t, int64_t, cudaStream_t);
+void RunOwnBlockScaled(benchmark::State& state, int64_t n, int64_t k, OwnGemm gemm,
+                       bool available) {
   const int64_t m = state.range(0);
   Operands o(m, n, k);
-  if (!cuda::HopperGemmsAvailable()) NoteSetup(cudaErrorNotSupported);
+  if (!available) NoteSetup(cudaErrorNotSupported);
   TimeKernel(state, {0, 2.0 * m * n * k}, [&] {
-    return cuda::Fp8BlockGemm(o.xq.get(), o.xs.get(), o.wq.get(), o.ws.get(),
-                              cuda::Fp8ScaleStride(k), o.y.get(), n, m, n, k, nullptr);
+    return gemm(o.xq.get(), o.xs.get(), o.wq.get(), o.ws.get(), cuda::Fp8ScaleStride(k), o.y.get(),
+                n, m, n, k, nullptr);
   });
 }
 
@@ -161,14 +167,20 @@ void RunSwiGluQuantize(benchmark::State& state, int64_t f) {
 #define DF_FP8_BENCHMARK(fn) DF_GPU_BENCHMARK(fn)->Arg(16384)->Arg(49152)
 // The 27B's projections: attention [q·gate; k; v], GDN [qkv] and z, the
 // MLP's [gate; up] and down, and the attention/GDN output projections.
-#define DF_FP8_SHAPE(name, n, k)                                                           \
-  void BM_Fp8BlockGemm_##name(benchmark::State& s) { RunBlockScaled(s, n, k); }            \
-  DF_FP8_BENCHMARK(BM_Fp8BlockGemm_##name);                                                \
-  void BM_Fp8OwnBlockGemm_##name(benchmark::State& s) { RunOwnBlockScaled(s, n, k); }      \
-  DF_FP8_BENCHMARK(BM_Fp8OwnBlockGemm_##name);                                             \
-  void BM_Fp8TensorScaledCeiling_##name(benchmark::State& s) { RunTensorScaled(s, n, k); } \
-  DF_FP8_BENCHMARK(BM_Fp8TensorScaledCeiling_##name);                                      \
-  void BM_Bf16Gemm_##name(benchmark::State& s) { RunBf16(s, n, k); }                       \
+#define DF_FP8_SHAPE(name, n, k)                                                              \
+  void BM_Fp8BlockGemm_##name(benchmark::State& s) { RunBlockScaled(s, n, k); }               \
+  DF_FP8_BENCHMARK(BM_Fp8BlockGemm_##name);                                                   \
+  void BM_Fp8OwnBlockGemm_##name(benchmark::State& s) {                                       \
+    RunOwnBlockScaled(s, n, k, cuda::Fp8BlockGemm, cuda::HopperGemmsAvailable());             \
+  }                                                                                           \
+  DF_FP8_BENCHMARK(BM_Fp8OwnBlockGemm_##name);                                                \
+  void BM_Fp8PortableBlockGemm_##name(benchmark::State& s) {                                  \
+    RunOwnBlockScaled(s, n, k, cuda::Fp8BlockGemmPortable, cuda::PortableFp8GemmAvailable()); \
+  }                                                                                           \
+  DF_FP8_BENCHMARK(BM_Fp8PortableBlockGemm_##name);                                           \
+  void BM_Fp8TensorScaledCeiling_##name(benchmark::State& s) { RunTensorScaled(s, n, k); }    \
+  DF_FP8_BENCHMARK(BM_Fp8TensorScaledCeiling_##name);                                         \
+  void BM_Bf16Gemm_##name(benchmark::State& s) { RunBf16(s, n, k); }                          \
   DF_FP8_BENCHMARK(BM_Bf16Gemm_##name)
 
 DF_FP8_SHAPE(MlpGateUp_Qwen36_27B, 2 * s27::kFfn, s27::kHidden);

@@ -67,6 +67,33 @@ class DeviceArena {
   size_t used_ = 0;
 };
 
+// Where UploadWeights puts each device tensor (by its index in `specs`,
+// Impl::Specs()): a block's device buffer stacks its tensors row after row,
+// its FP8 head (the FP8-kept tensors that lead it) as e4m3 rows then fp32
+// block scales. Built from the specs; Impl::CarveWeights fills in the places.
+struct DeviceWeightPlacement {
+  DeviceWeightPlacement(const ModelWeights& weights, std::vector<WeightSpec> all,
+                        int64_t num_layers, bool experts_fp8);
+  size_t ElementBytes(size_t i) const { return specs[i].device_f32 ? 4 : 2; }
+  bool IsFp8(size_t i) const { return WeightSlot(mw, specs[i]).fp8(); }
+  int64_t RowsOf(size_t i) const { return specs[i].numel() / specs[i].shape.back(); }
+  // The members of one device buffer that layer l has, as spec indices.
+  std::vector<size_t> Members(int64_t l, const DeviceBuffer& buffer) const;
+  // The rows of a buffer's FP8 head kept FP8 on the device (0: all bf16).
+  int64_t Fp8Rows(BlockKind kind, size_t buffer, const std::vector<size_t>& idx) const;
+  // Device bytes of a buffer: FP8 head (e4m3 + its scales), then the rest.
+  size_t BytesOf(const std::vector<size_t>& idx, int64_t head_rows) const;
+
+  const ModelWeights& mw;
+  const std::vector<WeightSpec> specs;
+  std::vector<char*> dst;  // bf16 / fp32 places (null for FP8-kept tensors)
+  std::vector<uint8_t*> dst_q;  // FP8-kept tensors' e4m3 rows
+  std::vector<float*> dst_scale;  // and their scale rows
+  size_t embed_index = 0, norm_index = 0;
+  bool fp8_expert_gemms = false;  // routed experts stay FP8 (CudaEngineOptions)
+  std::vector<std::vector<size_t>> of_layer;  // spec indices of each layer
+};
+
 struct CudaEngine::Impl {
   using bf16 = cuda::bf16;
 
@@ -320,6 +347,14 @@ struct CudaEngine::Impl {
   void CopyLoop();
   void StopCopier();
   absl::Status UploadWeights();
+  // UploadWeights' steps (cuda_weights.cc): the device bytes of every
+  // buffer (sizing `layers` by block), one allocation carved buffer by
+  // buffer, then the GPU-made values of a random model.
+  size_t SizeWeights(const DeviceWeightPlacement& p);
+  absl::Status CarveWeights(DeviceWeightPlacement& p);
+  void CarveBuffer(DeviceWeightPlacement& p, DeviceBlock& b, size_t j,
+                   const std::vector<size_t>& idx);
+  absl::Status FillRandomWeights(const DeviceWeightPlacement& p);
   // Enqueues the forward on `stream`; `sync` waits for it (and surfaces
   // errors of its kernels) before returning.
   absl::Status Run(const ForwardInput& in, bool sync = true);

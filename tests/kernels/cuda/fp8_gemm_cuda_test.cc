@@ -1,7 +1,8 @@
-// The FP8 GEMM's operands and both block-scaled GEMMs (cuBLASLt's, ours)
-// against host definitions: the quantisers bit for bit (the host e4m3 conversion of
-// common/fp8_e4m3.h, fp32 division), the GEMM against an exact (double)
-// evaluation of the block-scaled sum it must compute.
+// The FP8 GEMM's operands and the block-scaled GEMMs (cuBLASLt's, our Hopper
+// one, our portable one) against host definitions: the quantisers bit for bit
+// (the host e4m3 conversion of common/fp8_e4m3.h, fp32 division), the GEMMs
+// against an exact (double) evaluation of the block-scaled sum they must
+// compute, against each other, and the portable one's batch invariance.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -11,8 +12,9 @@
 
 #include "common/fp8_e4m3.h"
 #include "kernels/elementwise.cuh"
-#include "kernels/hopper_gemm.cuh"
 #include "kernels/fp8_gemm_operands.cuh"
+#include "kernels/fp8_gemm_portable.cuh"
+#include "kernels/hopper_gemm.cuh"
 #include "server/model/cuda_fp8_gemm.h"
 #include "tests/kernels/cuda/gpu_test_util.h"
 
@@ -127,10 +129,32 @@ TEST(Fp8OperandsCudaTest, WeightBlockQuantisationMatchesTheHostRule) {
 // error of bf16 rounding is ~2^-9/√3 ≈ 1.1e-3, so 3e-3 bounds it with room for
 // the accumulation order, and any scale read from the wrong place (a wrong
 // layout gives errors ~0.3-1) fails it. Shapes: M not a multiple of a
-// 128-row tile, several K blocks; for ours also N not a multiple of its
-// 256-column tile (nor of 128: a last weight block of 64 rows) and Y written
-// into a wider buffer (ldy > n) whose other columns must stay untouched.
-enum class Which { kCublasLt, kDraftfeed };
+// 128-row tile, several K blocks; for ours also N not a multiple of their
+// 256- or 128-column tile (a last weight block of 64 or 16 rows) and Y
+// written into a wider buffer (ldy > n) whose other columns must stay
+// untouched.
+enum class Which { kCublasLt, kDraftfeed, kPortable };
+
+// Y = X·Wᵀ by the GEMM `which` (cuBLASLt's through `lt`, initialised here).
+void RunGemm(Which which, CublasLtFp8Gemm& lt, void* workspace, size_t workspace_bytes,
+             const uint8_t* xq, const float* xs, const uint8_t* wq, const float* ws,
+             __nv_bfloat16* y, int64_t ldy, int64_t m_pad, int64_t n, int64_t k) {
+  const int64_t stride = cuda::Fp8ScaleStride(k);
+  switch (which) {
+    case Which::kCublasLt: {
+      ASSERT_TRUE(lt.Init(workspace, workspace_bytes).ok());
+      const absl::Status st = lt.Run(xq, xs, wq, ws, y, m_pad, n, k, nullptr, ldy);
+      ASSERT_TRUE(st.ok()) << st;
+      break;
+    }
+    case Which::kDraftfeed:
+      DF_CUDA_OK(cuda::Fp8BlockGemm(xq, xs, wq, ws, stride, y, ldy, m_pad, n, k, nullptr));
+      break;
+    case Which::kPortable:
+      DF_CUDA_OK(cuda::Fp8BlockGemmPortable(xq, xs, wq, ws, stride, y, ldy, m_pad, n, k, nullptr));
+      break;
+  }
+}
 
 void ExpectBlockScaledGemmMatchesTheExactSum(Which which, int64_t n, int64_t ldy, int64_t k) {
   SCOPED_TRACE(::testing::Message() << "n=" << n << " k=" << k);
@@ -153,15 +177,9 @@ void ExpectBlockScaledGemmMatchesTheExactSum(Which which, int64_t n, int64_t ldy
     DF_CUDA_OK(cudaMemcpy(y.get(), sentinel.data(), sentinel.size() * 2, cudaMemcpyHostToDevice));
     DeviceBuffer<char> workspace(32 << 20);
     CublasLtFp8Gemm gemm;
-    if (which == Which::kCublasLt) {
-      ASSERT_TRUE(gemm.Init(workspace.get(), workspace.size()).ok());
-      absl::Status st =
-          gemm.Run(xq.get(), xs.get(), wq.get(), ws.get(), y.get(), m_pad, n, k, nullptr, ldy);
-      ASSERT_TRUE(st.ok()) << st;
-    } else {
-      DF_CUDA_OK(cuda::Fp8BlockGemm(xq.get(), xs.get(), wq.get(), ws.get(), stride, y.get(), ldy,
-                                    m_pad, n, k, nullptr));
-    }
+    RunGemm(which, gemm, workspace.get(), workspace.size(), xq.get(), xs.get(), wq.get(), ws.get(),
+            y.get(), ldy, m_pad, n, k);
+    if (::testing::Test::HasFatalFailure()) return;
     DF_CUDA_OK(cudaDeviceSynchronize());
     const std::vector<uint8_t> hq = xq.Download(), hw = wq.Download();
     const std::vector<float> hs = xs.Download(), hws = ws.Download();
@@ -222,29 +240,54 @@ TEST(Fp8GemmCudaTest, DraftfeedBlockScaledGemmMatchesTheExactSum) {
   ExpectBlockScaledGemmMatchesTheExactSum(Which::kDraftfeed, 576, 600, 896);
 }
 
-// The two GEMMs on the same operands at a size where the persistent kernel
-// walks many tiles per block (several waves, row groups of the raster, more
-// K blocks than stages): both within bf16 rounding of each other.
-TEST(Fp8GemmCudaTest, DraftfeedGemmAgreesWithCublasLtOverManyTiles) {
+TEST(Fp8GemmCudaTest, PortableBlockScaledGemmMatchesTheExactSum) {
   DF_REQUIRE_GPU();
-  if (!cuda::HopperGemmsAvailable()) GTEST_SKIP() << "draftfeed's FP8 GEMM is sm_90a code";
+  if (!cuda::PortableFp8GemmAvailable()) GTEST_SKIP() << "e4m3 mma.sync needs sm_89 or newer";
+  // 7 K blocks (more than its 3 stages), a last weight block of 64 rows; and
+  // 2 K blocks (fewer than the stages), a last weight block of 16 rows.
+  ExpectBlockScaledGemmMatchesTheExactSum(Which::kPortable, 576, 600, 896);
+  ExpectBlockScaledGemmMatchesTheExactSum(Which::kPortable, 400, 400, 256);
+}
+
+// Quantised random operands for Y[m, n] = X·Wᵀ (K = k), as the engine makes them.
+struct Fp8Operands {
+  Fp8Operands(int64_t m, int64_t n, int64_t k, uint64_t seed)
+      : m_pad(cuda::Fp8RowsPadded(m)),
+        xq(m_pad * k),
+        wq(n * k),
+        xs(m_pad * (k / 128)),
+        ws((n + 127) / 128 * cuda::Fp8ScaleStride(k)) {
+    DeviceBuffer<__nv_bfloat16> dx(ToBf16(RandomBf16Values(m * k, 1.0f, seed)));
+    DeviceBuffer<__nv_bfloat16> dw(ToBf16(RandomBf16Values(n * k, 0.03f, seed + 1)));
+    cudaMemset(ws.get(), 0, ws.size() * 4);
+    status = cuda::QuantizeActivationsFp8(dx.get(), k, m, k, xq.get(), xs.get(), nullptr);
+    if (status == cudaSuccess) {
+      status = cuda::QuantizeWeightBlocksFp8(dw.get(), n, k, wq.get(), ws.get(),
+                                             cuda::Fp8ScaleStride(k), nullptr);
+    }
+  }
+  int64_t m_pad;
+  DeviceBuffer<uint8_t> xq, wq;
+  DeviceBuffer<float> xs, ws;
+  cudaError_t status = cudaSuccess;
+};
+
+// Our GEMM `which` and cuBLASLt's on the same operands at a size where ours
+// walks many tiles (several waves; for the Hopper one, row groups of the
+// persistent raster; more K blocks than stages): within bf16 rounding of
+// each other.
+void ExpectAgreesWithCublasLtOverManyTiles(Which which) {
   const int64_t m = 4100, n = 2304, k = 1536;
-  const int64_t m_pad = cuda::Fp8RowsPadded(m), stride = cuda::Fp8ScaleStride(k);
-  DeviceBuffer<__nv_bfloat16> dx(ToBf16(RandomBf16Values(m * k, 1.0f, 21)));
-  DeviceBuffer<__nv_bfloat16> dw(ToBf16(RandomBf16Values(n * k, 0.03f, 22)));
-  DeviceBuffer<uint8_t> xq(m_pad * k), wq(n * k);
-  DeviceBuffer<float> xs(m_pad * (k / 128)), ws((n / 128) * stride);
-  DF_CUDA_OK(cudaMemset(ws.get(), 0, ws.size() * 4));
-  DF_CUDA_OK(cuda::QuantizeActivationsFp8(dx.get(), k, m, k, xq.get(), xs.get(), nullptr));
-  DF_CUDA_OK(cuda::QuantizeWeightBlocksFp8(dw.get(), n, k, wq.get(), ws.get(), stride, nullptr));
-  DeviceBuffer<__nv_bfloat16> y_lt(m_pad * n), y_own(m_pad * n);
+  Fp8Operands o(m, n, k, 21);
+  DF_CUDA_OK(o.status);
+  DeviceBuffer<__nv_bfloat16> y_lt(o.m_pad * n), y_own(o.m_pad * n);
   DeviceBuffer<char> workspace(32 << 20);
   CublasLtFp8Gemm gemm;
-  ASSERT_TRUE(gemm.Init(workspace.get(), workspace.size()).ok());
-  ASSERT_TRUE(
-      gemm.Run(xq.get(), xs.get(), wq.get(), ws.get(), y_lt.get(), m_pad, n, k, nullptr).ok());
-  DF_CUDA_OK(cuda::Fp8BlockGemm(xq.get(), xs.get(), wq.get(), ws.get(), stride, y_own.get(), n,
-                                m_pad, n, k, nullptr));
+  RunGemm(Which::kCublasLt, gemm, workspace.get(), workspace.size(), o.xq.get(), o.xs.get(),
+          o.wq.get(), o.ws.get(), y_lt.get(), n, o.m_pad, n, k);
+  RunGemm(which, gemm, workspace.get(), workspace.size(), o.xq.get(), o.xs.get(), o.wq.get(),
+          o.ws.get(), y_own.get(), n, o.m_pad, n, k);
+  if (::testing::Test::HasFatalFailure()) return;
   DF_CUDA_OK(cudaDeviceSynchronize());
   const std::vector<float> a = testing::ToF32(y_lt.Download()),
                            b = testing::ToF32(y_own.Download());
@@ -258,24 +301,96 @@ TEST(Fp8GemmCudaTest, DraftfeedGemmAgreesWithCublasLtOverManyTiles) {
   EXPECT_LT(std::sqrt(num / den), 4e-3);
 }
 
-TEST(Fp8GemmCudaTest, DraftfeedGemmRefusesShapesItCannotTake) {
+bool CublasLtServesBlockScales() {
+  int major = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+  return major == 9;
+}
+
+TEST(Fp8GemmCudaTest, DraftfeedGemmAgreesWithCublasLtOverManyTiles) {
+  DF_REQUIRE_GPU();
+  if (!cuda::HopperGemmsAvailable()) GTEST_SKIP() << "draftfeed's FP8 GEMM is sm_90a code";
+  ExpectAgreesWithCublasLtOverManyTiles(Which::kDraftfeed);
+}
+
+TEST(Fp8GemmCudaTest, PortableGemmAgreesWithCublasLtOverManyTiles) {
+  DF_REQUIRE_GPU();
+  if (!CublasLtServesBlockScales()) GTEST_SKIP() << "cuBLASLt serves these scales on sm_90 only";
+  if (!cuda::PortableFp8GemmAvailable()) GTEST_SKIP() << "e4m3 mma.sync needs sm_89 or newer";
+  ExpectAgreesWithCublasLtOverManyTiles(Which::kPortable);
+}
+
+// A token's output row does not depend on the batch around it: the rows of
+// a 1,500-row X, alone, give the same bits as inside a 5,200-row X, where
+// they start at row 1,703 (not on a 128-row tile nor a 4-row pad, so every
+// row sits at another place in its tile and its warp's fragments), and the
+// tile grid, the row groups of the raster and the padding all differ.
+TEST(Fp8GemmCudaTest, PortableGemmRowsAreBitIdenticalWhateverTheBatch) {
+  DF_REQUIRE_GPU();
+  if (!cuda::PortableFp8GemmAvailable()) GTEST_SKIP() << "e4m3 mma.sync needs sm_89 or newer";
+  const int64_t big = 5200, small = 1500, at = 1703, n = 1152, k = 1024;
+  const std::vector<float> x = RandomBf16Values(big * k, 1.0f, 31);
+  const std::vector<float> x_small(x.begin() + at * k, x.begin() + (at + small) * k);
+  const std::vector<float> w = RandomBf16Values(n * k, 0.03f, 32);
+  const int64_t stride = cuda::Fp8ScaleStride(k);
+  DeviceBuffer<__nv_bfloat16> dw(ToBf16(w));
+  DeviceBuffer<uint8_t> wq(n * k);
+  DeviceBuffer<float> ws(n / 128 * stride);
+  DF_CUDA_OK(cudaMemset(ws.get(), 0, ws.size() * 4));
+  DF_CUDA_OK(cuda::QuantizeWeightBlocksFp8(dw.get(), n, k, wq.get(), ws.get(), stride, nullptr));
+  auto run = [&](const std::vector<float>& xs_host, int64_t m) {
+    const int64_t m_pad = cuda::Fp8RowsPadded(m);
+    DeviceBuffer<__nv_bfloat16> dx(ToBf16(xs_host));
+    DeviceBuffer<uint8_t> xq(m_pad * k);
+    DeviceBuffer<float> xs(m_pad * (k / 128));
+    DeviceBuffer<__nv_bfloat16> y(m_pad * n);
+    EXPECT_EQ(cuda::QuantizeActivationsFp8(dx.get(), k, m, k, xq.get(), xs.get(), nullptr),
+              cudaSuccess);
+    EXPECT_EQ(cuda::Fp8BlockGemmPortable(xq.get(), xs.get(), wq.get(), ws.get(), stride, y.get(), n,
+                                         m_pad, n, k, nullptr),
+              cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<uint16_t> bits(static_cast<size_t>(m * n));
+    const std::vector<__nv_bfloat16> got = y.Download();
+    std::memcpy(bits.data(), got.data(), bits.size() * 2);
+    return bits;
+  };
+  const std::vector<uint16_t> alone = run(x_small, small), inside = run(x, big);
+  ASSERT_EQ(alone.size(), static_cast<size_t>(small * n));
+  int64_t differ = 0, nonzero = 0;
+  for (int64_t r = 0; r < small; ++r) {
+    for (int64_t c = 0; c < n; ++c) {
+      const uint16_t a = alone[r * n + c];
+      differ += a != inside[(at + r) * n + c];
+      nonzero += (a & 0x7fff) != 0;
+    }
+  }
+  EXPECT_EQ(differ, 0) << "of " << small * n << " outputs";
+  EXPECT_GT(nonzero, small * n / 2) << "the GEMM wrote (almost) nothing";
+}
+
+// Both of our GEMMs refuse, before any device work, what their contract excludes.
+TEST(Fp8GemmCudaTest, OurGemmsRefuseShapesTheyCannotTake) {
   DF_REQUIRE_GPU();
   DeviceBuffer<uint8_t> q(256 * 256);
   DeviceBuffer<float> s(64);
   DeviceBuffer<__nv_bfloat16> y(256 * 256);
-  // K not a multiple of 128, N not of 16, M not of 4, ldy < n.
-  EXPECT_EQ(
-      cuda::Fp8BlockGemm(q.get(), s.get(), q.get(), s.get(), 4, y.get(), 128, 4, 128, 100, nullptr),
-      cudaErrorInvalidValue);
-  EXPECT_EQ(
-      cuda::Fp8BlockGemm(q.get(), s.get(), q.get(), s.get(), 4, y.get(), 128, 4, 120, 128, nullptr),
-      cudaErrorInvalidValue);
-  EXPECT_EQ(
-      cuda::Fp8BlockGemm(q.get(), s.get(), q.get(), s.get(), 4, y.get(), 128, 6, 128, 128, nullptr),
-      cudaErrorInvalidValue);
-  EXPECT_EQ(
-      cuda::Fp8BlockGemm(q.get(), s.get(), q.get(), s.get(), 4, y.get(), 64, 4, 128, 128, nullptr),
-      cudaErrorInvalidValue);
+  for (const auto gemm : {&cuda::Fp8BlockGemm, &cuda::Fp8BlockGemmPortable}) {
+    // K not a multiple of 128, N not of 16, M not of 4, ldy < n, a weight
+    // scale stride short of K's blocks, xq not 16-byte aligned.
+    EXPECT_EQ(gemm(q.get(), s.get(), q.get(), s.get(), 4, y.get(), 128, 4, 128, 100, nullptr),
+              cudaErrorInvalidValue);
+    EXPECT_EQ(gemm(q.get(), s.get(), q.get(), s.get(), 4, y.get(), 128, 4, 120, 128, nullptr),
+              cudaErrorInvalidValue);
+    EXPECT_EQ(gemm(q.get(), s.get(), q.get(), s.get(), 4, y.get(), 128, 6, 128, 128, nullptr),
+              cudaErrorInvalidValue);
+    EXPECT_EQ(gemm(q.get(), s.get(), q.get(), s.get(), 4, y.get(), 64, 4, 128, 128, nullptr),
+              cudaErrorInvalidValue);
+    EXPECT_EQ(gemm(q.get(), s.get(), q.get(), s.get(), 1, y.get(), 128, 4, 128, 256, nullptr),
+              cudaErrorInvalidValue);
+    EXPECT_EQ(gemm(q.get() + 8, s.get(), q.get(), s.get(), 4, y.get(), 128, 4, 128, 128, nullptr),
+              cudaErrorInvalidValue);
+  }
 }
 
 }  // namespace
