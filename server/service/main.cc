@@ -196,9 +196,14 @@ ABSL_FLAG(double, log_every_s, 60,
 ABSL_FLAG(int32_t, load_threads, 0,
           "Threads that read a checkpoint's weights into pinned chunks for the GPU upload "
           "(0 = min(8, cores)); more help a disk that needs many requests in flight.");
-ABSL_FLAG(bool, check_weights, false,
-          "At load, scan every weight for NaN and infinities and refuse to start on the first, "
-          "naming the tensor (one pass over the weights: seconds for a large checkpoint).");
+ABSL_FLAG(bool, check_weights, true,
+          "At load, scan every weight for NaN and infinities, FP8 weights for NaN codes "
+          "(0x7f, 0xff) and block scales that are not finite, not > 0 or over 2^64/448 (the "
+          "FP8 GEMMs would overflow), and refuse to start on the first, naming the tensor and "
+          "element; without it such a checkpoint serves NaN states. Cost: one read of every "
+          "weight on all cores, logged at start-up: from the page cache about 0.15 s a GiB "
+          "(5.2 GiB in 0.7 s on a 2-core VM), from a cold disk the disk's own read (there 1 "
+          "GiB/s), which the GPU upload then finds cached. --check_weights=false skips it.");
 
 namespace draftfeed {
 namespace {
@@ -347,9 +352,14 @@ int Run(TargetSignals* signals) {
   auto model = OpenModel(absl::GetFlag(FLAGS_model));
   if (!model.ok()) return Fail(std::string(model.status().message()));
   if (absl::GetFlag(FLAGS_check_weights)) {
-    if (absl::Status s = CheckWeightsFinite(**model); !s.ok()) {
+    WeightCheckStats checked;
+    if (absl::Status s = CheckWeightsFinite(**model, &checked); !s.ok()) {
       return Fail(std::string(s.message()));
     }
+    LogF("draftfeed-target: checked %lld weight tensors (%.1f MiB) for NaN, Inf and bad FP8 "
+         "scales in %.3fs on %d threads (--check_weights=false skips it)",
+         static_cast<long long>(checked.tensors), static_cast<double>(checked.bytes) / (1 << 20),
+         checked.seconds, checked.threads);
   }
   if (absl::Status s = ApplyQuantizeFlag(**model, absl::GetFlag(FLAGS_quantize)); !s.ok()) {
     return Fail(std::string(s.message()));

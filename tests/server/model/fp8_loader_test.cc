@@ -402,16 +402,24 @@ TEST_F(Fp8LoaderTest, CheckWeightsCoversScalesAndNaNCodes) {
   std::memcpy(scales.data(), o.scale_inv.data, 8);
   const BlockScales saved = o.scale_inv;
   o.scale_inv.data = reinterpret_cast<const std::byte*>(scales.data());
-  for (const float bad : {0.0f, -0.5f, std::nanf(""), INFINITY}) {
+  // 3e38 is a finite float, but 448 x 3e38 is not (kMaxFp8BlockScale).
+  for (const float bad : {0.0f, -0.5f, std::nanf(""), INFINITY, 3e38f, 4.2e16f}) {
     scales[1] = bad;
     const absl::Status st = CheckWeightsFinite(model);
     EXPECT_EQ(st.message(),
               absl::StrCat("tiny-random-fp8:0: tensor layers.3.self_attn.o_proj.weight_scale_inv "
                            "(F32 [1, 2]) holds ",
                            bad,
-                           " at element 1; FP8 block scales must be finite and positive, the "
-                           "checkpoint is corrupt (--check_weights)"));
+                           " at element 1 (index [0, 1]); an FP8 block scale must be finite, > 0 "
+                           "and <= ",
+                           kMaxFp8BlockScale,
+                           " (448 x scale under 2^64, so that the FP8 GEMMs "
+                           "cannot overflow to Inf); the checkpoint is corrupt: download or "
+                           "convert it again (--check_weights=false starts without this check, "
+                           "serving whatever these weights compute)"));
   }
+  scales[1] = 4.1e16f;  // under the bound
+  EXPECT_TRUE(CheckWeightsFinite(model).ok());
   o.scale_inv = saved;
   std::vector<uint8_t> codes(static_cast<size_t>(o.numel()));
   std::memcpy(codes.data(), o.data, codes.size());
@@ -420,8 +428,13 @@ TEST_F(Fp8LoaderTest, CheckWeightsCoversScalesAndNaNCodes) {
     codes[300] = nan;
     EXPECT_EQ(CheckWeightsFinite(model).message(),
               "tiny-random-fp8:0: tensor layers.3.self_attn.o_proj.weight (F8_E4M3 [128, 256]) "
-              "holds NaN at element 300; the checkpoint is corrupt (--check_weights)");
+              "holds NaN at element 300 (index [1, 44]); the checkpoint is corrupt: download or "
+              "convert it again (--check_weights=false starts without this check, serving "
+              "whatever these weights compute)");
   }
+  codes[300] = 0x7e;  // 448, the largest finite code
+  codes[301] = 0xfe;  // -448
+  EXPECT_TRUE(CheckWeightsFinite(model).ok());
 }
 
 }  // namespace

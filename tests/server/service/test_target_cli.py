@@ -1,6 +1,6 @@
 """draftfeed-target refuses what it cannot serve at start-up, naming the cause:
 nonsensical flag values, checkpoints that are not regular files or whose tensors
-do not tile their data section, and (with --check_weights) non-finite weights."""
+do not tile their data section, and (unless --check_weights=false) non-finite weights."""
 
 import json
 import os
@@ -104,38 +104,68 @@ def test_header_length_cut_into_its_padding_is_refused(tmp_path):
     assert f"{pad} trailing bytes belong to no tensor" in r.stderr, r.stderr
 
 
-def test_check_weights_names_a_nan_tensor(tmp_path):
-    d = copy_checkpoint(tmp_path)
+DATA_MODELS = REPO / "tests" / "data" / "models"
+
+
+@pytest.mark.parametrize("model,tensor,element,bytes_,named", [
+    # bf16 NaN in a dense weight and in a MoE router; an e4m3 NaN code in an expert; FP8
+    # scales that are not finite, and 3e38 (finite, but 448 x 3e38 overflows: the check
+    # passed it before).
+    ("qwen3", "model.layers.1.mlp.down_proj.weight", 5, struct.pack("<H", 0x7FC0),
+     "tensor layers.1.mlp.down_proj.weight (BF16 [64, 128]) holds NaN at element 5 "
+     "(index [0, 5])"),
+    ("qwen3_moe", "model.layers.2.mlp.gate.weight", 65, struct.pack("<H", 0xFF80),
+     "tensor layers.2.mlp.gate.weight (BF16 [8, 64]) holds -Inf at element 65 (index [1, 1])"),
+    ("qwen35_moe_fp8", "model.language_model.layers.1.mlp.experts.1.down_proj.weight", 130,
+     b"\x7f", "tensor layers.1.mlp.experts.down_proj (F8_E4M3 [8, 128, 128]) holds NaN at "
+     "element 16514 (index [1, 1, 2])"),
+    ("qwen3_fp8", "model.layers.1.self_attn.o_proj.weight_scale_inv", 1, struct.pack("<f", 3e38),
+     "tensor layers.1.self_attn.o_proj.weight_scale_inv (F32 [1, 2]) holds 3e+38 at element 1 "
+     "(index [0, 1]); an FP8 block scale must be finite, > 0 and <= 4.11758e+16"),
+    ("qwen35_moe_fp8", "model.language_model.layers.1.self_attn.o_proj.weight_scale_inv", 0,
+     struct.pack("<H", 0x7FC0),
+     "tensor layers.1.self_attn.o_proj.weight_scale_inv (BF16 [1, 2]) holds nan at element 0"),
+])
+def test_corrupt_weights_are_refused_by_default(tmp_path, model, tensor, element, bytes_, named):
+    """On by default (they used to load and serve NaN states with OK): the error names the
+    tensor, the element and the fix; --check_weights=false serves the checkpoint anyway."""
+    d = tmp_path / "ckpt"
+    shutil.copytree(DATA_MODELS / model, d)
     st = d / "model.safetensors"
     start, entries = tensor_entries(st)
-    name = "model.layers.1.mlp.down_proj.weight"
-    entry = entries[name]
-    assert entry["dtype"] == "BF16"
     data = bytearray(st.read_bytes())
-    at = start + entry["data_offsets"][0] + 2 * 5  # element 5
-    data[at:at + 2] = struct.pack("<H", 0x7FC0)
+    at = start + entries[tensor]["data_offsets"][0] + len(bytes_) * element
+    data[at:at + len(bytes_)] = bytes_
     st.write_bytes(bytes(data))
 
-    r = run_target(f"--model={d}", "--check_weights")
+    r = run_target(f"--model={d}")
     assert r.returncode == 1, r.stderr
-    assert (f"tensor layers.1.mlp.down_proj.weight (BF16 {entry['shape']}) holds NaN at "
-            "element 5") in r.stderr, r.stderr
-    # Off by default (the test fixture turns it on): the same checkpoint serves.
+    assert f"draftfeed-target: error: {d}: {named}" in r.stderr, r.stderr
+    assert ("the checkpoint is corrupt: download or convert it again (--check_weights=false "
+            "starts without this check") in r.stderr, r.stderr
     port_file = tmp_path / "port"
     p = subprocess.Popen([str(TARGET_BIN), f"--model={d}", "--listen=127.0.0.1:0", "--threads=1",
-                          f"--port_file={port_file}"], stderr=subprocess.PIPE, text=True)
+                          f"--port_file={port_file}", "--check_weights=false"],
+                         stderr=subprocess.PIPE, text=True)
     try:
         # The start-up line ("serving ...") comes after whatever the engines report first.
         lines = []
         while not lines or ("serving" not in lines[-1] and lines[-1]):
             lines.append(p.stderr.readline())
         assert "serving" in lines[-1], lines
+        assert not any("checked" in line for line in lines), lines
     finally:
         p.kill()
         p.wait()
-    # A clean checkpoint passes the scan.
-    t = TargetProcess(model=str(QWEN3))
+
+
+def test_a_clean_checkpoint_is_checked_in_one_timed_line():
+    t = TargetProcess(model=str(QWEN3), extra=["--nocheck_weights", "--check_weights"])
     try:
+        import re
+        assert re.search(r"draftfeed-target: checked 46 weight tensors \([\d.]+ MiB\) for NaN, "
+                         r"Inf and bad FP8 scales in [\d.]+s on \d+ threads "
+                         r"\(--check_weights=false skips it\)", t.output()), t.output()
         assert "serving" in t.output()
         assert t.terminate() == 0
     finally:
