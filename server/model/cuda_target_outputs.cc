@@ -84,20 +84,7 @@ absl::Status CudaEngine::Impl::UploadLmHead() {
       return absl::InvalidArgumentError(
           absl::StrCat("lm_head is ", t.ShapeString(), "; the config needs [", V, ", ", D, "]"));
     }
-    std::vector<StagedCopy> copies;
-    if (t.dtype == DType::kBF16) {
-      copies.push_back({.src = t.data, .bytes = bytes, .dst = lm_head_owned});
-    } else {
-      copies.push_back(ComputedCopy(bytes, lm_head_owned, [&t] {
-        const std::vector<float> f = ToFloat(t);
-        std::vector<std::byte> h(f.size() * 2);
-        for (size_t i = 0; i < f.size(); ++i) {
-          const uint16_t v = FloatToBf16(f[i]);
-          std::memcpy(h.data() + 2 * i, &v, 2);
-        }
-        return h;
-      }));
-    }
+    std::vector<StagedCopy> copies = {Bf16Copy(t, lm_head_owned)};
     StagedReadOptions read;
     read.threads = options.load_threads;
     read.chunk_bytes = options.load_chunk_bytes;

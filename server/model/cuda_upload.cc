@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 #include "common/cuda_status.h"
@@ -87,6 +88,20 @@ constexpr double kGB = 1e9;
 constexpr uint64_t kReportBytes = uint64_t{1} << 30;
 
 }  // namespace
+
+StagedCopy Bf16Copy(const Tensor& t, void* dst) {
+  const size_t bytes = static_cast<size_t>(t.numel()) * 2;
+  if (t.dtype == DType::kBF16) return {.src = t.data, .bytes = bytes, .dst = dst};
+  return ComputedCopy(bytes, dst, [&t] {
+    const std::vector<float> f = ToFloat(t);
+    std::vector<std::byte> h(f.size() * 2);
+    for (size_t i = 0; i < f.size(); ++i) {
+      const uint16_t v = FloatToBf16(f[i]);
+      std::memcpy(h.data() + 2 * i, &v, 2);
+    }
+    return h;
+  });
+}
 
 absl::StatusOr<StagedReadStats> UploadToDevice(
     std::span<const StagedCopy> copies, std::span<const std::shared_ptr<const MappedFile>> files,

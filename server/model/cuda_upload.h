@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "server/model/mapped_file.h"
 #include "server/model/staged_read.h"
+#include "server/model/tensor.h"
 
 namespace draftfeed {
 
@@ -23,5 +24,10 @@ namespace draftfeed {
 absl::StatusOr<StagedReadStats> UploadToDevice(
     std::span<const StagedCopy> copies, std::span<const std::shared_ptr<const MappedFile>> files,
     int device, StagedReadOptions options, const std::string& what);
+
+// Host tensor `t` to `dst` as bf16: its own bytes when it is bf16, else
+// converted (ToFloat, then rounded) when the copy's first chunk is read. `t`
+// must outlive the copy.
+StagedCopy Bf16Copy(const Tensor& t, void* dst);
 
 }  // namespace draftfeed

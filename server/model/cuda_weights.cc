@@ -68,84 +68,218 @@ std::vector<std::byte> Bytes(const std::vector<T>& v) {
 
 }  // namespace
 
-absl::Status CudaEngine::Impl::UploadWeights() {
-  const ModelWeights& mw = model->weights;
-  const std::vector<WeightSpec> specs = Specs();
-  // Where each tensor (by its index in `specs`) goes on the device: a
-  // block's device buffer stacks its tensors row after row.
-  std::vector<char*> dst(specs.size(), nullptr);
-  std::vector<std::vector<size_t>> of_layer(static_cast<size_t>(L));
+DeviceWeightPlacement::DeviceWeightPlacement(const ModelWeights& weights,
+                                             std::vector<WeightSpec> all, int64_t num_layers,
+                                             bool experts_fp8)
+    : mw(weights),
+      specs(std::move(all)),
+      dst(specs.size(), nullptr),
+      dst_q(specs.size(), nullptr),
+      dst_scale(specs.size(), nullptr),
+      fp8_expert_gemms(experts_fp8),
+      of_layer(static_cast<size_t>(num_layers)) {
   for (size_t i = 0; i < specs.size(); ++i) {
-    if (specs[i].layer >= 0) of_layer[static_cast<size_t>(specs[i].layer)].push_back(i);
+    if (specs[i].layer >= 0) {
+      of_layer[static_cast<size_t>(specs[i].layer)].push_back(i);
+    } else {
+      (specs[i].global == &ModelWeights::embed_tokens ? embed_index : norm_index) = i;
+    }
   }
-  auto element_bytes = [&](size_t i) -> size_t { return specs[i].device_f32 ? 4 : 2; };
-  auto is_fp8 = [&](size_t i) { return WeightSlot(mw, specs[i]).fp8(); };
-  auto rows_of = [&](size_t i) { return specs[i].numel() / specs[i].shape.back(); };
-  // The members of one device buffer that this layer has, as spec indices.
-  auto members = [&](int64_t l, const DeviceBuffer& buffer) {
-    std::vector<size_t> out;
-    for (Tensor LayerWeights::*m : buffer) {
-      for (size_t i : of_layer[static_cast<size_t>(l)]) {
-        if (specs[i].member == m) out.push_back(i);
-      }
-    }
-    return out;
-  };
-  // The rows of a buffer's FP8 head kept FP8 on the device (0: all bf16).
-  auto fp8_rows = [&](BlockKind kind, size_t buffer, const std::vector<size_t>& idx) -> int64_t {
-    if (kind == BlockKind::kMoeMlp && (buffer == kMoeExpertsGateUp || buffer == kMoeExpertsDown)) {
-      // Stacked experts [E, R, K]: the FP8 grouped GEMMs take whole 128 x 128
-      // blocks per expert.
-      if (!options.fp8_expert_gemms || idx.size() != 1 || !is_fp8(idx[0])) return 0;
-      const WeightSpec& spec = specs[idx[0]];
-      const int64_t r = spec.shape[1], k = spec.shape[2];
-      return r % cuda::kFp8Block == 0 && k % cuda::kFp8Block == 0 ? rows_of(idx[0]) : 0;
-    }
-    size_t head = 0;
-    while (head < idx.size() && is_fp8(idx[head])) ++head;
-    if (head == 0) return 0;
-    for (size_t j = head; j < idx.size(); ++j) {
-      if (is_fp8(idx[j])) return 0;  // FP8 after bf16: not one GEMM's prefix
-    }
-    const int64_t k = specs[idx[0]].shape.back();
-    int64_t rows = 0;
-    for (size_t j = 0; j < head; ++j) {
-      const WeightSpec& spec = specs[idx[j]];
-      if (spec.shape.size() != 2 || spec.shape.back() != k) return 0;
-      if (j + 1 < head && rows_of(idx[j]) % cuda::kFp8Block != 0) return 0;
-      rows += rows_of(idx[j]);
-    }
-    if (k % cuda::kFp8Block != 0 || rows % 16 != 0) return 0;
-    return rows;
-  };
-  // Device bytes of a buffer: FP8 head (e4m3 + its scales), then the rest.
-  auto bytes_of = [&](const std::vector<size_t>& idx, int64_t head_rows) {
-    size_t bytes = 0;
-    int64_t rows = 0;
-    for (size_t i : idx) {
-      if (rows < head_rows) {
-        rows += rows_of(i);
-        continue;
-      }
-      bytes += static_cast<size_t>(specs[i].numel()) * element_bytes(i);
-    }
-    if (head_rows == 0) return bytes;
-    const int64_t k = specs[idx[0]].shape.back();
-    const int64_t scale_rows = (head_rows + cuda::kFp8Block - 1) / cuda::kFp8Block;
-    return bytes + DeviceArena::Round(static_cast<size_t>(head_rows * k)) +
-           DeviceArena::Round(static_cast<size_t>(scale_rows * cuda::Fp8ScaleStride(k)) * 4);
-  };
-  // Where each FP8-kept tensor's e4m3 rows and scale rows go.
-  std::vector<uint8_t*> dst_q(specs.size(), nullptr);
-  std::vector<float*> dst_scale(specs.size(), nullptr);
+}
 
-  // Sizes first, then one allocation.
+std::vector<size_t> DeviceWeightPlacement::Members(int64_t l, const DeviceBuffer& buffer) const {
+  std::vector<size_t> out;
+  for (Tensor LayerWeights::*m : buffer) {
+    for (size_t i : of_layer[static_cast<size_t>(l)]) {
+      if (specs[i].member == m) out.push_back(i);
+    }
+  }
+  return out;
+}
+
+int64_t DeviceWeightPlacement::Fp8Rows(BlockKind kind, size_t buffer,
+                                       const std::vector<size_t>& idx) const {
+  if (kind == BlockKind::kMoeMlp && (buffer == kMoeExpertsGateUp || buffer == kMoeExpertsDown)) {
+    // Stacked experts [E, R, K]: the FP8 grouped GEMMs take whole 128 x 128
+    // blocks per expert.
+    if (!fp8_expert_gemms || idx.size() != 1 || !IsFp8(idx[0])) return 0;
+    const WeightSpec& spec = specs[idx[0]];
+    const int64_t r = spec.shape[1], k = spec.shape[2];
+    return r % cuda::kFp8Block == 0 && k % cuda::kFp8Block == 0 ? RowsOf(idx[0]) : 0;
+  }
+  size_t head = 0;
+  while (head < idx.size() && IsFp8(idx[head])) ++head;
+  if (head == 0) return 0;
+  for (size_t j = head; j < idx.size(); ++j) {
+    if (IsFp8(idx[j])) return 0;  // FP8 after bf16: not one GEMM's prefix
+  }
+  const int64_t k = specs[idx[0]].shape.back();
+  int64_t rows = 0;
+  for (size_t j = 0; j < head; ++j) {
+    const WeightSpec& spec = specs[idx[j]];
+    if (spec.shape.size() != 2 || spec.shape.back() != k) return 0;
+    if (j + 1 < head && RowsOf(idx[j]) % cuda::kFp8Block != 0) return 0;
+    rows += RowsOf(idx[j]);
+  }
+  if (k % cuda::kFp8Block != 0 || rows % 16 != 0) return 0;
+  return rows;
+}
+
+size_t DeviceWeightPlacement::BytesOf(const std::vector<size_t>& idx, int64_t head_rows) const {
+  size_t bytes = 0;
+  int64_t rows = 0;
+  for (size_t i : idx) {
+    if (rows < head_rows) {
+      rows += RowsOf(i);
+      continue;
+    }
+    bytes += static_cast<size_t>(specs[i].numel()) * ElementBytes(i);
+  }
+  if (head_rows == 0) return bytes;
+  const int64_t k = specs[idx[0]].shape.back();
+  const int64_t scale_rows = (head_rows + cuda::kFp8Block - 1) / cuda::kFp8Block;
+  return bytes + DeviceArena::Round(static_cast<size_t>(head_rows * k)) +
+         DeviceArena::Round(static_cast<size_t>(scale_rows * cuda::Fp8ScaleStride(k)) * 4);
+}
+
+namespace {
+
+// GPU-made FP8 weights are drawn in bf16 as the bf16 model's are, then
+// quantised by blocks (and, where they run in bf16, dequantised again)
+// through this stage, sized for the largest and reused tensor after tensor.
+struct Fp8Stage {
+  cuda::bf16* bf16 = nullptr;
+  uint8_t* q = nullptr;
+  float* scale = nullptr;
+  ~Fp8Stage() {
+    cudaFree(bf16);
+    cudaFree(q);
+    cudaFree(scale);
+  }
+};
+
+absl::Status AllocateFp8Stage(const DeviceWeightPlacement& p, Fp8Stage& stage) {
+  int64_t most = 0, most_scales = 0;
+  for (size_t i = 0; i < p.specs.size(); ++i) {
+    if (!p.IsFp8(i)) continue;
+    const WeightSpec& spec = p.specs[i];
+    const int64_t experts = spec.shape.size() == 3 ? spec.shape[0] : 1;
+    const int64_t per = p.RowsOf(i) / experts;
+    most = std::max(most, spec.numel());
+    most_scales = std::max(most_scales, experts *
+                                            ((per + cuda::kFp8Block - 1) / cuda::kFp8Block) *
+                                            cuda::Fp8ScaleStride(spec.shape.back()));
+  }
+  if (most > 0) {
+    DF_CUDA(cudaMalloc(&stage.bf16, static_cast<size_t>(most) * 2));
+    DF_CUDA(cudaMalloc(&stage.q, static_cast<size_t>(most)));
+    DF_CUDA(cudaMalloc(&stage.scale, static_cast<size_t>(most_scales) * 4));
+  }
+  return absl::OkStatus();
+}
+
+// Tensor i of a GPU-made FP8 model: drawn in bf16, quantised by blocks into
+// its FP8 place, or (a tensor that runs in bf16) through the stage and back.
+absl::Status FillRandomFp8(const DeviceWeightPlacement& p, size_t i, uint64_t seed,
+                           const Fp8Stage& stage, cudaStream_t stream) {
+  const WeightSpec& spec = p.specs[i];
+  const RandomInit& r = spec.init;
+  if (r.dist != RandomInit::Dist::kNormal || r.row_log_sigma > 0) {
+    return absl::InternalError(absl::StrCat(spec.name, ": FP8 weights are drawn kNormal"));
+  }
+  const int64_t n = spec.numel();
+  const int64_t cols = spec.shape.back();
+  const int64_t rows = p.RowsOf(i);
+  const int64_t stride = cuda::Fp8ScaleStride(cols);
+  cudaError_t e = cuda::FillRandomBf16(stage.bf16, n, seed, static_cast<float>(r.scale),
+                                       static_cast<float>(r.offset), stream);
+  if (p.dst_q[i] != nullptr) {
+    if (e == cudaSuccess) {
+      e = cuda::QuantizeWeightBlocksFp8(stage.bf16, rows, cols, p.dst_q[i], p.dst_scale[i], stride,
+                                        stream);
+    }
+  } else {
+    // Stacked experts [E, R, C]: blocks never straddle two experts.
+    const int64_t experts = spec.shape.size() == 3 ? spec.shape[0] : 1;
+    const int64_t per = rows / experts;
+    const int64_t scale_rows = (per + cuda::kFp8Block - 1) / cuda::kFp8Block;
+    cuda::bf16* out = reinterpret_cast<cuda::bf16*>(p.dst[i]);
+    for (int64_t x = 0; x < experts && e == cudaSuccess; ++x) {
+      e = cuda::QuantizeWeightBlocksFp8(stage.bf16 + x * per * cols, per, cols,
+                                        stage.q + x * per * cols,
+                                        stage.scale + x * scale_rows * stride, stride, stream);
+      if (e == cudaSuccess) {
+        e = cuda::DequantizeWeightBlocksFp8(stage.q + x * per * cols,
+                                            stage.scale + x * scale_rows * stride, stride, per,
+                                            cols, out + x * per * cols, stream);
+      }
+    }
+  }
+  if (e != cudaSuccess) return CudaError(e, "FP8 random weight fill");
+  // The stage is reused by the next tensor.
+  DF_CUDA(cudaStreamSynchronize(stream));
+  return absl::OkStatus();
+}
+
+// Tensor i of a GPU-made model, bf16 or fp32 in place, by its RandomInit.
+absl::Status FillRandom(const DeviceWeightPlacement& p, size_t i, uint64_t seed,
+                        cudaStream_t stream) {
+  const WeightSpec& spec = p.specs[i];
+  const int64_t n = spec.numel();
+  const RandomInit& r = spec.init;
+  const bool log_uniform = r.dist == RandomInit::Dist::kLogUniform;
+  const float a = static_cast<float>(log_uniform ? r.lo : r.scale);
+  const float b = static_cast<float>(log_uniform ? r.hi : r.offset);
+  cudaError_t e;
+  if (r.row_log_sigma > 0) {  // bf16 projections only (the MoE router)
+    const int64_t cols = spec.shape.back();
+    e = cuda::FillRowScaledRandomBf16(reinterpret_cast<cuda::bf16*>(p.dst[i]), n / cols, cols,
+                                      seed, a, b, static_cast<float>(r.row_log_sigma), stream);
+  } else if (spec.device_f32) {
+    float* f = reinterpret_cast<float*>(p.dst[i]);
+    e = log_uniform ? cuda::FillLogUniformF32(f, n, seed, a, b, stream)
+                    : cuda::FillRandomF32(f, n, seed, a, b, stream);
+  } else {
+    cuda::bf16* h = reinterpret_cast<cuda::bf16*>(p.dst[i]);
+    e = log_uniform ? cuda::FillLogUniformBf16(h, n, seed, a, b, stream)
+                    : cuda::FillRandomBf16(h, n, seed, a, b, stream);
+  }
+  if (e != cudaSuccess) return CudaError(e, "random weight fill");
+  return absl::OkStatus();
+}
+
+// The host tensors' copies to their places, in canonical order: FP8-kept
+// ones as e4m3 plus their scales padded to the GEMM's layout, the rest as
+// bf16 (or fp32), converted when their first chunk is read.
+std::vector<StagedCopy> HostCopies(const DeviceWeightPlacement& p) {
+  std::vector<StagedCopy> copies;
+  for (size_t i = 0; i < p.specs.size(); ++i) {
+    const WeightSpec& spec = p.specs[i];
+    const int64_t n = spec.numel();
+    const Tensor& t = WeightSlot(p.mw, spec);
+    if (p.dst_q[i] != nullptr) {
+      copies.push_back({.src = t.data, .bytes = static_cast<size_t>(n), .dst = p.dst_q[i]});
+      const int64_t stride = cuda::Fp8ScaleStride(spec.shape.back());
+      const int64_t scale_rows = t.scale_inv.numel() / t.scale_inv.shape.back();
+      copies.push_back(ComputedCopy(static_cast<size_t>(scale_rows * stride) * 4, p.dst_scale[i],
+                                    [&t, stride] { return Bytes(PaddedScales(t, stride)); }));
+    } else if (spec.device_f32) {
+      copies.push_back(
+          ComputedCopy(static_cast<size_t>(n) * 4, p.dst[i], [&t] { return Bytes(ToFloat(t)); }));
+    } else {
+      copies.push_back(Bf16Copy(t, p.dst[i]));
+    }
+  }
+  return copies;
+}
+
+}  // namespace
+
+size_t CudaEngine::Impl::SizeWeights(const DeviceWeightPlacement& p) {
   size_t total = 0;
-  size_t embed_index = 0, norm_index = 0;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    if (specs[i].layer >= 0) continue;
-    total += DeviceArena::Round(static_cast<size_t>(specs[i].numel()) * element_bytes(i));
-    (specs[i].global == &ModelWeights::embed_tokens ? embed_index : norm_index) = i;
+  for (size_t i = 0; i < p.specs.size(); ++i) {
+    if (p.specs[i].layer >= 0) continue;
+    total += DeviceArena::Round(static_cast<size_t>(p.specs[i].numel()) * p.ElementBytes(i));
   }
   layers.resize(static_cast<size_t>(L));
   for (int64_t l = 0; l < L; ++l) {
@@ -157,189 +291,97 @@ absl::Status CudaEngine::Impl::UploadWeights() {
     for (DeviceBlock* b : {&w.norms, &w.mixer, &w.mlp}) {
       const std::vector<DeviceBuffer>& buffers = BlockDeviceBuffers(b->kind);
       for (size_t j = 0; j < buffers.size(); ++j) {
-        const std::vector<size_t> idx = members(l, buffers[j]);
-        const size_t bytes = bytes_of(idx, fp8_rows(b->kind, j, idx));
+        const std::vector<size_t> idx = p.Members(l, buffers[j]);
+        const size_t bytes = p.BytesOf(idx, p.Fp8Rows(b->kind, j, idx));
         if (bytes > 0) total += DeviceArena::Round(bytes);
       }
     }
   }
+  return total;
+}
+
+void CudaEngine::Impl::CarveBuffer(DeviceWeightPlacement& p, DeviceBlock& b, size_t j,
+                                   const std::vector<size_t>& idx) {
+  const int64_t head_rows = p.Fp8Rows(b.kind, j, idx);
+  const size_t bytes = p.BytesOf(idx, head_rows);
+  char* base = bytes > 0 ? weights.Take<char>(static_cast<int64_t>(bytes)) : nullptr;
+  Fp8Weight fp8;
+  size_t next = 0;
+  if (head_rows > 0) {
+    const int64_t k = p.specs[idx[0]].shape.back();
+    const int64_t stride = cuda::Fp8ScaleStride(k);
+    fp8.rows = head_rows;
+    uint8_t* q = reinterpret_cast<uint8_t*>(base);
+    float* scale =
+        reinterpret_cast<float*>(base + DeviceArena::Round(static_cast<size_t>(head_rows * k)));
+    fp8.q = q;
+    fp8.scale = scale;
+    for (int64_t rows = 0; rows < head_rows; ++next) {
+      p.dst_q[idx[next]] = q + rows * k;
+      p.dst_scale[idx[next]] = scale + rows / cuda::kFp8Block * stride;
+      rows += p.RowsOf(idx[next]);
+    }
+    const int64_t scale_rows = (head_rows + cuda::kFp8Block - 1) / cuda::kFp8Block;
+    base = reinterpret_cast<char*>(scale) +
+           DeviceArena::Round(static_cast<size_t>(scale_rows * stride) * 4);
+    ++fp8_gemm_buffers;
+  }
+  for (size_t n = next; n < idx.size(); ++n) fp8_dequantized_buffers += p.IsFp8(idx[n]);
+  b.fp8.push_back(fp8);
+  b.buffers.push_back(next < idx.size() ? base : nullptr);
+  for (size_t n = next; n < idx.size(); ++n) {
+    p.dst[idx[n]] = base;
+    base += static_cast<size_t>(p.specs[idx[n]].numel()) * p.ElementBytes(idx[n]);
+  }
+}
+
+absl::Status CudaEngine::Impl::CarveWeights(DeviceWeightPlacement& p) {
+  // Sizes first, then one allocation.
+  const size_t total = SizeWeights(p);
   DF_RETURN_IF_ERROR(CheckFits(total, "weights", total));
   if (absl::Status s = weights.Reserve(total); !s.ok()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", total >> 20, " MiB for the weights: ", s.message()));
   }
-  embed = weights.Take<bf16>(specs[embed_index].numel());
-  dst[embed_index] = reinterpret_cast<char*>(embed);
-  final_norm = weights.Take<bf16>(specs[norm_index].numel());
-  dst[norm_index] = reinterpret_cast<char*>(final_norm);
+  embed = weights.Take<bf16>(p.specs[p.embed_index].numel());
+  p.dst[p.embed_index] = reinterpret_cast<char*>(embed);
+  final_norm = weights.Take<bf16>(p.specs[p.norm_index].numel());
+  p.dst[p.norm_index] = reinterpret_cast<char*>(final_norm);
   for (int64_t l = 0; l < L; ++l) {
     Layer& w = layers[static_cast<size_t>(l)];
     for (DeviceBlock* b : {&w.norms, &w.mixer, &w.mlp}) {
       const std::vector<DeviceBuffer>& buffers = BlockDeviceBuffers(b->kind);
-      for (size_t j = 0; j < buffers.size(); ++j) {
-        const std::vector<size_t> idx = members(l, buffers[j]);
-        const int64_t head_rows = fp8_rows(b->kind, j, idx);
-        const size_t bytes = bytes_of(idx, head_rows);
-        char* base = bytes > 0 ? weights.Take<char>(static_cast<int64_t>(bytes)) : nullptr;
-        Fp8Weight fp8;
-        size_t next = 0;
-        if (head_rows > 0) {
-          const int64_t k = specs[idx[0]].shape.back();
-          const int64_t stride = cuda::Fp8ScaleStride(k);
-          fp8.rows = head_rows;
-          uint8_t* q = reinterpret_cast<uint8_t*>(base);
-          float* scale = reinterpret_cast<float*>(
-              base + DeviceArena::Round(static_cast<size_t>(head_rows * k)));
-          fp8.q = q;
-          fp8.scale = scale;
-          for (int64_t rows = 0; rows < head_rows; ++next) {
-            dst_q[idx[next]] = q + rows * k;
-            dst_scale[idx[next]] = scale + rows / cuda::kFp8Block * stride;
-            rows += rows_of(idx[next]);
-          }
-          const int64_t scale_rows = (head_rows + cuda::kFp8Block - 1) / cuda::kFp8Block;
-          base = reinterpret_cast<char*>(scale) +
-                 DeviceArena::Round(static_cast<size_t>(scale_rows * stride) * 4);
-          ++fp8_gemm_buffers;
-        }
-        for (size_t n = next; n < idx.size(); ++n) fp8_dequantized_buffers += is_fp8(idx[n]);
-        b->fp8.push_back(fp8);
-        b->buffers.push_back(next < idx.size() ? base : nullptr);
-        for (size_t n = next; n < idx.size(); ++n) {
-          dst[idx[n]] = base;
-          base += static_cast<size_t>(specs[idx[n]].numel()) * element_bytes(idx[n]);
-        }
-      }
+      for (size_t j = 0; j < buffers.size(); ++j) CarveBuffer(p, *b, j, p.Members(l, buffers[j]));
     }
   }
   if (weights.used() > total) return absl::InternalError("weight carve overflow");
+  return absl::OkStatus();
+}
 
-  // Then each tensor, in canonical order: copied from the host, or filled by
-  // its RandomInit (seeded by its canonical index, so the values do not
-  // depend on the device layout).
-  const bool random = model->weights_on_device_random;
-  // GPU-made FP8 weights are drawn in bf16 as the bf16 model's are, then
-  // quantised by blocks (and, where they run in bf16, dequantised again).
-  bf16* fp8_stage = nullptr;
-  uint8_t* fp8_stage_q = nullptr;
-  float* fp8_stage_scale = nullptr;
-  if (random) {
-    int64_t most = 0, most_scales = 0;
-    for (size_t i = 0; i < specs.size(); ++i) {
-      if (!is_fp8(i)) continue;
-      const int64_t experts = specs[i].shape.size() == 3 ? specs[i].shape[0] : 1;
-      const int64_t per = rows_of(i) / experts;
-      most = std::max(most, specs[i].numel());
-      most_scales =
-          std::max(most_scales, experts * ((per + cuda::kFp8Block - 1) / cuda::kFp8Block) *
-                                    cuda::Fp8ScaleStride(specs[i].shape.back()));
-    }
-    if (most > 0) {
-      DF_CUDA(cudaMalloc(&fp8_stage, static_cast<size_t>(most) * 2));
-      DF_CUDA(cudaMalloc(&fp8_stage_q, static_cast<size_t>(most)));
-      DF_CUDA(cudaMalloc(&fp8_stage_scale, static_cast<size_t>(most_scales) * 4));
-    }
+absl::Status CudaEngine::Impl::FillRandomWeights(const DeviceWeightPlacement& p) {
+  Fp8Stage stage;
+  DF_RETURN_IF_ERROR(AllocateFp8Stage(p, stage));
+  for (size_t i = 0; i < p.specs.size(); ++i) {
+    // Seeded by the canonical index, so that the values do not depend on the
+    // device layout.
+    const uint64_t seed = model->device_random_seed * 1000003 + i + 1;
+    DF_RETURN_IF_ERROR(p.IsFp8(i) ? FillRandomFp8(p, i, seed, stage, stream)
+                                  : FillRandom(p, i, seed, stream));
   }
-  struct StageFree {
-    void* p[3];
-    ~StageFree() {
-      for (void* q : p) cudaFree(q);
-    }
-  } stage_free{{fp8_stage, fp8_stage_q, fp8_stage_scale}};
-  // Host tensors go to the device together at the end, read in parallel into
-  // pinned chunks (UploadToDevice); those that need converting are converted
-  // when their first chunk is read.
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::Impl::UploadWeights() {
+  DeviceWeightPlacement p(model->weights, Specs(), L, options.fp8_expert_gemms);
+  DF_RETURN_IF_ERROR(CarveWeights(p));
+  // Then each tensor, in canonical order: filled by its RandomInit, or
+  // copied from the host. Host tensors go to the device together at the
+  // end, read in parallel into pinned chunks (UploadToDevice).
   std::vector<StagedCopy> copies;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const WeightSpec& spec = specs[i];
-    const int64_t n = spec.numel();
-    if (random && is_fp8(i)) {
-      const uint64_t seed = model->device_random_seed * 1000003 + i + 1;
-      const RandomInit& r = spec.init;
-      if (r.dist != RandomInit::Dist::kNormal || r.row_log_sigma > 0) {
-        return absl::InternalError(absl::StrCat(spec.name, ": FP8 weights are drawn kNormal"));
-      }
-      const int64_t cols = spec.shape.back();
-      const int64_t rows = rows_of(i);
-      const int64_t stride = cuda::Fp8ScaleStride(cols);
-      cudaError_t e = cuda::FillRandomBf16(fp8_stage, n, seed, static_cast<float>(r.scale),
-                                           static_cast<float>(r.offset), stream);
-      if (dst_q[i] != nullptr) {
-        if (e == cudaSuccess) {
-          e = cuda::QuantizeWeightBlocksFp8(fp8_stage, rows, cols, dst_q[i], dst_scale[i], stride,
-                                            stream);
-        }
-      } else {
-        // Stacked experts [E, R, C]: blocks never straddle two experts.
-        const int64_t experts = spec.shape.size() == 3 ? spec.shape[0] : 1;
-        const int64_t per = rows / experts;
-        const int64_t scale_rows = (per + cuda::kFp8Block - 1) / cuda::kFp8Block;
-        bf16* out = reinterpret_cast<bf16*>(dst[i]);
-        for (int64_t x = 0; x < experts && e == cudaSuccess; ++x) {
-          e = cuda::QuantizeWeightBlocksFp8(
-              fp8_stage + x * per * cols, per, cols, fp8_stage_q + x * per * cols,
-              fp8_stage_scale + x * scale_rows * stride, stride, stream);
-          if (e == cudaSuccess) {
-            e = cuda::DequantizeWeightBlocksFp8(fp8_stage_q + x * per * cols,
-                                                fp8_stage_scale + x * scale_rows * stride, stride,
-                                                per, cols, out + x * per * cols, stream);
-          }
-        }
-      }
-      if (e != cudaSuccess) return CudaError(e, "FP8 random weight fill");
-      // The stage is reused by the next tensor.
-      DF_CUDA(cudaStreamSynchronize(stream));
-      continue;
-    }
-    if (dst_q[i] != nullptr) {
-      const Tensor& t = WeightSlot(mw, spec);
-      copies.push_back({.src = t.data, .bytes = static_cast<size_t>(n), .dst = dst_q[i]});
-      const int64_t stride = cuda::Fp8ScaleStride(spec.shape.back());
-      const int64_t scale_rows = t.scale_inv.numel() / t.scale_inv.shape.back();
-      copies.push_back(ComputedCopy(static_cast<size_t>(scale_rows * stride) * 4, dst_scale[i],
-                                    [&t, stride] { return Bytes(PaddedScales(t, stride)); }));
-      continue;
-    }
-    if (random) {
-      const uint64_t seed = model->device_random_seed * 1000003 + i + 1;
-      const RandomInit& r = spec.init;
-      const bool log_uniform = r.dist == RandomInit::Dist::kLogUniform;
-      const float a = static_cast<float>(log_uniform ? r.lo : r.scale);
-      const float b = static_cast<float>(log_uniform ? r.hi : r.offset);
-      cudaError_t e;
-      if (r.row_log_sigma > 0) {  // bf16 projections only (the MoE router)
-        const int64_t cols = spec.shape.back();
-        e = cuda::FillRowScaledRandomBf16(reinterpret_cast<bf16*>(dst[i]), n / cols, cols, seed, a,
-                                          b, static_cast<float>(r.row_log_sigma), stream);
-      } else if (spec.device_f32) {
-        float* p = reinterpret_cast<float*>(dst[i]);
-        e = log_uniform ? cuda::FillLogUniformF32(p, n, seed, a, b, stream)
-                        : cuda::FillRandomF32(p, n, seed, a, b, stream);
-      } else {
-        bf16* p = reinterpret_cast<bf16*>(dst[i]);
-        e = log_uniform ? cuda::FillLogUniformBf16(p, n, seed, a, b, stream)
-                        : cuda::FillRandomBf16(p, n, seed, a, b, stream);
-      }
-      if (e != cudaSuccess) return CudaError(e, "random weight fill");
-      continue;
-    }
-    const Tensor& t = WeightSlot(mw, spec);
-    if (spec.device_f32) {
-      copies.push_back(
-          ComputedCopy(static_cast<size_t>(n) * 4, dst[i], [&t] { return Bytes(ToFloat(t)); }));
-    } else if (t.dtype == DType::kBF16) {
-      copies.push_back({.src = t.data, .bytes = static_cast<size_t>(n) * 2, .dst = dst[i]});
-    } else {
-      copies.push_back(ComputedCopy(static_cast<size_t>(n) * 2, dst[i], [&t] {
-        const std::vector<float> f = ToFloat(t);
-        std::vector<std::byte> h(f.size() * 2);
-        for (size_t k = 0; k < f.size(); ++k) {
-          const uint16_t v = FloatToBf16(f[k]);
-          std::memcpy(h.data() + 2 * k, &v, 2);
-        }
-        return h;
-      }));
-    }
+  if (model->weights_on_device_random) {
+    DF_RETURN_IF_ERROR(FillRandomWeights(p));
+  } else {
+    copies = HostCopies(p);
   }
   DF_CUDA(cudaStreamSynchronize(stream));
   if (!copies.empty()) {
