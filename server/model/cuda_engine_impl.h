@@ -309,6 +309,25 @@ struct CudaEngine::Impl {
   }
 
   absl::Status Init(const Model* m, const CudaEngineOptions& opt);
+  // Init's steps (cuda_workspace.cc), in order: the dimensions above from the
+  // config (and the MoE kernels' limits), the device and `stream`, the FP8
+  // input width (and whether the GPU runs FP8 GEMMs), the workspace sized
+  // from the token budget then carved, the copy thread's streams, events and
+  // pinned staging, the GEMMs; then UploadWeights.
+  absl::Status TakeDimensions(const ModelConfig& c);
+  absl::Status OpenDevice(const ModelConfig& c);
+  absl::Status SetFp8Width(bool any_fp8);
+  struct WorkspaceSizes {
+    int64_t T = 0;  // the token budget in whole FP8 GEMM row groups
+    int64_t ffn_cols = 0, proj_cols = 0, capture_layers = 0, moe_rows8 = 0;
+    size_t moe_bytes = 0, gdn_bytes = 0, gemm_ws = 0;
+    size_t total = 0;  // every buffer, each rounded as DeviceArena carves it
+    bool any_moe = false, sharded_moe = false;
+  };
+  WorkspaceSizes SizeWorkspace(bool any_fp8) const;
+  absl::Status CarveWorkspace(const WorkspaceSizes& w);
+  absl::Status CreateCopyResources(int64_t T);
+  absl::Status InitGemms(bool any_fp8);
   // RESOURCE_EXHAUSTED with the memory plan, before anything is allocated,
   // when `bytes` of `what` ("weights", "workspace") cannot fit in what the
   // device has free: free and total memory, the weights and workspace, and

@@ -31,10 +31,19 @@ absl::Status CudaEngine::Impl::CheckFits(size_t bytes, const char* what,
       "weights with --tp, or use an FP8 checkpoint or --quantize fp8"));
 }
 
-absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt) {
-  model = m;
-  options = opt;
-  const ModelConfig& c = m->config;
+namespace {
+
+bool AnyMoeLayer(const ModelConfig& c) {
+  bool any_moe = false;
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    any_moe |= BlocksOfLayer(c, l).mlp == BlockKind::kMoeMlp;
+  }
+  return any_moe;
+}
+
+}  // namespace
+
+absl::Status CudaEngine::Impl::TakeDimensions(const ModelConfig& c) {
   D = c.hidden_size;
   // intermediate_size applies only where some layer has a dense MLP (a
   // Qwen3.5-MoE config has none).
@@ -59,69 +68,72 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
     C = 2 * Nk * dk + Nv * dv;
     p_gdn = C + 2 * Nv;
   }
-  bool any_moe = false;
-  for (int64_t l = 0; l < L; ++l) any_moe |= BlocksOfLayer(c, l).mlp == BlockKind::kMoeMlp;
-  if (any_moe) {
-    E = c.num_experts;
-    top_k = c.num_experts_per_tok;
-    I_moe = c.moe_intermediate_size;
-    I_shared = c.features.mlp == MlpKind::kMoeSharedExpert ? c.shared_expert_intermediate_size : 0;
-    renormalize = c.norm_topk_prob;
-    expert_begin = opt.rank.expert_begin;
-    E_local = opt.rank.num_local_experts > 0 ? opt.rank.num_local_experts : E;
-    if (expert_begin < 0 || expert_begin + E_local > E) {
-      return absl::InvalidArgumentError(absl::StrCat("rank experts [", expert_begin, ", ",
-                                                     expert_begin + E_local, ") outside the ", E,
-                                                     " experts"));
-    }
-    // The kernels' limits, checked once here rather than failing a forward.
-    if (E > cuda::kMoeMaxExperts || top_k > cuda::kMoeMaxTopK || D % 8 != 0 || I_moe % 8 != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("the CUDA MoE kernels take num_experts <= ", cuda::kMoeMaxExperts,
-                       ", num_experts_per_tok <= ", cuda::kMoeMaxTopK,
-                       " and hidden_size, moe_intermediate_size multiples of 8; this model has ", E,
-                       ", ", top_k, ", ", D, ", ", I_moe));
-    }
+  if (!AnyMoeLayer(c)) return absl::OkStatus();
+  E = c.num_experts;
+  top_k = c.num_experts_per_tok;
+  I_moe = c.moe_intermediate_size;
+  I_shared = c.features.mlp == MlpKind::kMoeSharedExpert ? c.shared_expert_intermediate_size : 0;
+  renormalize = c.norm_topk_prob;
+  expert_begin = options.rank.expert_begin;
+  E_local = options.rank.num_local_experts > 0 ? options.rank.num_local_experts : E;
+  if (expert_begin < 0 || expert_begin + E_local > E) {
+    return absl::InvalidArgumentError(absl::StrCat("rank experts [", expert_begin, ", ",
+                                                   expert_begin + E_local, ") outside the ", E,
+                                                   " experts"));
   }
-  if (options.max_layers <= 0) options.max_layers = L + 1;
+  // The kernels' limits, checked once here rather than failing a forward.
+  if (E > cuda::kMoeMaxExperts || top_k > cuda::kMoeMaxTopK || D % 8 != 0 || I_moe % 8 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the CUDA MoE kernels take num_experts <= ", cuda::kMoeMaxExperts,
+                     ", num_experts_per_tok <= ", cuda::kMoeMaxTopK,
+                     " and hidden_size, moe_intermediate_size multiples of 8; this model has ", E,
+                     ", ", top_k, ", ", D, ", ", I_moe));
+  }
+  return absl::OkStatus();
+}
 
+absl::Status CudaEngine::Impl::OpenDevice(const ModelConfig& c) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
     return absl::FailedPreconditionError("no CUDA device: use --device cpu");
   }
-  if (opt.device < 0 || opt.device >= count) {
+  if (options.device < 0 || options.device >= count) {
     return absl::InvalidArgumentError(
-        absl::StrCat("cuda:", opt.device, " does not exist (", count, " devices)"));
+        absl::StrCat("cuda:", options.device, " does not exist (", count, " devices)"));
   }
-  DF_CUDA(cudaSetDevice(opt.device));
-  DF_RETURN_IF_ERROR(CheckCudaDevice(opt.device, c));
+  DF_CUDA(cudaSetDevice(options.device));
+  DF_RETURN_IF_ERROR(CheckCudaDevice(options.device, c));
   DF_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return absl::OkStatus();
+}
 
-  // Workspace, sized once from the token budget, in whole FP8 GEMM row
-  // groups (cuBLASLt's block-scaled GEMM writes M padded to 4 rows).
-  const int64_t T = cuda::Fp8RowsPadded(options.max_tokens);
+absl::Status CudaEngine::Impl::SetFp8Width(bool any_fp8) {
   // FP8 weights quantise each GEMM's input first: room for the widest.
-  bool any_fp8 = false;
-  for (const WeightSpec& spec : Specs()) {
-    any_fp8 |= spec.layer >= 0 && WeightSlot(m->weights, spec).fp8();
-  }
   fp8_k_max = any_fp8 ? std::max({D, F, Hq * hd, Nv * dv, I_shared}) : 0;
   fp8_k_max = (fp8_k_max + cuda::kFp8Block - 1) / cuda::kFp8Block * cuda::kFp8Block;
-  if (any_fp8) {
-    // cuBLASLt serves 128x128-block FP8 scales on sm_90 only: refuse now
-    // rather than at the first batch.
-    DF_RETURN_IF_ERROR(CheckFp8Device(opt.device));
-  }
+  if (!any_fp8) return absl::OkStatus();
+  // cuBLASLt serves 128x128-block FP8 scales on sm_90 only: refuse now
+  // rather than at the first batch.
+  return CheckFp8Device(options.device);
+}
+
+CudaEngine::Impl::WorkspaceSizes CudaEngine::Impl::SizeWorkspace(bool any_fp8) const {
+  const ModelConfig& c = model->config;
+  WorkspaceSizes w;
+  // In whole FP8 GEMM row groups (cuBLASLt's block-scaled GEMM writes M
+  // padded to 4 rows).
+  const int64_t T = w.T = cuda::Fp8RowsPadded(options.max_tokens);
+  w.any_moe = AnyMoeLayer(c);
   // The shared expert runs through proj and act as the dense MLP does.
-  const int64_t ffn_cols = std::max(F, I_shared);
-  const int64_t proj_cols = std::max({p_attn, p_gdn, 2 * ffn_cols});
+  w.ffn_cols = std::max(F, I_shared);
+  w.proj_cols = std::max({p_attn, p_gdn, 2 * w.ffn_cols});
   // Every routing of T tokens fits (MoeWorkspaceBytes is the worst case).
-  const size_t moe_bytes = any_moe ? cuda::MoeWorkspaceBytes(T, static_cast<int>(E_local),
-                                                             static_cast<int>(top_k), D, I_moe)
-                                   : 0;
+  w.moe_bytes = w.any_moe ? cuda::MoeWorkspaceBytes(T, static_cast<int>(E_local),
+                                                    static_cast<int>(top_k), D, I_moe)
+                          : 0;
   // Only the capturing rank of a group holds capture buffers.
-  const int64_t capture_layers = options.rank.capture ? options.max_layers : 0;
-  const bool sharded_moe = any_moe && options.rank.all_reduce != nullptr;
+  w.capture_layers = options.rank.capture ? options.max_layers : 0;
+  w.sharded_moe = w.any_moe && options.rank.all_reduce != nullptr;
   cuda::GdnArgs probe;
   probe.num_tokens = T;
   probe.num_k_heads = Nk;
@@ -129,74 +141,83 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   probe.key_dim = dk;
   probe.value_dim = dv;
   probe.num_seqs = static_cast<int32_t>(options.max_seqs);
-  const size_t gdn_bytes = c.features.linear_attention ? cuda::GdnWorkspaceBytes(probe) : 0;
-  const size_t gemm_ws = 64 << 20;
-  size_t total = 0;
+  w.gdn_bytes = c.features.linear_attention ? cuda::GdnWorkspaceBytes(probe) : 0;
+  w.gemm_ws = 64 << 20;
+  // FP8 experts re-quantise their [T·k, I] activations.
+  w.moe_rows8 = any_fp8 && w.any_moe ? cuda::Fp8RowsPadded(T * top_k) : 0;
+  size_t& total = w.total;
   auto add = [&](size_t bytes) { total += DeviceArena::Round(std::max<size_t>(bytes, 1)); };
   add(T * 4);                                  // ids
   add((options.max_seqs + 1) * 4);             // cu_seqlens
   add(T * 4);                                  // positions
   add(T * D * 4);                              // residual
   add(T * D * 2);                              // u
-  add(T * proj_cols * 2);                      // proj
+  add(T * w.proj_cols * 2);                    // proj
   add(T * std::max<int64_t>(Nv * dv, 1) * 2);  // z
   add(T * std::max<int64_t>(C, 1) * 2);        // conv_out
   add(T * std::max(Nv * dv, Hq * hd) * 2);     // core
   add(T * std::max(Nv * dv, Hq * hd) * 2);     // normed
   add(T * D * 2);                              // mix
-  add(T * ffn_cols * 2);                       // act
+  add(T * w.ffn_cols * 2);                     // act
   add(T * E * 2);                              // router logits
   add(T * 2);                                  // shared expert gate logit
-  add(moe_bytes);
-  add(sharded_moe ? T * D * 4 : 0);  // moe_delta
-  add(T * capture_layers * D * 2);   // capture, twice
-  add(T * capture_layers * D * 2);
-  add(gdn_bytes);
-  // FP8 experts re-quantise their [T·k, I] activations.
-  const int64_t moe_rows8 = any_fp8 && any_moe ? cuda::Fp8RowsPadded(T * top_k) : 0;
-  add(moe_rows8 * I_moe);                          // moe_act8
-  add(moe_rows8 * (I_moe / cuda::kFp8Block) * 4);  // moe_act8_scale
-  add(T * fp8_k_max);                              // x8
-  add(T * (fp8_k_max / cuda::kFp8Block) * 4);      // x8_scale
-  add(gemm_ws);
-  DF_RETURN_IF_ERROR(CheckFits(total, "workspace", 0));
-  if (absl::Status s = work.Reserve(total); !s.ok()) {
-    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate the ", total >> 20,
+  add(w.moe_bytes);
+  add(w.sharded_moe ? T * D * 4 : 0);  // moe_delta
+  add(T * w.capture_layers * D * 2);   // capture, twice
+  add(T * w.capture_layers * D * 2);
+  add(w.gdn_bytes);
+  add(w.moe_rows8 * I_moe);                          // moe_act8
+  add(w.moe_rows8 * (I_moe / cuda::kFp8Block) * 4);  // moe_act8_scale
+  add(T * fp8_k_max);                                // x8
+  add(T * (fp8_k_max / cuda::kFp8Block) * 4);        // x8_scale
+  add(w.gemm_ws);
+  return w;
+}
+
+absl::Status CudaEngine::Impl::CarveWorkspace(const WorkspaceSizes& w) {
+  const int64_t T = w.T;
+  DF_RETURN_IF_ERROR(CheckFits(w.total, "workspace", 0));
+  if (absl::Status s = work.Reserve(w.total); !s.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate the ", w.total >> 20,
                                                      " MiB workspace for a token budget of ", T,
                                                      ": ", s.message()));
   }
-  workspace_total = total;
+  workspace_total = w.total;
   d_ids = work.Take<int32_t>(T);
   d_cu = work.Take<int32_t>(options.max_seqs + 1);
   d_pos = work.Take<int32_t>(T);
   residual = work.Take<float>(T * D);
   u = work.Take<bf16>(T * D);
-  proj = work.Take<bf16>(T * proj_cols);
+  proj = work.Take<bf16>(T * w.proj_cols);
   zbuf = work.Take<bf16>(T * std::max<int64_t>(Nv * dv, 1));
   conv_out = work.Take<bf16>(T * std::max<int64_t>(C, 1));
   core = work.Take<bf16>(T * std::max(Nv * dv, Hq * hd));
   normed = work.Take<bf16>(T * std::max(Nv * dv, Hq * hd));
   mix = work.Take<bf16>(T * D);
-  act = work.Take<bf16>(T * ffn_cols);
+  act = work.Take<bf16>(T * w.ffn_cols);
   router_logits = work.Take<bf16>(T * E);
   shared_logit = work.Take<bf16>(T);
-  void* moe_base = work.Take<char>(static_cast<int64_t>(moe_bytes));
-  if (any_moe && moe_base != nullptr) {
+  void* moe_base = work.Take<char>(static_cast<int64_t>(w.moe_bytes));
+  if (w.any_moe && moe_base != nullptr) {
     moe = cuda::CarveMoeWorkspace(moe_base, T, static_cast<int>(E_local), static_cast<int>(top_k),
                                   D, I_moe);
   }
-  if (sharded_moe) moe_delta = work.Take<float>(T * D);
-  captures[0] = work.Take<bf16>(T * capture_layers * D);
-  captures[1] = work.Take<bf16>(T * capture_layers * D);
+  if (w.sharded_moe) moe_delta = work.Take<float>(T * D);
+  captures[0] = work.Take<bf16>(T * w.capture_layers * D);
+  captures[1] = work.Take<bf16>(T * w.capture_layers * D);
   capture = captures[current];
-  gdn_ws = work.Take<char>(static_cast<int64_t>(gdn_bytes));
-  moe_act8 = work.Take<uint8_t>(moe_rows8 * I_moe);
-  moe_act8_scale = work.Take<float>(moe_rows8 * (I_moe / cuda::kFp8Block));
+  gdn_ws = work.Take<char>(static_cast<int64_t>(w.gdn_bytes));
+  moe_act8 = work.Take<uint8_t>(w.moe_rows8 * I_moe);
+  moe_act8_scale = work.Take<float>(w.moe_rows8 * (I_moe / cuda::kFp8Block));
   x8 = work.Take<uint8_t>(T * fp8_k_max);
   x8_scale = work.Take<float>(T * (fp8_k_max / cuda::kFp8Block));
-  gemm_workspace = work.Take<char>(gemm_ws);
-  gemm_workspace_bytes = gemm_ws;
+  gemm_workspace = work.Take<char>(static_cast<int64_t>(w.gemm_ws));
+  gemm_workspace_bytes = w.gemm_ws;
   if (gemm_workspace == nullptr) return absl::InternalError("workspace carve overflow");
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::Impl::CreateCopyResources(int64_t T) {
   DF_CUDA(cudaMallocHost(&h_ids, T * 4));
   DF_CUDA(cudaMallocHost(&h_cu, (options.max_seqs + 1) * 4));
   DF_CUDA(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
@@ -213,19 +234,41 @@ absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt
   for (cudaEvent_t& e : forwarded) {
     DF_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   }
-  DF_RETURN_IF_ERROR(gemm.Init(gemm_workspace, gemm_ws));
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::Impl::InitGemms(bool any_fp8) {
+  DF_RETURN_IF_ERROR(gemm.Init(gemm_workspace, gemm_workspace_bytes));
+  if (!any_fp8) return absl::OkStatus();
   // The FP8 GEMMs run on the same stream as the bf16 ones: they share the workspace.
-  if (any_fp8) {
-    DF_RETURN_IF_ERROR(fp8_gemm.Init(gemm_workspace, gemm_ws));
-    using Fp8Gemm = CudaEngineOptions::Fp8Gemm;
-    own_fp8_gemm = options.fp8_gemm == Fp8Gemm::kDraftfeed && cuda::HopperGemmsAvailable();
-    if (options.fp8_gemm == Fp8Gemm::kDraftfeed && !own_fp8_gemm) {
-      return absl::FailedPreconditionError(
-          "FP8 GEMM 'draftfeed' asked for, but this GPU does not run it: draftfeed's FP8 GEMM is "
-          "Hopper (sm_90a) code, and DRAFTFEED_PORTABLE_KERNELS must be unset; ask for 'auto' "
-          "(cuBLASLt's block-scaled GEMM)");
-    }
+  DF_RETURN_IF_ERROR(fp8_gemm.Init(gemm_workspace, gemm_workspace_bytes));
+  using Fp8Gemm = CudaEngineOptions::Fp8Gemm;
+  own_fp8_gemm = options.fp8_gemm == Fp8Gemm::kDraftfeed && cuda::HopperGemmsAvailable();
+  if (options.fp8_gemm == Fp8Gemm::kDraftfeed && !own_fp8_gemm) {
+    return absl::FailedPreconditionError(
+        "FP8 GEMM 'draftfeed' asked for, but this GPU does not run it: draftfeed's FP8 GEMM is "
+        "Hopper (sm_90a) code, and DRAFTFEED_PORTABLE_KERNELS must be unset; ask for 'auto' "
+        "(cuBLASLt's block-scaled GEMM)");
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaEngine::Impl::Init(const Model* m, const CudaEngineOptions& opt) {
+  model = m;
+  options = opt;
+  DF_RETURN_IF_ERROR(TakeDimensions(m->config));
+  if (options.max_layers <= 0) options.max_layers = L + 1;
+  DF_RETURN_IF_ERROR(OpenDevice(m->config));
+  bool any_fp8 = false;
+  for (const WeightSpec& spec : Specs()) {
+    any_fp8 |= spec.layer >= 0 && WeightSlot(m->weights, spec).fp8();
+  }
+  DF_RETURN_IF_ERROR(SetFp8Width(any_fp8));
+  // The workspace, sized once from the token budget.
+  const WorkspaceSizes sizes = SizeWorkspace(any_fp8);
+  DF_RETURN_IF_ERROR(CarveWorkspace(sizes));
+  DF_RETURN_IF_ERROR(CreateCopyResources(sizes.T));
+  DF_RETURN_IF_ERROR(InitGemms(any_fp8));
   return UploadWeights();
 }
 
