@@ -149,11 +149,12 @@ absl::StatusOr<TensorSlicing> CutAxis(WeightSpec spec, int tp, TpCut kind, int f
   std::vector<std::string> details;
   if (!cut.note.empty()) details.push_back(cut.note);
   if (!shared.empty()) details.push_back(shared);
-  s.rule = absl::StrCat(prefix,
-                        kind == TpCut::kRow         ? "columns"
-                        : kind == TpCut::kSegmented ? "segmented rows"
-                                                    : "rows",
-                        details.empty() ? "" : absl::StrCat(" (", absl::StrJoin(details, ", "), ")"));
+  const char* what = kind == TpCut::kRow         ? "columns"
+                     : kind == TpCut::kSegmented ? "segmented rows"
+                                                 : "rows";
+  const std::string detail =
+      details.empty() ? "" : absl::StrCat(" (", absl::StrJoin(details, ", "), ")");
+  s.rule = absl::StrCat(prefix, what, detail);
   s.spec = std::move(spec);
   return s;
 }
@@ -267,7 +268,9 @@ absl::StatusOr<TensorSlicing> SliceTensor(WeightSpec spec, int tp, MoeParallel m
                                          " (column, row or segmented: how --moe_parallel split "
                                          "cuts each expert)"));
       }
-      if (moe == MoeParallel::kSplit) return CutAxis(std::move(spec), tp, per_expert, 1, "per-expert ");
+      if (moe == MoeParallel::kSplit) {
+        return CutAxis(std::move(spec), tp, per_expert, 1, "per-expert ");
+      }
       if (spec.shape.empty() || spec.shape[0] % tp != 0) {
         return BadCut(spec, absl::StrCat("has experts that --tp ", tp, " does not divide"));
       }
