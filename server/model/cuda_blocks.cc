@@ -11,9 +11,10 @@
 #include "kernels/attention.cuh"
 #include "kernels/elementwise.cuh"
 #include "kernels/embedding.cuh"
-#include "kernels/hopper_gemm.cuh"
 #include "kernels/fp8_gemm_operands.cuh"
+#include "kernels/fp8_gemm_portable.cuh"
 #include "kernels/gdn.cuh"
+#include "kernels/hopper_gemm.cuh"
 #include "kernels/moe.cuh"
 #include "kernels/rank_sum.cuh"
 #include "kernels/rmsnorm.cuh"
@@ -52,13 +53,20 @@ absl::Status CudaEngine::Impl::Project(const DeviceBlock& b, int i, const bf16* 
   const Fp8Weight& w = b.fp8[static_cast<size_t>(i)];
   DF_RETURN_IF_ERROR(QuantizeForFp8(x, T, K));
   DF_RETURN_IF_ERROR(Timed("gemm", [&] {
-    if (own_fp8_gemm) {
-      return CudaStatus(cuda::Fp8BlockGemm(x8, x8_scale, w.q, w.scale, cuda::Fp8ScaleStride(K), y,
-                                           N, cuda::Fp8RowsPadded(T), w.rows, K, stream),
-                        "Fp8BlockGemm");
+    const int64_t m_pad = cuda::Fp8RowsPadded(T), stride = cuda::Fp8ScaleStride(K);
+    switch (fp8_gemm_path) {
+      case Fp8GemmPath::kHopper:
+        return CudaStatus(
+            cuda::Fp8BlockGemm(x8, x8_scale, w.q, w.scale, stride, y, N, m_pad, w.rows, K, stream),
+            "Fp8BlockGemm");
+      case Fp8GemmPath::kPortable:
+        return CudaStatus(cuda::Fp8BlockGemmPortable(x8, x8_scale, w.q, w.scale, stride, y, N,
+                                                     m_pad, w.rows, K, stream),
+                          "Fp8BlockGemmPortable");
+      case Fp8GemmPath::kCublasLt:
+        break;
     }
-    return fp8_gemm.Run(x8, x8_scale, w.q, w.scale, y, cuda::Fp8RowsPadded(T), w.rows, K, stream,
-                        N);
+    return fp8_gemm.Run(x8, x8_scale, w.q, w.scale, y, m_pad, w.rows, K, stream, N);
   }));
   if (w.rows == N) return absl::OkStatus();
   return Timed("gemm",

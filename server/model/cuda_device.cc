@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "kernels/attention.cuh"
 #include "kernels/gdn.cuh"
+#include "kernels/hopper_gemm.cuh"
 #include "kernels/kernel_paths.cuh"
 
 // Set by server/model/CMakeLists.txt from DRAFTFEED_CUDA_ARCHS.
@@ -55,12 +56,58 @@ std::string KernelImageProblem(const CudaDeviceFacts& gpu, const std::string& cu
 }
 
 std::string Fp8DeviceProblem(const CudaDeviceFacts& gpu) {
-  if (gpu.major == 9) return "";
+  if (gpu.major * 10 + gpu.minor >= 89) return "";
   return absl::StrCat(
-      "this FP8 model needs an sm_90 (Hopper) GPU: its GEMMs are cuBLASLt's FP8 GEMMs with "
-      "128-wide block scales, which cuBLASLt runs on sm_90 only; cuda:",
+      "this FP8 model needs an sm_89 or newer GPU: its GEMMs multiply e4m3 on the tensor cores "
+      "(mma.sync e4m3, wgmma on Hopper), which sm_89 introduced; cuda:",
       gpu.device, " (", gpu.name, ") is ", Sm(gpu),
       " (serve the bf16 checkpoint there, without --quantize fp8)");
+}
+
+const char* Fp8GemmPathName(Fp8GemmPath path) {
+  switch (path) {
+    case Fp8GemmPath::kCublasLt:
+      return "cuBLASLt's block-scaled FP8 GEMM";
+    case Fp8GemmPath::kHopper:
+      return "draftfeed's Hopper FP8 GEMM (wgmma)";
+    case Fp8GemmPath::kPortable:
+      return "draftfeed's portable FP8 GEMM (mma.sync e4m3)";
+  }
+  return "?";
+}
+
+absl::StatusOr<Fp8GemmPath> Fp8GemmChoice(const CudaDeviceFacts& gpu, bool portable_mode,
+                                          bool hopper_runs, CudaEngineOptions::Fp8Gemm asked) {
+  using Fp8Gemm = CudaEngineOptions::Fp8Gemm;
+  const bool cublaslt_runs = gpu.major == 9 && !portable_mode;
+  switch (asked) {
+    case Fp8Gemm::kDraftfeed:
+      return hopper_runs ? Fp8GemmPath::kHopper : Fp8GemmPath::kPortable;
+    case Fp8Gemm::kCublasLt:
+      if (cublaslt_runs) return Fp8GemmPath::kCublasLt;
+      return absl::FailedPreconditionError(absl::StrCat(
+          "FP8 GEMM 'cublaslt' asked for, but cuBLASLt serves 128x128-block FP8 scales on sm_90 "
+          "only: cuda:",
+          gpu.device, " (", gpu.name, ") is ", Sm(gpu),
+          portable_mode
+              ? absl::StrCat(" running another GPU's kernels (", cuda::kPortableKernelsEnv, ")")
+              : "",
+          "; ask for 'auto' or 'draftfeed' (draftfeed's portable FP8 GEMM)"));
+    case Fp8Gemm::kAuto:
+      break;
+  }
+  return cublaslt_runs ? Fp8GemmPath::kCublasLt : Fp8GemmPath::kPortable;
+}
+
+absl::StatusOr<Fp8GemmPath> ChooseFp8Gemm(int device, CudaEngineOptions::Fp8Gemm asked) {
+  DF_ASSIGN_OR_RETURN(const CudaDeviceFacts gpu, Facts(device));
+  DF_ASSIGN_OR_RETURN(
+      const Fp8GemmPath path,
+      Fp8GemmChoice(gpu, cuda::PortableKernelsMode() != cuda::PortableKernels::kAuto,
+                    cuda::HopperGemmsAvailable(), asked));
+  std::fprintf(stderr, "draftfeed: cuda:%d FP8 dense projections on %s\n", device,
+               Fp8GemmPathName(path));
+  return path;
 }
 
 absl::Status CheckCudaDevice(int device, const ModelConfig& config) {

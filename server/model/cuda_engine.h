@@ -51,11 +51,14 @@ struct CudaEngineOptions {
   // engine's maths, half the expert memory), or dequantised to bf16 at load
   // for the bf16 grouped GEMMs (bf16 activations; on the H200 faster today).
   bool fp8_expert_gemms = true;
-  // FP8 models: the GEMM behind the dense FP8 projections. kAuto and
-  // kCublasLt: cuBLASLt's block-scaled mode (on the H200 0.98-1.05x faster
-  // than ours at the 27B's shapes); kDraftfeed: draftfeed's own Hopper kernel
-  // (kernels/hopper_gemm.cuh; refused at creation where the GPU cannot
-  // run it). The MoE experts take ours wherever it runs, whatever this says.
+  // FP8 models: the GEMM behind the dense FP8 projections (ChooseFp8Gemm,
+  // cuda_device.h). kAuto: cuBLASLt's block-scaled mode on sm_90 (on the H200
+  // 0.98-1.05x faster than ours at the 27B's shapes), draftfeed's portable
+  // kernel (kernels/fp8_gemm_portable.cuh) on other GPUs and under
+  // DRAFTFEED_PORTABLE_KERNELS; kCublasLt: cuBLASLt's, refused at creation
+  // where it does not serve block scales; kDraftfeed: draftfeed's Hopper
+  // kernel (kernels/hopper_gemm.cuh) where it runs, else the portable one.
+  // The MoE experts take the Hopper kernel wherever it runs, whatever this says.
   enum class Fp8Gemm { kAuto, kDraftfeed, kCublasLt };
   Fp8Gemm fp8_gemm = Fp8Gemm::kAuto;
   // Weight upload: reader threads (0 = DefaultReadThreads()) filling pinned

@@ -26,6 +26,7 @@
 #include "kernels/common.cuh"
 #include "kernels/moe.cuh"
 #include "kernels/rmsnorm.cuh"
+#include "server/model/cuda_device.h"
 #include "server/model/cuda_engine.h"
 #include "server/model/cuda_fp8_gemm.h"
 #include "server/model/cuda_gemm.h"
@@ -126,7 +127,10 @@ struct CudaEngine::Impl {
   DeviceArena work;
   CublasLtGemm gemm;
   CublasLtFp8Gemm fp8_gemm;
-  bool own_fp8_gemm = false;  // FP8 projections on cuda::Fp8BlockGemm, not fp8_gemm
+  // The dense FP8 projections' GEMM (ChooseFp8Gemm); own_fp8_gemm: one of
+  // draftfeed's (Hopper or portable), not cuBLASLt's fp8_gemm.
+  Fp8GemmPath fp8_gemm_path = Fp8GemmPath::kCublasLt;
+  bool own_fp8_gemm = false;
   std::vector<Layer> layers;
   bf16* embed = nullptr;
   bf16* final_norm = nullptr;

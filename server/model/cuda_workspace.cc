@@ -112,8 +112,8 @@ absl::Status CudaEngine::Impl::SetFp8Width(bool any_fp8) {
   fp8_k_max = any_fp8 ? std::max({D, F, Hq * hd, Nv * dv, I_shared}) : 0;
   fp8_k_max = (fp8_k_max + cuda::kFp8Block - 1) / cuda::kFp8Block * cuda::kFp8Block;
   if (!any_fp8) return absl::OkStatus();
-  // cuBLASLt serves 128x128-block FP8 scales on sm_90 only: refuse now
-  // rather than at the first batch.
+  // FP8 GEMMs need e4m3 tensor cores (sm_89+): refuse now rather than at
+  // the first batch.
   return CheckFp8Device(options.device);
 }
 
@@ -242,14 +242,10 @@ absl::Status CudaEngine::Impl::InitGemms(bool any_fp8) {
   if (!any_fp8) return absl::OkStatus();
   // The FP8 GEMMs run on the same stream as the bf16 ones: they share the workspace.
   DF_RETURN_IF_ERROR(fp8_gemm.Init(gemm_workspace, gemm_workspace_bytes));
-  using Fp8Gemm = CudaEngineOptions::Fp8Gemm;
-  own_fp8_gemm = options.fp8_gemm == Fp8Gemm::kDraftfeed && cuda::HopperGemmsAvailable();
-  if (options.fp8_gemm == Fp8Gemm::kDraftfeed && !own_fp8_gemm) {
-    return absl::FailedPreconditionError(
-        "FP8 GEMM 'draftfeed' asked for, but this GPU does not run it: draftfeed's FP8 GEMM is "
-        "Hopper (sm_90a) code, and DRAFTFEED_PORTABLE_KERNELS must be unset; ask for 'auto' "
-        "(cuBLASLt's block-scaled GEMM)");
-  }
+  // cuBLASLt's GEMM on sm_90, else (and under DRAFTFEED_PORTABLE_KERNELS)
+  // draftfeed's portable one; 'cublaslt' is refused where it cannot serve.
+  DF_ASSIGN_OR_RETURN(fp8_gemm_path, ChooseFp8Gemm(options.device, options.fp8_gemm));
+  own_fp8_gemm = fp8_gemm_path != Fp8GemmPath::kCublasLt;
   return absl::OkStatus();
 }
 

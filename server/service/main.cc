@@ -171,10 +171,11 @@ ABSL_FLAG(std::string, fp8_experts, "fp8",
           "Qwen3.6-35B-A3B-FP8 shape runs 94,683 tokens/s against 72,231 with bf16) or "
           "dequantise them to bf16 at load (bf16: twice the expert memory).");
 ABSL_FLAG(std::string, fp8_gemm, "auto",
-          "FP8 models on CUDA: the GEMM behind the dense FP8 projections. auto or cublaslt: "
-          "cuBLASLt's block-scaled GEMM (the faster on an H200); draftfeed: draftfeed's own Hopper "
-          "kernel (refused at start-up on a GPU that cannot run it). MoE experts use draftfeed's "
-          "on Hopper either way.");
+          "FP8 models on CUDA: the GEMM behind the dense FP8 projections. auto: cuBLASLt's "
+          "block-scaled GEMM on sm_90 (the faster on an H200), draftfeed's portable one on other "
+          "GPUs (B200, RTX PRO 6000); cublaslt: cuBLASLt's (refused at start-up off sm_90); "
+          "draftfeed: draftfeed's own, its Hopper kernel where it runs, else the portable one. "
+          "MoE experts use draftfeed's on Hopper either way.");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port to serve Prometheus metrics on, at /metrics over plaintext HTTP (e.g. "
           "127.0.0.1:9400; port 0 picks a free one, logged at start-up); GET only, no request "

@@ -1,10 +1,11 @@
 // The CUDA engine's start-up messages about the GPU (server/model/cuda_device.h),
-// checked without one: what an sm_100 or sm_120 GPU is told for an FP8 model,
-// what a GPU the build does not cover is told, and a bad
-// DRAFTFEED_PORTABLE_KERNELS value.
+// checked without one: which GPUs serve an FP8 model and on which GEMM, what
+// a GPU the build does not cover is told, and a bad DRAFTFEED_PORTABLE_KERNELS
+// value.
 #include "server/model/cuda_device.h"
 
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -15,17 +16,55 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 
-TEST(CudaDeviceTest, Fp8ModelsRunOnHopperOnly) {
-  EXPECT_THAT(Fp8DeviceProblem({0, 9, 0, "NVIDIA H200"}), IsEmpty());
-  const std::string b200 = Fp8DeviceProblem({0, 10, 0, "NVIDIA B200"});
-  EXPECT_THAT(b200, HasSubstr("this FP8 model needs an sm_90 (Hopper) GPU"));
-  EXPECT_THAT(b200, HasSubstr("cuda:0 (NVIDIA B200) is sm_100"));
-  EXPECT_THAT(b200, HasSubstr("serve the bf16 checkpoint there, without --quantize fp8"));
-  const std::string rtx =
-      Fp8DeviceProblem({1, 12, 0, "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"});
-  EXPECT_THAT(rtx, HasSubstr("cuda:1 (NVIDIA RTX PRO 6000 Blackwell Workstation Edition) is "
-                             "sm_120 (serve"));
-  EXPECT_THAT(Fp8DeviceProblem({0, 10, 3, "NVIDIA B300"}), HasSubstr("is sm_103"));
+TEST(CudaDeviceTest, Fp8ModelsRunFromSm89) {
+  for (const CudaDeviceFacts& ok :
+       std::vector<CudaDeviceFacts>{{0, 9, 0, "NVIDIA H200"},
+                                    {0, 10, 0, "NVIDIA B200"},
+                                    {0, 10, 3, "NVIDIA B300"},
+                                    {1, 12, 0, "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"},
+                                    {0, 8, 9, "NVIDIA L40S"}}) {
+    EXPECT_THAT(Fp8DeviceProblem(ok), IsEmpty()) << ok.name;
+  }
+  const std::string a6000 = Fp8DeviceProblem({2, 8, 6, "NVIDIA RTX A6000"});
+  EXPECT_THAT(a6000, HasSubstr("this FP8 model needs an sm_89 or newer GPU"));
+  EXPECT_THAT(a6000, HasSubstr("cuda:2 (NVIDIA RTX A6000) is sm_86"));
+  EXPECT_THAT(a6000, HasSubstr("serve the bf16 checkpoint there, without --quantize fp8"));
+}
+
+// The dense FP8 projections' GEMM: cuBLASLt's only on sm_90 outside the
+// portable-kernel mode (where it serves 128x128-block scales), draftfeed's
+// Hopper one where it runs and is asked for, the portable one elsewhere; an
+// explicit 'cublaslt' where cuBLASLt cannot serve is refused, naming the GPU.
+TEST(CudaDeviceTest, Fp8GemmChoice) {
+  using Gemm = CudaEngineOptions::Fp8Gemm;
+  const CudaDeviceFacts h200{0, 9, 0, "NVIDIA H200"};
+  const CudaDeviceFacts rtx{1, 12, 0, "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"};
+  const CudaDeviceFacts b200{0, 10, 0, "NVIDIA B200"};
+  auto choice = [](const CudaDeviceFacts& gpu, bool portable, bool hopper, Gemm asked) {
+    const absl::StatusOr<Fp8GemmPath> path = Fp8GemmChoice(gpu, portable, hopper, asked);
+    return path.ok() ? std::string(Fp8GemmPathName(*path)) : std::string(path.status().message());
+  };
+  const std::string cublaslt = Fp8GemmPathName(Fp8GemmPath::kCublasLt);
+  const std::string hopper = Fp8GemmPathName(Fp8GemmPath::kHopper);
+  const std::string portable = Fp8GemmPathName(Fp8GemmPath::kPortable);
+  EXPECT_EQ(choice(h200, false, true, Gemm::kAuto), cublaslt);
+  EXPECT_EQ(choice(h200, false, true, Gemm::kCublasLt), cublaslt);
+  EXPECT_EQ(choice(h200, false, true, Gemm::kDraftfeed), hopper);
+  // DRAFTFEED_PORTABLE_KERNELS on the H200: what the B200 or RTX PRO 6000 runs.
+  EXPECT_EQ(choice(h200, true, false, Gemm::kAuto), portable);
+  EXPECT_EQ(choice(h200, true, false, Gemm::kDraftfeed), portable);
+  for (const CudaDeviceFacts& gpu : {rtx, b200}) {
+    EXPECT_EQ(choice(gpu, false, false, Gemm::kAuto), portable) << gpu.name;
+    EXPECT_EQ(choice(gpu, false, false, Gemm::kDraftfeed), portable) << gpu.name;
+  }
+  const std::string refused = choice(rtx, false, false, Gemm::kCublasLt);
+  EXPECT_THAT(refused, HasSubstr("FP8 GEMM 'cublaslt' asked for, but cuBLASLt serves 128x128-block "
+                                 "FP8 scales on sm_90 only"));
+  EXPECT_THAT(refused, HasSubstr("is sm_120; ask for 'auto' or 'draftfeed'"));
+  EXPECT_THAT(choice(h200, true, false, Gemm::kCublasLt),
+              HasSubstr("is sm_90 running another GPU's kernels (DRAFTFEED_PORTABLE_KERNELS)"));
+  EXPECT_EQ(Fp8GemmChoice(b200, false, false, Gemm::kCublasLt).status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(CudaDeviceTest, AGpuTheBuildDoesNotCoverIsNamedWithTheBuiltArchitectures) {

@@ -1,6 +1,9 @@
-// The CUDA engine on FP8 models (skips without a Hopper GPU): it runs the
-// projections through FP8 GEMMs and stays close to the CPU reference, which
-// computes in fp32 on the dequantised weights (what the checkpoint means).
+// The CUDA engine on FP8 models (skips without a GPU that runs the case's
+// GEMMs): it runs the projections through FP8 GEMMs and stays close to the
+// CPU reference, which computes in fp32 on the dequantised weights (what the
+// checkpoint means). Under a portable kernel set (DRAFTFEED_PORTABLE_KERNELS's
+// modes) a Hopper runs what a B200 or an RTX PRO 6000 would: the portable
+// dense FP8 GEMM and the experts' mma.sync FP8 GEMMs.
 //
 // The two differ by the GPU's run-time quantisation of every FP8 GEMM input
 // to e4m3 per 128-group: e4m3 keeps 3 mantissa bits, so each quantised
@@ -23,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/fp8_gemm_portable.cuh"
 #include "kernels/kernel_paths.cuh"
 #include "server/model/cpu_engine.h"
 #include "server/model/cuda_engine.h"
@@ -38,16 +42,23 @@ bool HasHopper() {
   return major == 9;
 }
 
-// A model, and the GEMM behind the dense FP8 projections (cuBLASLt's, or
-// draftfeed's own: kernels/hopper_gemm.cuh); both must pass the same bar.
+// A model, the GEMM asked for behind the dense FP8 projections (cuBLASLt's,
+// or draftfeed's own: kernels/hopper_gemm.cuh on Hopper, else
+// kernels/fp8_gemm_portable.cuh) and the kernel set; all pass the same bar.
 struct Case {
   const char* model;
   CudaEngineOptions::Fp8Gemm gemm;
+  cuda::PortableKernels kernels = cuda::PortableKernels::kAuto;
 };
 class CudaFp8EngineTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(CudaFp8EngineTest, RunsFp8GemmsCloseToTheDequantisedReference) {
-  if (!HasHopper()) GTEST_SKIP() << "needs an sm_90 GPU (cuBLASLt's block-scaled FP8 GEMM)";
+  const bool portable = GetParam().kernels != cuda::PortableKernels::kAuto;
+  if (portable && (CudaDeviceCount() == 0 || !cuda::PortableFp8GemmAvailable())) {
+    GTEST_SKIP() << "needs an sm_89 or newer GPU (e4m3 mma.sync)";
+  }
+  if (!portable && !HasHopper()) GTEST_SKIP() << "needs an sm_90 GPU (cuBLASLt's FP8 GEMM)";
+  cuda::ScopedPortableKernels kernels(GetParam().kernels);
   const char* name = GetParam().model;
   auto model = OpenModel(name);
   ASSERT_TRUE(model.ok()) << model.status();
@@ -103,6 +114,8 @@ TEST_P(CudaFp8EngineTest, RunsFp8GemmsCloseToTheDequantisedReference) {
 }
 
 using Gemm = CudaEngineOptions::Fp8Gemm;
+constexpr cuda::PortableKernels kSm100 = cuda::PortableKernels::kSm100;
+constexpr cuda::PortableKernels kSm120 = cuda::PortableKernels::kSm120;
 INSTANTIATE_TEST_SUITE_P(Fp8Models, CudaFp8EngineTest,
                          ::testing::Values(Case{"tiny-random-fp8", Gemm::kAuto},
                                            Case{"tiny-random-qwen3-fp8", Gemm::kAuto},
@@ -110,19 +123,27 @@ INSTANTIATE_TEST_SUITE_P(Fp8Models, CudaFp8EngineTest,
                                            Case{"tiny-random-qwen3-moe-fp8", Gemm::kAuto},
                                            Case{"tiny-random-fp8", Gemm::kDraftfeed},
                                            Case{"tiny-random-qwen3-fp8", Gemm::kDraftfeed},
-                                           Case{"tiny-random-qwen3-moe-fp8", Gemm::kDraftfeed}),
+                                           Case{"tiny-random-qwen3-moe-fp8", Gemm::kDraftfeed},
+                                           Case{"tiny-random-fp8", Gemm::kAuto, kSm120},
+                                           Case{"tiny-random-qwen3-fp8", Gemm::kAuto, kSm120},
+                                           Case{"tiny-random-moe-fp8", Gemm::kAuto, kSm120},
+                                           Case{"tiny-random-qwen3-moe-fp8", Gemm::kAuto, kSm100}),
                          [](const ::testing::TestParamInfo<Case>& info) {
-                           std::string n = std::string(info.param.model) +
-                                           (info.param.gemm == Gemm::kDraftfeed ? "_draftfeed_gemm"
-                                                                                : "_cublaslt_gemm");
+                           const bool portable = info.param.kernels != cuda::PortableKernels::kAuto;
+                           std::string n =
+                               std::string(info.param.model) +
+                               (portable ? std::string("_portable_") +
+                                               cuda::PortableKernelsName(info.param.kernels)
+                                : info.param.gemm == Gemm::kDraftfeed ? "_draftfeed_gemm"
+                                                                      : "_cublaslt_gemm");
                            std::replace(n.begin(), n.end(), '-', '_');
                            return n;
                          });
 
-// Asking for draftfeed's FP8 GEMM where it cannot run (here: the kernels a
-// B200 runs, which have no wgmma) is refused at creation, saying what to ask
-// for instead; auto still serves the model through cuBLASLt.
-TEST(CudaFp8EngineRefusals, DraftfeedGemmWhereItCannotRunIsRefused) {
+// Asking for cuBLASLt's FP8 GEMM where it does not serve block scales (here:
+// the kernels a B200 runs) is refused at creation, saying what to ask for
+// instead; auto and draftfeed serve the model on the portable GEMM.
+TEST(CudaFp8EngineRefusals, CublasLtGemmWhereItCannotRunIsRefused) {
   if (!HasHopper()) GTEST_SKIP() << "needs an sm_90 GPU (cuBLASLt's block-scaled FP8 GEMM)";
   auto model = OpenModel("tiny-random-qwen3-fp8");
   ASSERT_TRUE(model.ok()) << model.status();
@@ -130,14 +151,17 @@ TEST(CudaFp8EngineRefusals, DraftfeedGemmWhereItCannotRunIsRefused) {
   CudaEngineOptions opt;
   opt.max_tokens = 256;
   opt.max_seqs = 4;
-  opt.fp8_gemm = Gemm::kDraftfeed;
+  opt.fp8_gemm = Gemm::kCublasLt;
   auto refused = CudaEngine::Create(model->get(), opt);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_NE(refused.status().message().find("ask for 'auto'"), std::string::npos)
+  EXPECT_NE(refused.status().message().find("ask for 'auto' or 'draftfeed'"), std::string::npos)
       << refused.status();
-  opt.fp8_gemm = Gemm::kAuto;
-  EXPECT_TRUE(CudaEngine::Create(model->get(), opt).ok());
+  for (const Gemm gemm : {Gemm::kAuto, Gemm::kDraftfeed}) {
+    opt.fp8_gemm = gemm;
+    auto served = CudaEngine::Create(model->get(), opt);
+    EXPECT_TRUE(served.ok()) << served.status();
+  }
 }
 
 }  // namespace
