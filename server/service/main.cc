@@ -19,11 +19,9 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_split.h"
 #if DRAFTFEED_HAVE_CUDA
 #include "server/model/cuda_engine.h"
 #endif
@@ -225,7 +223,6 @@ int Fail(const std::string& msg) {
   return 1;
 }
 
-
 // SIGHUP: re-reads one token file into `checker` (null: not configured).
 void ReloadOnSighup(const std::string& path, TokenChecker* checker) {
   if (checker == nullptr) return;
@@ -240,135 +237,120 @@ void ReloadOnSighup(const std::string& path, TokenChecker* checker) {
        checker->size(), path.c_str());
 }
 
-int Run(TargetSignals* signals) {
-  // Which backend: explicit --devices / cuda:N, else a GPU when there is one.
-  std::string device = absl::GetFlag(FLAGS_device);
-  std::vector<int> gpus;
-  if (const std::string list = absl::GetFlag(FLAGS_devices); !list.empty()) {
-    for (absl::string_view part : absl::StrSplit(list, ',')) {
-      int g = -1;
-      if (!absl::SimpleAtoi(part, &g) || g < 0) {
-        return Fail(
-            absl::StrCat("--devices=", list, ": '", std::string(part), "' is not a GPU index"));
-      }
-      gpus.push_back(g);
-    }
-  } else if (device.rfind("cuda", 0) == 0) {
-    int g = 0;
-    if (device != "cuda" && (device.size() < 6 || device[4] != ':' ||
-                             !absl::SimpleAtoi(device.substr(5), &g) || g < 0)) {
-      return Fail(absl::StrCat("--device=", device, " is not cpu, cuda:N or auto"));
-    }
-    gpus.push_back(g);
-  } else if (device != "cpu" && device != "auto") {
-    return Fail(absl::StrCat("--device=", device, " is not cpu, cuda:N or auto"));
-  }
-#if DRAFTFEED_HAVE_CUDA
-  if (device == "auto" && gpus.empty() && CudaDeviceCount() > 0) gpus.push_back(0);
-#else
-  if (!gpus.empty()) {
-    return Fail(absl::StrCat("--device=", device,
-                             ": this build has no CUDA engine (built without nvcc); use "
-                             "--device=cpu"));
-  }
-#endif
-  if (absl::Status s = CheckTargetFlags(); !s.ok()) return Fail(std::string(s.message()));
-  const int tp = absl::GetFlag(FLAGS_tp);
-  const MoeParallel moe_parallel = *ParseMoeParallel(absl::GetFlag(FLAGS_moe_parallel));
-  if (absl::GetFlag(FLAGS_print_plan)) {
-    auto model = OpenModel(absl::GetFlag(FLAGS_model));
-    if (!model.ok()) return Fail(std::string(model.status().message()));
-    auto plan = PlanTensorParallel((*model)->config, tp, moe_parallel);
-    if (!plan.ok()) return Fail(std::string(plan.status().message()));
-    std::printf("%s: %s", (*model)->id.c_str(), DescribePlan(*plan, model->get()).c_str());
-    // The plan a target would refuse at start-up exits as that target would.
-    if (absl::Status s = CheckBlockScaleCuts(*plan, **model); !s.ok()) {
-      return Fail(std::string(s.message()));
-    }
-    return 0;
-  }
-  if (!gpus.empty() && gpus.size() % static_cast<size_t>(tp) != 0) {
-    return Fail(absl::StrCat("--tp ", tp, " groups every ", tp,
-                             " GPUs of --devices into one "
-                             "model instance; ",
-                             gpus.size(), " GPU(s) given (", absl::StrJoin(gpus, ","),
-                             ") is not a multiple of ", tp));
-  }
-  // Where it will serve and report, checked before the model loads (minutes
-  // for a large checkpoint), each with one message instead of gRPC's log.
-  if (absl::Status s = CheckListenAddress(absl::GetFlag(FLAGS_listen)); !s.ok()) {
-    return Fail(std::string(s.message()));
-  }
-  if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
-    if (absl::Status s = CheckPortFile(pf); !s.ok()) return Fail(std::string(s.message()));
-  }
-  // Security is settled before the model loads: a bad certificate or token
-  // file fails in a second, not after minutes of loading.
-  const ListenSecurity security{.tls_cert = absl::GetFlag(FLAGS_tls_cert),
-                                .tls_key = absl::GetFlag(FLAGS_tls_key),
-                                .tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca),
-                                .insecure = absl::GetFlag(FLAGS_insecure)};
-  auto credentials = MakeServerCredentials(absl::GetFlag(FLAGS_listen), security);
-  if (!credentials.ok()) return Fail(std::string(credentials.status().message()));
-  const std::string tokens_path = absl::GetFlag(FLAGS_auth_tokens_file);
-  std::shared_ptr<TokenChecker> tokens;
-  if (!tokens_path.empty()) {
-    auto file = ReadTokenFile(tokens_path);
-    if (!file.ok()) return Fail(std::string(file.status().message()));
-    for (const std::string& w : file->warnings) {
-      LogF("draftfeed-target: warning: %s", w.c_str());
-    }
-    tokens = std::make_shared<TokenChecker>(std::move(file->tokens));
-  }
-  const std::string metrics_tokens_path = absl::GetFlag(FLAGS_metrics_token_file);
-  std::shared_ptr<TokenChecker> metrics_tokens;
-  if (!metrics_tokens_path.empty()) {
-    auto file = ReadTokenFile(metrics_tokens_path);
-    if (!file.ok()) {
-      return Fail(absl::StrCat("--metrics_token_file: ", file.status().message()));
-    }
-    for (const std::string& w : file->warnings) {
-      LogF("draftfeed-target: warning: %s", w.c_str());
-    }
-    metrics_tokens = std::make_shared<TokenChecker>(std::move(file->tokens));
-  }
-  if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
-    if (absl::Status s =
-            MetricsHttpServer::CheckExposure(ml, security.insecure, metrics_tokens != nullptr);
-        !s.ok()) {
-      return Fail(std::string(s.message()));
-    }
-  } else if (metrics_tokens != nullptr) {
-    return Fail("--metrics_token_file needs --metrics_listen (the /metrics endpoint it guards)");
-  }
-
-  if (tokens != nullptr || metrics_tokens != nullptr) {
-    signals->SetReload([=] {
-      ReloadOnSighup(tokens_path, tokens.get());
-      ReloadOnSighup(metrics_tokens_path, metrics_tokens.get());
-    });
-  }
-
-  const auto t0 = std::chrono::steady_clock::now();
+// --print_plan: the tensor-parallel plan of --model, and the exit status a
+// target would have with it.
+int PrintPlan(int tp, MoeParallel moe_parallel) {
   auto model = OpenModel(absl::GetFlag(FLAGS_model));
   if (!model.ok()) return Fail(std::string(model.status().message()));
-  if (absl::GetFlag(FLAGS_check_weights)) {
-    WeightCheckStats checked;
-    if (absl::Status s = CheckWeightsFinite(**model, &checked); !s.ok()) {
-      return Fail(std::string(s.message()));
-    }
-    LogF("draftfeed-target: checked %lld weight tensors (%.1f MiB) for NaN, Inf and bad FP8 "
-         "scales in %.3fs on %d threads (--check_weights=false skips it)",
-         static_cast<long long>(checked.tensors), static_cast<double>(checked.bytes) / (1 << 20),
-         checked.seconds, checked.threads);
-  }
-  if (absl::Status s = ApplyQuantizeFlag(**model, absl::GetFlag(FLAGS_quantize)); !s.ok()) {
-    return Fail(std::string(s.message()));
-  }
-  // The plan checks --tp against the model's head counts and widths.
   auto plan = PlanTensorParallel((*model)->config, tp, moe_parallel);
   if (!plan.ok()) return Fail(std::string(plan.status().message()));
-  auto engines = MakeTargetEngines(model->get(), *plan,
+  std::printf("%s: %s", (*model)->id.c_str(), DescribePlan(*plan, model->get()).c_str());
+  // The plan a target would refuse at start-up exits as that target would.
+  if (absl::Status s = CheckBlockScaleCuts(*plan, **model); !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
+  return 0;
+}
+
+// One token file (--auth_tokens_file or --metrics_token_file), its warnings
+// logged; null when `path` is empty.
+absl::StatusOr<std::shared_ptr<TokenChecker>> LoadTokens(const std::string& path) {
+  if (path.empty()) return nullptr;
+  auto file = ReadTokenFile(path);
+  if (!file.ok()) return file.status();
+  for (const std::string& w : file->warnings) LogF("draftfeed-target: warning: %s", w.c_str());
+  return std::make_shared<TokenChecker>(std::move(file->tokens));
+}
+
+// Where the target serves and reports, and who may call it.
+struct Exposure {
+  ListenSecurity security;
+  std::shared_ptr<grpc::ServerCredentials> credentials;
+  std::shared_ptr<TokenChecker> tokens, metrics_tokens;  // null: not configured
+};
+
+// Everything about where the target serves and reports, and its security,
+// settled before the model loads (minutes for a large checkpoint): a bad
+// address, certificate or token file fails in a second, each with one message
+// instead of gRPC's log. SIGHUP re-reads the token files from here on.
+absl::StatusOr<Exposure> CheckExposure(TargetSignals* signals) {
+  if (absl::Status s = CheckListenAddress(absl::GetFlag(FLAGS_listen)); !s.ok()) return s;
+  if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
+    if (absl::Status s = CheckPortFile(pf); !s.ok()) return s;
+  }
+  Exposure e;
+  e.security = {.tls_cert = absl::GetFlag(FLAGS_tls_cert),
+                .tls_key = absl::GetFlag(FLAGS_tls_key),
+                .tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca),
+                .insecure = absl::GetFlag(FLAGS_insecure)};
+  auto credentials = MakeServerCredentials(absl::GetFlag(FLAGS_listen), e.security);
+  if (!credentials.ok()) return credentials.status();
+  e.credentials = *std::move(credentials);
+  const std::string tokens_path = absl::GetFlag(FLAGS_auth_tokens_file);
+  auto tokens = LoadTokens(tokens_path);
+  if (!tokens.ok()) return tokens.status();
+  e.tokens = *std::move(tokens);
+  const std::string metrics_tokens_path = absl::GetFlag(FLAGS_metrics_token_file);
+  auto metrics_tokens = LoadTokens(metrics_tokens_path);
+  if (!metrics_tokens.ok()) {
+    return absl::Status(metrics_tokens.status().code(),
+                        absl::StrCat("--metrics_token_file: ", metrics_tokens.status().message()));
+  }
+  e.metrics_tokens = *std::move(metrics_tokens);
+  if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
+    if (absl::Status s =
+            MetricsHttpServer::CheckExposure(ml, e.security.insecure, e.metrics_tokens != nullptr);
+        !s.ok()) {
+      return s;
+    }
+  } else if (e.metrics_tokens != nullptr) {
+    return absl::InvalidArgumentError(
+        "--metrics_token_file needs --metrics_listen (the /metrics endpoint it guards)");
+  }
+  if (e.tokens != nullptr || e.metrics_tokens != nullptr) {
+    signals->SetReload(
+        [tokens_path, metrics_tokens_path, tokens = e.tokens, metrics_tokens = e.metrics_tokens] {
+          ReloadOnSighup(tokens_path, tokens.get());
+          ReloadOnSighup(metrics_tokens_path, metrics_tokens.get());
+        });
+  }
+  return e;
+}
+
+// The model and the engines that serve it, ready for batches.
+struct LoadedTarget {
+  std::unique_ptr<Model> model;
+  std::vector<std::unique_ptr<Engine>> engines;
+  std::vector<Engine*> engine_ptrs;
+  double load_s = 0;
+};
+
+// Loads --model, checks its weights (unless --check_weights=false), applies
+// --quantize, makes the engines of the tensor-parallel plan and reserves
+// their sequence carry.
+absl::StatusOr<LoadedTarget> LoadTarget(const std::vector<int>& gpus, int tp,
+                                        MoeParallel moe_parallel) {
+  const auto t0 = std::chrono::steady_clock::now();
+  LoadedTarget t;
+  auto model = OpenModel(absl::GetFlag(FLAGS_model));
+  if (!model.ok()) return model.status();
+  t.model = *std::move(model);
+  if (absl::GetFlag(FLAGS_check_weights)) {
+    WeightCheckStats checked;
+    if (absl::Status s = CheckWeightsFinite(*t.model, &checked); !s.ok()) return s;
+    LogF(
+        "draftfeed-target: checked %lld weight tensors (%.1f MiB) for NaN, Inf and bad FP8 "
+        "scales in %.3fs on %d threads (--check_weights=false skips it)",
+        static_cast<long long>(checked.tensors), static_cast<double>(checked.bytes) / (1 << 20),
+        checked.seconds, checked.threads);
+  }
+  if (absl::Status s = ApplyQuantizeFlag(*t.model, absl::GetFlag(FLAGS_quantize)); !s.ok()) {
+    return s;
+  }
+  // The plan checks --tp against the model's head counts and widths.
+  auto plan = PlanTensorParallel(t.model->config, tp, moe_parallel);
+  if (!plan.ok()) return plan.status();
+  auto engines = MakeTargetEngines(t.model.get(), *plan,
                                    {.gpus = gpus,
                                     .cpu_threads = absl::GetFlag(FLAGS_threads),
                                     .max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens),
@@ -376,29 +358,32 @@ int Run(TargetSignals* signals) {
                                     .fp8_expert_gemms = absl::GetFlag(FLAGS_fp8_experts) == "fp8",
                                     .fp8_gemm = absl::GetFlag(FLAGS_fp8_gemm),
                                     .load_threads = absl::GetFlag(FLAGS_load_threads)});
-  if (!engines.ok()) return Fail(std::string(engines.status().message()));
-  std::vector<Engine*> engine_ptrs;
-  for (auto& e : *engines) engine_ptrs.push_back(e.get());
+  if (!engines.ok()) return engines.status();
+  t.engines = *std::move(engines);
+  for (auto& e : t.engines) t.engine_ptrs.push_back(e.get());
   const int64_t max_sequence_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
   if (absl::Status s = ReserveSequenceCarry(
-          engine_ptrs,
+          t.engine_ptrs,
           {.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens),
            .max_sequence_tokens = max_sequence_tokens,
            .require_sequence_tokens = max_sequence_tokens != kDefaultMaxSequenceTokens});
       !s.ok()) {
-    return Fail(std::string(s.message()));
+    return s;
   }
-  if (const Engine::ParallelLayout l = engine_ptrs.front()->layout(); l.tp > 1) {
+  if (const Engine::ParallelLayout l = t.engine_ptrs.front()->layout(); l.tp > 1) {
     LogF("draftfeed-target: tensor parallel over %d ranks%s, %.1f MiB of weights per rank", l.tp,
          l.moe_parallel.empty() ? "" : absl::StrCat(", moe ", l.moe_parallel).c_str(),
          static_cast<double>(l.rank_weight_bytes) / (1 << 20));
   }
-  const double load_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  t.load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return t;
+}
 
+ServiceOptions ServiceOptionsFromFlags(const std::vector<int>& gpus,
+                                       std::shared_ptr<TokenChecker> tokens) {
   ServiceOptions options;
   options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
-  options.max_sequence_tokens = max_sequence_tokens;
+  options.max_sequence_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
   options.default_credits = absl::GetFlag(FLAGS_default_credits);
   options.max_credits = absl::GetFlag(FLAGS_max_credits);
   options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
@@ -417,6 +402,8 @@ int Run(TargetSignals* signals) {
   // Pinned capture buffers: the engines copy into them at full bandwidth
   // while their next forward runs.
   if (!gpus.empty()) options.host_allocator = PinnedHostAllocator();
+#else
+  (void)gpus;
 #endif
   options.host_memory_cap_bytes =
       static_cast<int64_t>(absl::GetFlag(FLAGS_host_memory_cap_gib) * (int64_t{1} << 30));
@@ -424,50 +411,130 @@ int Run(TargetSignals* signals) {
   options.nccl_timeout_s = absl::GetFlag(FLAGS_nccl_timeout_s);
   options.nccl_setup_timeout_s = absl::GetFlag(FLAGS_nccl_setup_timeout_s);
   options.nccl_across_hosts = absl::GetFlag(FLAGS_nccl_across_hosts);
-  options.tokens = tokens;
-  TargetService service(engine_ptrs, options);
+  options.tokens = std::move(tokens);
+  return options;
+}
 
+// Builds and starts the gRPC server on --listen; its bound port in `port`.
+absl::StatusOr<std::unique_ptr<grpc::Server>> StartGrpcServer(TargetService* service,
+                                                              const Exposure& exposure, int* port) {
   grpc::EnableDefaultHealthCheckService(true);
   // Reflection cannot check a bearer token, so a target that checks them
   // serves none. Linking grpc++_reflection registers its plugin with every
   // ServerBuilder (a static initializer), called for or not: WithoutReflection
   // takes it out again.
   grpc::ServerBuilder builder;
-  if (tokens == nullptr) {
+  if (exposure.tokens == nullptr) {
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   } else {
     builder.SetOption(std::make_unique<WithoutReflection>());
   }
-  int port = 0;
-  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), *credentials, &port);
-  builder.RegisterService(&service);
+  *port = 0;
+  builder.AddListeningPort(absl::GetFlag(FLAGS_listen), exposure.credentials, port);
+  builder.RegisterService(service);
   // gRPC's default SO_REUSEPORT would let a second target bind a port that
   // one already serves, and the kernel would split the trainers between them.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.SetMaxSendMessageSize(-1);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server || port == 0) {
-    return Fail(absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen),
-                             security.tls() ? " (address in use or malformed, or --tls_key is not "
-                                              "the private key of --tls_cert?)"
-                                            : " (address in use or malformed?)"));
+  if (!server || *port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", absl::GetFlag(FLAGS_listen),
+                     exposure.security.tls() ? " (address in use or malformed, or --tls_key is "
+                                               "not the private key of --tls_cert?)"
+                                             : " (address in use or malformed?)"));
   }
-  service.ServeHealth(server.get());
+  return server;
+}
+
+// The start-up line: what is served where, how, and how long loading took.
+void LogServing(const LoadedTarget& loaded, const TargetService& service, const Exposure& exposure,
+                int port, const MetricsHttpServer* metrics_http) {
+  const Model& m = *loaded.model;
+  const TransportEnv transports = service.transport_env();
+  LogF(
+      "draftfeed-target %s: serving %s (%s, %lld layers, hidden %lld, fingerprint %s) "
+      "on port %d (%s%s), device %s, token budget %lld (batches up to %lld), %s, loaded in %.2fs%s",
+      std::string(kDraftfeedVersion).c_str(), m.id.c_str(),
+      std::string(ArchName(m.config.arch)).c_str(), static_cast<long long>(m.config.num_layers),
+      static_cast<long long>(m.config.hidden_size), m.fingerprint.c_str(), port,
+      exposure.security.Describe().c_str(),
+      exposure.tokens == nullptr
+          ? ""
+          : absl::StrCat(", ", exposure.tokens->size(), " bearer tokens").c_str(),
+      absl::StrJoin(loaded.engine_ptrs, ",",
+                    [](std::string* out, Engine* e) { out->append(e->device_name()); })
+          .c_str(),
+      static_cast<long long>(service.options().max_batch_tokens),
+      static_cast<long long>(service.max_sequence_tokens()),
+      SummarizeTransports(transports).c_str(), loaded.load_s,
+      metrics_http == nullptr
+          ? ""
+          : absl::StrCat(", metrics on http port ", metrics_http->port(), " /metrics").c_str());
+  LogF("draftfeed-target: %s", DescribeNcclTransport(transports).c_str());
+}
+
+// Waits for SIGTERM/SIGINT, then lets accepted batches finish within
+// --drain_timeout_s (a second signal exits at once: target_signals.h).
+void ServeUntilStopped(TargetSignals* signals, TargetService* service, grpc::Server* server,
+                       std::unique_ptr<ThroughputLogger> throughput) {
+  const int sig = signals->WaitForStop();
+  LogF("draftfeed-target: %s received, finishing accepted batches",
+       sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  throughput.reset();
+  service->BeginDrain();
+  const auto deadline =
+      std::chrono::system_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s));
+  server->Shutdown(deadline);
+  service->StopScheduler();
+  LogF(
+      "draftfeed-target: stopped after %lld batches, %lld tokens (%lld batches skipped: "
+      "their stream was gone before they ran)",
+      static_cast<long long>(service->scheduler().completed_batches()),
+      static_cast<long long>(service->scheduler().completed_tokens()),
+      static_cast<long long>(service->scheduler().skipped_batches()));
+  signals->Drained();  // a late signal no longer asks the service what it abandons
+}
+
+int Run(TargetSignals* signals) {
+  auto gpus = GpusFromFlags();
+  if (!gpus.ok()) return Fail(std::string(gpus.status().message()));
+  if (absl::Status s = CheckTargetFlags(); !s.ok()) return Fail(std::string(s.message()));
+  const int tp = absl::GetFlag(FLAGS_tp);
+  const MoeParallel moe_parallel = *ParseMoeParallel(absl::GetFlag(FLAGS_moe_parallel));
+  if (absl::GetFlag(FLAGS_print_plan)) return PrintPlan(tp, moe_parallel);
+  if (!gpus->empty() && gpus->size() % static_cast<size_t>(tp) != 0) {
+    return Fail(absl::StrCat("--tp ", tp, " groups every ", tp,
+                             " GPUs of --devices into one "
+                             "model instance; ",
+                             gpus->size(), " GPU(s) given (", absl::StrJoin(*gpus, ","),
+                             ") is not a multiple of ", tp));
+  }
+  auto exposure = CheckExposure(signals);
+  if (!exposure.ok()) return Fail(std::string(exposure.status().message()));
+  auto loaded = LoadTarget(*gpus, tp, moe_parallel);
+  if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
+
+  TargetService service(loaded->engine_ptrs, ServiceOptionsFromFlags(*gpus, exposure->tokens));
+  int port = 0;
+  auto server = StartGrpcServer(&service, *exposure, &port);
+  if (!server.ok()) return Fail(std::string(server.status().message()));
+  service.ServeHealth(server->get());
   // From here SIGTERM drains (before: it exits, nothing served).
   signals->Serving([&service] {
-    return absl::StrCat(service.open_streams(), " open streams and ",
-                        service.scheduler().queued(), " queued batches");
+    return absl::StrCat(service.open_streams(), " open streams and ", service.scheduler().queued(),
+                        " queued batches");
   });
   AddServiceGauges(&service, absl::GetFlag(FLAGS_metrics_per_stream));
-  AddGpuMemoryGauges(service.metrics().registry(), gpus);
+  AddGpuMemoryGauges(service.metrics().registry(), *gpus);
   std::unique_ptr<MetricsHttpServer> metrics_http;
   if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
     auto started =
         MetricsHttpServer::Start(ml, [&service] { return service.metrics().registry().Render(); },
-                                 {.tokens = metrics_tokens});
+                                 {.tokens = exposure->metrics_tokens});
     if (!started.ok()) {
-      server->Shutdown();
+      (*server)->Shutdown();
       service.StopScheduler();
       return Fail(std::string(started.status().message()));
     }
@@ -477,50 +544,15 @@ int Run(TargetSignals* signals) {
   if (const double every = absl::GetFlag(FLAGS_log_every_s); every > 0) {
     throughput = std::make_unique<ThroughputLogger>(&service, every);
   }
-  const Model& m = **model;
-  const TransportEnv transports = service.transport_env();
-  LogF(
-      "draftfeed-target %s: serving %s (%s, %lld layers, hidden %lld, fingerprint %s) "
-      "on port %d (%s%s), device %s, token budget %lld (batches up to %lld), %s, loaded in %.2fs%s",
-      std::string(kDraftfeedVersion).c_str(), m.id.c_str(),
-      std::string(ArchName(m.config.arch)).c_str(), static_cast<long long>(m.config.num_layers),
-      static_cast<long long>(m.config.hidden_size), m.fingerprint.c_str(), port,
-      security.Describe().c_str(),
-      tokens == nullptr ? "" : absl::StrCat(", ", tokens->size(), " bearer tokens").c_str(),
-      absl::StrJoin(engine_ptrs, ",",
-                    [](std::string* out, Engine* e) { out->append(e->device_name()); })
-          .c_str(),
-      static_cast<long long>(options.max_batch_tokens),
-      static_cast<long long>(service.max_sequence_tokens()),
-      SummarizeTransports(transports).c_str(), load_s,
-      metrics_http == nullptr
-          ? ""
-          : absl::StrCat(", metrics on http port ", metrics_http->port(), " /metrics").c_str());
-  LogF("draftfeed-target: %s", DescribeNcclTransport(transports).c_str());
+  LogServing(*loaded, service, *exposure, port, metrics_http.get());
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {
     if (absl::Status s = WritePortFile(pf, port); !s.ok()) {
-      server->Shutdown();
+      (*server)->Shutdown();
       service.StopScheduler();
       return Fail(std::string(s.message()));
     }
   }
-
-  const int sig = signals->WaitForStop();
-  LogF("draftfeed-target: %s received, finishing accepted batches",
-       sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  throughput.reset();
-  service.BeginDrain();
-  const auto deadline =
-      std::chrono::system_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s));
-  server->Shutdown(deadline);
-  service.StopScheduler();
-  LogF(
-      "draftfeed-target: stopped after %lld batches, %lld tokens (%lld batches skipped: "
-      "their stream was gone before they ran)",
-      static_cast<long long>(service.scheduler().completed_batches()),
-      static_cast<long long>(service.scheduler().completed_tokens()),
-      static_cast<long long>(service.scheduler().skipped_batches()));
-  signals->Drained();  // a late signal no longer asks the service what it abandons
+  ServeUntilStopped(signals, &service, server->get(), std::move(throughput));
   return 0;
 }
 

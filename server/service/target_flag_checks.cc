@@ -6,18 +6,26 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "absl/flags/declare.h"
 #include "absl/flags/flag.h"
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "common/nccl_hosts.h"
 #include "common/status_macros.h"
 #include "server/model/sharding_plan.h"
 #include "server/service/metrics_http.h"
+#if DRAFTFEED_HAVE_CUDA
+#include "server/model/cuda_engine.h"
+#endif
 
 ABSL_DECLARE_FLAG(int64_t, chunk_bytes);
 ABSL_DECLARE_FLAG(int32_t, default_credits);
+ABSL_DECLARE_FLAG(std::string, device);
+ABSL_DECLARE_FLAG(std::string, devices);
 ABSL_DECLARE_FLAG(int32_t, drain_timeout_s);
 ABSL_DECLARE_FLAG(std::string, fp8_experts);
 ABSL_DECLARE_FLAG(std::string, fp8_gemm);
@@ -113,8 +121,9 @@ absl::Status CheckTargetFlags() {
   }
   if (const int32_t p = absl::GetFlag(FLAGS_max_streams_per_client);
       !(p >= 0 && p <= absl::GetFlag(FLAGS_max_streams))) {
-    return refuse("--max_streams_per_client=", p, " must be in [0, --max_streams=",
-                  absl::GetFlag(FLAGS_max_streams), "] (0 = half of --max_streams)");
+    return refuse("--max_streams_per_client=", p,
+                  " must be in [0, --max_streams=", absl::GetFlag(FLAGS_max_streams),
+                  "] (0 = half of --max_streams)");
   }
   if (!(absl::GetFlag(FLAGS_threads) >= 0)) {
     return refuse("--threads=", absl::GetFlag(FLAGS_threads), " must be >= 0 (0 = all cores)");
@@ -170,14 +179,52 @@ absl::Status CheckTargetFlags() {
         std::tuple{"--drain_timeout_s", static_cast<double>(absl::GetFlag(FLAGS_drain_timeout_s)),
                    kMaxTimeoutS}}) {
     if (!(value >= 0 && value <= most)) {
-      return refuse(name, "=", value, " must be in [0, ", most, "] seconds (",
-                    most / 86400, " days at most)");
+      return refuse(name, "=", value, " must be in [0, ", most, "] seconds (", most / 86400,
+                    " days at most)");
     }
   }
   // Before anything calls NCCL (a tensor-parallel engine does at load).
   DF_RETURN_IF_ERROR(
       UseNcclSocketIfname(absl::GetFlag(FLAGS_nccl_socket_ifname), "--nccl_socket_ifname"));
   return absl::OkStatus();
+}
+
+// --device / --devices: the GPUs to serve on (empty: the CPU engine).
+absl::StatusOr<std::vector<int>> GpusFromFlags() {
+  // Which backend: explicit --devices / cuda:N, else a GPU when there is one.
+  const std::string device = absl::GetFlag(FLAGS_device);
+  std::vector<int> gpus;
+  if (const std::string list = absl::GetFlag(FLAGS_devices); !list.empty()) {
+    for (absl::string_view part : absl::StrSplit(list, ',')) {
+      int g = -1;
+      if (!absl::SimpleAtoi(part, &g) || g < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--devices=", list, ": '", std::string(part), "' is not a GPU index"));
+      }
+      gpus.push_back(g);
+    }
+  } else if (device.rfind("cuda", 0) == 0) {
+    int g = 0;
+    if (device != "cuda" && (device.size() < 6 || device[4] != ':' ||
+                             !absl::SimpleAtoi(device.substr(5), &g) || g < 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--device=", device, " is not cpu, cuda:N or auto"));
+    }
+    gpus.push_back(g);
+  } else if (device != "cpu" && device != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device=", device, " is not cpu, cuda:N or auto"));
+  }
+#if DRAFTFEED_HAVE_CUDA
+  if (device == "auto" && gpus.empty() && CudaDeviceCount() > 0) gpus.push_back(0);
+#else
+  if (!gpus.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device=", device,
+                     ": this build has no CUDA engine (built without nvcc); use --device=cpu"));
+  }
+#endif
+  return gpus;
 }
 
 }  // namespace draftfeed
