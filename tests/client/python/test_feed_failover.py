@@ -207,3 +207,59 @@ def test_unordered_returns_every_batch_once(make_target):
                         ordered=False) as feed:
         ids = [r.batch_id for r in feed.map([(tokens(40, i), [40]) for i in range(30)])]
     assert sorted(ids) == list(range(1, 31))
+
+
+def test_second_sigterm_mid_drain_batches_are_resent_and_arrive_once(make_target):
+    """A second SIGTERM during the drain exits the target at once (status 1), abandoning the
+    batches it had accepted. The client must re-send them to the other target: every batch
+    arrives exactly once, bit-identical to a run against one healthy target."""
+    import hashlib
+    import re
+    n = 16
+    batches = [(tokens(64, 500 + i), [40, 24]) for i in range(n)]
+
+    def digests_of(results):
+        return [hashlib.sha256(r.hidden_bits.tobytes()).hexdigest() for r in results]
+
+    healthy = make_target()
+    with draftfeed.Feed(targets=[healthy.address], layers=[0, -1]) as feed:
+        reference = digests_of(feed.map(batches))
+    healthy.kill()
+
+    # 64 tokens at 100 tokens/s: each batch runs 0.64 s, so the one the signals hit has
+    # accepted batches left whatever the timing.
+    a, b = (make_target(extra=("--throttle_tokens_per_s=100",)) for _ in range(2))
+    with draftfeed.Feed(targets=[a.address, b.address], layers=[0, -1], prefetch=n,
+                        credits_per_target=2, unavailable_timeout_s=30.0) as feed:
+        for t, lens in batches:
+            feed.submit(t, lens)
+        results = [feed.next()]
+        deadline = time.time() + 60
+
+        def on_b():
+            return {t["address"]: t for t in feed.stats()["targets"]}[b.address]
+
+        while not (on_b()["delivered_batches"] >= 1 and on_b()["outstanding_batches"] >= 1):
+            assert time.time() < deadline, feed.stats()
+            time.sleep(0.01)
+        b.proc.send_signal(signal.SIGTERM)
+        while "SIGTERM received, finishing accepted batches" not in b.output():
+            assert time.time() < deadline, b.output()
+            time.sleep(0.01)
+        abandoned = on_b()["outstanding_batches"]  # accepted or sent, not yet delivered
+        b.proc.send_signal(signal.SIGTERM)
+        assert b.proc.wait(10) == 1, b.output()
+        assert abandoned >= 1
+        m = re.search(r"second SIGTERM during the drain: exiting now, abandoning 1 open streams "
+                      r"and (\d+) queued batches", b.output())
+        assert m, b.output()
+        results += [feed.next() for _ in range(n - 1)]
+        stats = feed.stats()
+        assert stats["outstanding"] == 0
+    assert [r.batch_id for r in results] == list(range(1, n + 1))
+    assert digests_of(results) == reference
+    per = {t["address"]: t for t in stats["targets"]}
+    # The batches lost with b were delivered by a instead, none twice.
+    assert stats["resent"] >= abandoned, stats
+    assert per[b.address]["delivered_batches"] + per[a.address]["delivered_batches"] == n
+    assert stats["delivered"] == n and stats["failed"] == 0
