@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
+#include "server/service/auth_tokens.h"
 #include "tests/server/service/loopback_target.h"
 #include "tests/server/service/test_tokens.h"
 
@@ -177,10 +178,13 @@ bool Eventually(F done) {
 
 // Opens a stream capturing the last layer, sends one 12-token batch and
 // reads its result: the stream's status, and the payload bytes it got.
-grpc::Status ServeOneBatch(const std::string& address, int64_t* payload) {
-  auto stub = v1::TargetService::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+// With `token`, the call carries it as its bearer token.
+grpc::Status ServeOneBatch(const std::string& address, int64_t* payload,
+                           const std::string& token = "") {
+  auto stub =
+      v1::TargetService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
+  if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
   std::unique_ptr<Stream> stream = stub->StreamHiddenStates(&ctx);
   v1::StreamRequest req;
   *req.mutable_open() = OpenFor({-1});
@@ -267,6 +271,56 @@ TEST(HostileClientTest, OneClientHoldsAtMostItsShareOfTheStreams) {
   }
   ASSERT_TRUE(Eventually([&] { return server.service().open_streams() == 0; }));
   EXPECT_TRUE(ServeOneBatch(server.address(), &payload).ok());
+}
+
+// A client holding idle streams up to its cap (opened streams that send
+// nothing more, beside silent ones that never send Open) and asking for more
+// is refused those, while another client (another bearer token) is served
+// beside them: issue 30's "a good client is served beside idle streams at
+// the stream cap".
+TEST(HostileClientTest, AGoodClientIsServedBesideIdleStreamsAtTheCap) {
+  ServiceOptions options;
+  options.max_streams = 4;
+  options.max_streams_per_client = 2;
+  options.tokens = std::make_shared<TokenChecker>(std::vector<NamedToken>{
+      {"idle", "idle-token-0123456789abcdef"}, {"good", "good-token-0123456789abcdef"}});
+  Server server(options);
+  auto stub = v1::TargetService::NewStub(
+      grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  constexpr int kOpened = 5, kSilent = 4;
+  grpc::ClientContext contexts[kOpened + kSilent];
+  std::unique_ptr<Stream> streams[kOpened + kSilent];
+  v1::StreamRequest open;
+  *open.mutable_open() = OpenFor({-1});
+  int opened = 0, refused = 0;
+  for (int i = 0; i < kOpened + kSilent; ++i) {
+    contexts[i].AddMetadata("authorization", "Bearer idle-token-0123456789abcdef");
+    streams[i] = stub->StreamHiddenStates(&contexts[i]);
+    if (i >= kOpened) continue;  // silent: never sends Open
+    ASSERT_TRUE(streams[i]->Write(open));
+    v1::StreamResponse r;
+    if (streams[i]->Read(&r)) {
+      ASSERT_TRUE(r.has_opened());
+      ++opened;
+    } else {
+      const grpc::Status st = streams[i]->Finish();
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << st.error_message();
+      ++refused;
+    }
+  }
+  EXPECT_EQ(opened, 2);
+  EXPECT_EQ(refused, kOpened - 2);
+  ASSERT_TRUE(Eventually([&] { return server.service().StreamLoads().size() == 2 + kSilent; }));
+  EXPECT_EQ(server.service().open_streams(), 2);
+
+  for (int round = 0; round < 3; ++round) {
+    int64_t payload = 0;
+    const grpc::Status good =
+        ServeOneBatch(server.address(), &payload, "good-token-0123456789abcdef");
+    EXPECT_TRUE(good.ok()) << good.error_code() << ": " << good.error_message();
+    EXPECT_EQ(payload, 12 * server.model().config.hidden_size * 2);
+  }
+  for (int i = 0; i < kOpened + kSilent; ++i) contexts[i].TryCancel();
 }
 
 // Open.client_name lands in log lines and metric labels: a newline in it

@@ -272,3 +272,73 @@ def test_a_second_sigterm_during_the_drain_exits_at_once(tmp_path):
             pass
     finally:
         t.kill()
+
+
+def test_sighup_storms_in_every_phase_kill_nothing_and_lose_nothing(tmp_path):
+    """Issue 30's bound, 0 deaths under signals in every phase: 200 SIGHUPs while the model
+    loads, 200 while serving a client (each re-reading the token file) and 200 while
+    draining. The target serves on, drains its accepted batch to the client and exits 0."""
+    import signal
+    import time
+    import numpy as np
+    import draftfeed
+    token = "storm-token-0123456789abcdef"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"trainer: {token}\n")
+    tokens.chmod(0o600)
+    log = open(tmp_path / "log", "w+")
+    port_file = tmp_path / "port"
+    # small-random-moe loads in about 1.5 s here; 30 tokens/s keeps a batch draining.
+    p = subprocess.Popen([str(TARGET_BIN), "--model=small-random-moe", "--listen=127.0.0.1:0",
+                          f"--port_file={port_file}", "--threads=1",
+                          f"--auth_tokens_file={tokens}", "--throttle_tokens_per_s=30"],
+                         stdout=log, stderr=subprocess.STDOUT)
+
+    def storm():
+        for _ in range(200):
+            p.send_signal(signal.SIGHUP)
+        time.sleep(0.2)
+        assert p.poll() is None, read_log(log)
+
+    try:
+        deadline = time.time() + 30
+        while not blocks_sighup(p.pid):
+            assert p.poll() is None and time.time() < deadline
+            time.sleep(0.001)
+        storm()
+        assert not port_file.exists(), "the model loaded before the storm ended"
+        while not port_file.exists():
+            assert p.poll() is None, read_log(log)
+            assert time.time() < deadline + 60
+            time.sleep(0.05)
+        address = f"127.0.0.1:{int(port_file.read_text())}"
+        feed = draftfeed.Feed(targets=[address], layers=[-1], token=token)
+        batch = np.arange(15, dtype=np.int32)
+        feed.submit(batch, [15])
+        storm()  # serving, a batch running
+        first = feed.next()
+        assert np.array_equal(first.token_ids, batch)
+        feed.submit(batch, [15])
+        deadline = time.time() + 30
+        while "stream opened" not in read_log(log) or feed.stats()["outstanding"] == 0:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        time.sleep(0.1)  # the second batch runs (0.5 s at 30 tokens/s)
+        p.send_signal(signal.SIGTERM)
+        while "SIGTERM received, finishing accepted batches" not in read_log(log):
+            assert time.time() < deadline, read_log(log)
+            time.sleep(0.01)
+        storm()  # draining
+        second = feed.next()  # the accepted batch is still delivered
+        assert np.array_equal(second.hidden_bits, first.hidden_bits)
+        assert p.wait(60) == 0, read_log(log)
+        out = read_log(log)
+        assert "SIGHUP: 1 bearer tokens from" in out
+        assert "stopped after 2 batches" in out, out
+        try:
+            feed.close()
+        except draftfeed.DraftfeedError:
+            pass
+    finally:
+        p.kill()
+        p.wait()
