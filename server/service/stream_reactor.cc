@@ -173,7 +173,9 @@ void StreamReactor::OnDone() {
         .batch_errors = batch_errors_,
         .seconds =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count()};
-    if (broken_) {
+    if (idle_ended_at_.has_value()) {
+      s.status = finish_status_;  // cut as idle, even when the call was cancelled for it
+    } else if (broken_) {
       s.status = absl::CancelledError("client went away");
     } else if (!finish_status_.ok()) {
       s.status = finish_status_;
@@ -509,28 +511,39 @@ void StreamReactor::EndIfNotOpened(std::chrono::steady_clock::time_point now,
 bool StreamReactor::EndIfIdle(std::chrono::steady_clock::time_point now,
                               std::chrono::steady_clock::duration timeout) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (idle_ended_at_.has_value()) {
-    return !finished_ && write_pending_ && now - *idle_ended_at_ >= timeout;
-  }
+  if (idle_ended_at_.has_value()) return !finished_ && write_pending_;
   if (finished_ || broken_ || opening_) return false;
   if (scheduled_ > 0 && outbox_.empty() && !write_pending_) return false;  // the engine's turn
-  if (now - last_activity_ < timeout) return false;
+  // A write pending means the client's HTTP/2 window is full: it holds
+  // messages it has not read, and reads them without the target seeing, for
+  // gRPC hands window back only once half of it has been read. A client
+  // reading slowly but steadily takes writes in bursts, seconds apart, so
+  // the clock for a stream held back by its client runs kPendingWriteTimeouts
+  // times as long.
+  const auto limit = write_pending_ ? timeout * kPendingWriteTimeouts : timeout;
+  if (now - last_activity_ < limit) return false;
   idle_ended_at_ = now;
   const double seconds = std::chrono::duration<double>(timeout).count();
   FailStream(absl::DeadlineExceededError(
-      absl::StrCat("stream idle for ", seconds,
-                   " s: no message from the client, no write taken and no batch of it running "
-                   "(--stream_idle_timeout_s=",
-                   seconds, "); open a new stream")));
-  // Nothing more is read or run for it, and what it held goes back now: the
-  // status follows the write still pending, if any (Pump finishes once it is
-  // taken).
+      write_pending_
+          ? absl::StrCat("stream idle: for ", seconds * kPendingWriteTimeouts, " s (",
+                         kPendingWriteTimeouts, " x --stream_idle_timeout_s=", seconds,
+                         ") its client took no write and sent no message; read the stream or "
+                         "close it")
+          : absl::StrCat("stream idle for ", seconds,
+                         " s: no message from the client, no write taken and no batch of it "
+                         "running (--stream_idle_timeout_s=",
+                         seconds, "); open a new stream")));
+  // Nothing more is read or run for it, and what it held goes back now.
   link_->cancelled_flag = true;
   outbox_.clear();
   inflight_ = 0;
   service_->scheduler().RemoveStream(sched_stream_);
   Pump();
-  return false;
+  // With no write pending the status goes out now (Pump has finished the
+  // stream). With one, the client has taken nothing for that long: not even
+  // the status would reach it, so the caller cancels the call.
+  return write_pending_;
 }
 
 void StreamReactor::Pump() {

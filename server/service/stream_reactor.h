@@ -46,12 +46,13 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // the later of its last message read, its last write completed and its
   // last result from the scheduler, none has happened; a stream waiting for
   // the engine (batches in the scheduler, nothing of it waiting to be
-  // written) or for its transport to open is never idle. An idle stream is
-  // ended with DEADLINE_EXCEEDED naming --stream_idle_timeout_s, its unsent
-  // results dropped and its queued batches cancelled. True when the caller
-  // should cancel the call outright: an idle stream whose last write was
-  // still not taken `timeout` after it was ended (the client stopped
-  // reading, so not even the status can reach it).
+  // written) or for its transport to open is never idle, and one with a
+  // write pending (its client's window is full: it reads what it holds
+  // unseen) is idle only after kPendingWriteTimeouts x `timeout`. An idle
+  // stream is ended with DEADLINE_EXCEEDED naming --stream_idle_timeout_s,
+  // its unsent results dropped and its queued batches cancelled. True when
+  // the caller should cancel the call outright: the stream was ended with a
+  // write still pending, so not even the status can reach its client.
   bool EndIfIdle(std::chrono::steady_clock::time_point now,
                  std::chrono::steady_clock::duration timeout);
   void Cancel() { ctx_->TryCancel(); }
@@ -67,6 +68,9 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // budget has refilled. Called by the service's housekeeping thread.
   void ResumeIfThrottled(std::chrono::steady_clock::time_point now);
   static constexpr double kRejectBurst = 32;
+  // How many idle timeouts a stream whose write is pending may go without a
+  // completed write (EndIfIdle).
+  static constexpr int kPendingWriteTimeouts = 4;
 
  private:
   friend class ReactorLink;

@@ -4,22 +4,14 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
-#include <filesystem>
-#include <fstream>
 #include <future>
 #include <string>
-#include <thread>
 
 #include "absl/status/statusor.h"
 #include "tests/server/service/loopback_target.h"
-
-extern char** environ;
+#include "tests/server/service/target_process.h"
 
 namespace draftfeed {
 namespace {
@@ -88,34 +80,12 @@ TEST(HealthTest, ServingUntilTheDrainThenNotServing) {
 
 // The binary registers the same health service; SIGTERM then stops it cleanly.
 TEST(HealthTest, TargetBinaryAnswersServing) {
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::path(::testing::TempDir()) / "service_health_test";
-  fs::create_directories(dir);
-  const std::string port_file = (dir / "port").string();
-  fs::remove(port_file);
-  std::vector<std::string> args = {DRAFTFEED_TARGET_BIN, "--model=tiny-random",
-                                   "--listen=127.0.0.1:0", "--threads=1",
-                                   "--port_file=" + port_file};
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  ASSERT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ), 0);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  int port = 0;
-  while (port == 0 && std::chrono::steady_clock::now() < deadline) {
-    std::ifstream(port_file) >> port;
-    if (port == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  if (port == 0) kill(pid, SIGKILL);
-  ASSERT_NE(port, 0) << "draftfeed-target did not start";
-  const std::string address = "127.0.0.1:" + std::to_string(port);
-  auto named = HealthCheck(address, kTargetService);
-  EXPECT_TRUE(named.ok()) << named.status();
-  if (named.ok()) EXPECT_EQ(*named, kServing);
-  kill(pid, SIGTERM);
-  int status = 0;
-  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  testing::TargetProcess target({}, "service_health_test");
+  ASSERT_FALSE(target.address().empty()) << "draftfeed-target did not start";
+  auto named = HealthCheck(target.address(), kTargetService);
+  ASSERT_TRUE(named.ok()) << named.status();
+  EXPECT_EQ(*named, kServing);
+  const int status = target.Terminate();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 }
 
