@@ -147,10 +147,10 @@ class CublasLtGemm : public CublasLtPlans {
     constexpr int kCandidates = 8;
     cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int found = 0;
-    DF_CUBLAS_OK(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref_,
-                                                autotune_ ? kCandidates : 1, results, &found));
+    DF_RETURN_IF_ERROR(SinglePassCandidates(p, autotune_ ? kCandidates : 1, results, &found));
     if (found == 0) {
-      return absl::InternalError(absl::StrCat("cuBLASLt has no algorithm for ", m, "x", n, "x", k));
+      return absl::InternalError(absl::StrCat("cuBLASLt has no algorithm for ", m, "x", n, "x", k,
+                                              " that sums K in one pass (split-K 1)"));
     }
     p.algo = results[0].algo;
     if (autotune_ && found > 1) {
@@ -183,6 +183,50 @@ class CublasLtGemm : public CublasLtPlans {
     }
     tuned_algos[std::make_tuple(Bucket(m), n, k)] = p.algo;
     return absl::OkStatus();
+  }
+
+  // Batch invariance: only algorithms that sum each output over K in one
+  // pass. A split-K algorithm adds its partial sums in another order, and
+  // cuBLASLt's heuristic picks one by M (a 96-column GEMM, the GDN gates'
+  // in_proj_ba, gets split-K 3 at M = 1,500 and 1 at 5,200), so a token's
+  // bits would follow the size of its batch. Among single-pass algorithms
+  // the tile shape does not change a row's bits (tests/kernels/cuda/
+  // gemm_batch_invariance_cuda_test.cc), so neither the M bucket nor the
+  // timed choice below (which may differ from one start to the next) does.
+  // Where the heuristic offers none, its first pick is taken with split-K
+  // forced to 1, if cuBLASLt accepts that.
+  absl::Status SinglePassCandidates(Plan& p, int want, cublasLtMatmulHeuristicResult_t* out,
+                                    int* found) {
+    constexpr int kAsk = 32;
+    cublasLtMatmulHeuristicResult_t all[kAsk] = {};
+    int offered = 0;
+    DF_CUBLAS_OK(cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.c, p.c, pref_, kAsk,
+                                                all, &offered));
+    *found = 0;
+    for (int i = 0; i < offered && *found < want; ++i) {
+      if (SplitK(all[i].algo) == 1) out[(*found)++] = all[i];
+    }
+    if (*found == 0 && offered > 0) {
+      cublasLtMatmulHeuristicResult_t forced = all[0];
+      const int32_t one = 1;
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoConfigSetAttribute(&forced.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one,
+                                               sizeof one) == CUBLAS_STATUS_SUCCESS &&
+          cublasLtMatmulAlgoCheck(handle_, p.desc, p.a, p.b, p.c, p.c, &forced.algo, &check) ==
+              CUBLAS_STATUS_SUCCESS) {
+        out[(*found)++] = forced;
+      }
+    }
+    return absl::OkStatus();
+  }
+  static int32_t SplitK(const cublasLtMatmulAlgo_t& algo) {
+    int32_t splits = 1;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
+                                             sizeof splits, &written) != CUBLAS_STATUS_SUCCESS) {
+      return 0;  // unknown: not taken
+    }
+    return splits;
   }
 
   bool autotune_ = true;
