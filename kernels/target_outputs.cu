@@ -508,23 +508,16 @@ cudaError_t TargetOutputsFromLogits(const float* logits, int64_t tokens, int64_t
   if (tokens == 0 || (!top && !draft && offsets.argmax < 0)) return cudaSuccess;
   if (logits == nullptr || out == nullptr) return cudaErrorInvalidValue;
 
-  int device = 0, sms = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-      e != cudaSuccess) {
-    return e;
-  }
-  // The smallest cluster whose CTAs hold the draft slots, then larger while
-  // too few tokens to fill the GPU leave SMs idle (and each CTA keeps at
-  // least one step of ids).
+  // The smallest cluster whose CTAs hold the draft slots. Its width sets
+  // how each token's vocabulary is split over CTAs, and so the order of the
+  // log-sum-exp and draft sums: it follows the draft vocabulary only, never
+  // the token count, so a token's outputs are the same bits in any batch
+  // (widening it for batches too small to fill the GPU, as this once did,
+  // changed a short sequence's probabilities with its neighbours).
   const int64_t groups = draft ? (num_draft + kColGroup - 1) / kColGroup : 0;
   auto slots_for = [&](int log_n) { return ((groups + (1 << log_n) - 1) >> log_n) * kColGroup; };
   int log_n = 0;
   while (log_n < kMaxLogCluster && slots_for(log_n) * 4 > kMaxSlotBytes) ++log_n;
-  while (log_n < kMaxLogCluster && (tokens << log_n) < 2 * int64_t{sms} &&
-         (vocab >> (log_n + 1)) >= kStep) {
-    ++log_n;
-  }
   const int64_t n = int64_t{1} << log_n;
   if (tokens * n > INT_MAX) return cudaErrorInvalidValue;
 
