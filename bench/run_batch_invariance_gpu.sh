@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Batch invariance on one H200. Build and bundle here first, in an sm_90a tree:
+#   cmake -S . -B build-h200 -G Ninja -DCMAKE_BUILD_TYPE=Release -DDRAFTFEED_CUDA_ARCHS=90a-real
+#   cmake --build build-h200 --target draftfeed-bench gemm_batch_invariance_cuda_test \
+#     cuda_batch_invariance_test
+#   bash scripts/make-bundle.sh .bundle build-h200/bin/draftfeed-bench build-h200/tests/...
+#   tar -cJf .bundle.tar.xz .bundle
+# then on the GPU machine, from the repository root (carrying .bundle.tar.xz):
+#   PART=gemms bash bench/run_batch_invariance_gpu.sh     # each GEMM, rows alone vs packed
+#   PART=engines bash bench/run_batch_invariance_gpu.sh   # every family at real shapes
+#   PART=speed bash bench/run_batch_invariance_gpu.sh     # 49,152-token engine rate, before/after
+# FILTER narrows the engine suite (a gtest filter, e.g. '*27b_fp8*').
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[[ -d .bundle ]] || tar -xJf .bundle.tar.xz
+export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0 DRAFTFEED_SOURCE_DIR=$PWD
+part=",${PART:-gemms},"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+summary() {
+  grep -E "^\[  PASSED|^\[  FAILED|^\[  SKIPPED|^\[       OK|Failure\$|differ|rror:" || true
+}
+if [[ $part == *,gemms,* ]]; then
+  for t in gemm_batch_invariance_cuda_test kernel_batch_invariance_cuda_test \
+           kernel_batch_invariance_moe_cuda_test; do
+    echo "== $t"
+    timeout 400 .bundle/bin/$t 2>&1 | summary
+  done
+fi
+if [[ $part == *,engines,* ]]; then
+  timeout 560 .bundle/bin/cuda_batch_invariance_test --gtest_filter="${FILTER:-*}" 2>&1 | summary
+fi
+if [[ $part == *,speed,* ]]; then
+  # Side by side in one run: a draftfeed-bench-before built from the code
+  # before the change (when the bundle has one), alternated with this one.
+  for m in ${MODELS:-random:qwen3.6-27b-fp8 random:qwen3.6-35b-a3b}; do
+    for round in 1 2; do
+      for b in draftfeed-bench-before draftfeed-bench; do
+        [[ -x .bundle/bin/$b ]] || continue
+        echo "== $b $m (round $round)"
+        .bundle/bin/$b engine --model "$m" --tokens 49152 --iters 5 2>&1 | grep -E "^engine:|rror"
+      done
+    done
+  done
+fi

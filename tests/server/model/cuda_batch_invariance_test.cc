@@ -1,0 +1,182 @@
+// Batch invariance of the CUDA engine at real shapes (skips without a GPU or
+// without the memory): one 1,500-token sequence alone, then first, middle and
+// last among other sequences in batches of 5,200 tokens and middle in the
+// 49,152-token budget, and again alone in a freshly created engine (its GEMM
+// algorithms chosen anew). Its rows (hidden states at five layers, then the
+// target outputs: argmax, top-8, probs over a 4,096-id draft vocabulary) must
+// be bit-identical in every placement. Random weights amplify a first
+// difference layer by layer, so the table printed per placement (differing
+// tokens per captured layer) points at the layer where a difference starts.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/capture_encoding.h"
+#include "common/target_outputs.h"
+#include "server/model/cuda_engine.h"
+#include "server/model/model.h"
+
+namespace draftfeed {
+namespace {
+
+constexpr int32_t kSequence = 1500;
+
+std::vector<int32_t> Tokens(int64_t n, int64_t vocab, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (auto& t : ids) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(vocab));
+  return ids;
+}
+
+// A batch holding the sequence at `index` of `lens` (its entry == kSequence).
+struct Placement {
+  const char* name;
+  std::vector<int32_t> lens;
+  int index;
+};
+
+std::vector<Placement> Placements() {
+  return {
+      {"first of 5200", {kSequence, 2000, 1700}, 0},
+      {"middle of 5200", {1800, kSequence, 1900}, 1},
+      {"last of 5200", {3700, kSequence}, 1},
+      {"middle of 49152", {8192, 8192, 4000, kSequence, 8192, 8192, 8192, 2692}, 3},
+  };
+}
+
+struct Case {
+  const char* model;
+  CudaEngineOptions::Fp8Gemm fp8_gemm = CudaEngineOptions::Fp8Gemm::kAuto;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  std::string n = info.param.model;
+  if (info.param.fp8_gemm == CudaEngineOptions::Fp8Gemm::kDraftfeed) n += "_own_fp8_gemm";
+  for (char& ch : n) {
+    if (ch == '-' || ch == ':' || ch == '.') ch = '_';
+  }
+  return n;
+}
+
+class CudaBatchInvariance : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBatchInvariance, ASequenceGetsTheSameBitsWhereverItIsPacked) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  size_t free_b = 0, total_b = 0;
+  cudaMemGetInfo(&free_b, &total_b);
+  if (free_b < (size_t{120} << 30)) GTEST_SKIP() << "needs 120 GiB of GPU memory";
+  auto model = OpenModel(GetParam().model);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const ModelConfig& c = (*model)->config;
+  CudaEngineOptions opt;
+  opt.max_tokens = 49152;
+  opt.max_seqs = 16;
+  opt.max_layers = 5;
+  opt.fp8_gemm = GetParam().fp8_gemm;
+  auto engine = CudaEngine::Create(model->get(), opt);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+
+  const int32_t L = static_cast<int32_t>(c.num_layers);
+  const std::vector<int32_t> layers = {0, 1, 2, L / 2, kFinalLayerId};
+  TargetOutputs outputs{.argmax = true, .top_k = 8};
+  if ((*engine)->serves_target_outputs()) {
+    std::vector<int32_t> all(static_cast<size_t>(c.vocab_size));
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), std::mt19937_64(3));
+    outputs.draft_vocab.assign(all.begin(), all.begin() + 4096);
+  } else {
+    outputs = TargetOutputs{};
+  }
+  const std::vector<int32_t> seq = Tokens(kSequence, c.vocab_size, 7);
+
+  auto run = [&](CudaEngine& e, const std::vector<int32_t>& lens, int index,
+                 std::vector<std::byte>& out) -> size_t {
+    std::vector<int32_t> ids;
+    size_t begin = 0;
+    for (int i = 0; i < static_cast<int>(lens.size()); ++i) {
+      if (i == index) {
+        begin = ids.size();
+        ids.insert(ids.end(), seq.begin(), seq.end());
+      } else {
+        const auto other = Tokens(lens[static_cast<size_t>(i)], c.vocab_size, 100 + i);
+        ids.insert(ids.end(), other.begin(), other.end());
+      }
+    }
+    ForwardInput in{ids, lens, layers};
+    in.outputs = &outputs;
+    out.assign(CaptureBytes(c, in), std::byte{0});
+    const absl::Status s = e.Forward(in, out);
+    EXPECT_TRUE(s.ok()) << s;
+    return begin;
+  };
+
+  const size_t row = CaptureBytes(c, ForwardInput{seq, std::vector<int32_t>{kSequence}, layers,
+                                                  CaptureEncoding::kBf16, &outputs}) /
+                     kSequence;
+  const size_t layer_bytes = static_cast<size_t>(c.hidden_size) * 2;
+  std::vector<std::byte> alone;
+  run(**engine, {kSequence}, 0, alone);
+
+  // Differing tokens per captured layer and in the outputs, against `alone`.
+  auto compare = [&](const char* what, const std::vector<std::byte>& got, size_t begin) {
+    std::vector<int64_t> differing(layers.size() + 1, 0);
+    for (size_t t = 0; t < static_cast<size_t>(kSequence); ++t) {
+      const std::byte* a = alone.data() + t * row;
+      const std::byte* b = got.data() + (begin + t) * row;
+      for (size_t j = 0; j < layers.size(); ++j) {
+        differing[j] += std::memcmp(a + j * layer_bytes, b + j * layer_bytes, layer_bytes) != 0;
+      }
+      const size_t tail = layers.size() * layer_bytes;
+      differing.back() += std::memcmp(a + tail, b + tail, row - tail) != 0;
+    }
+    std::string table;
+    for (size_t j = 0; j < layers.size(); ++j) {
+      table += " L" + std::to_string(layers[j]) + "=" + std::to_string(differing[j]);
+    }
+    table += " outputs=" + std::to_string(differing.back());
+    std::printf("%s, %s: differing tokens%s\n", GetParam().model, what, table.c_str());
+    for (size_t j = 0; j < differing.size(); ++j) {
+      EXPECT_EQ(differing[j], 0) << what << ": capture slot " << j << "\n" << table;
+    }
+  };
+
+  std::vector<std::byte> again;
+  run(**engine, {kSequence}, 0, again);
+  compare("alone again", again, 0);
+  for (const Placement& p : Placements()) {
+    std::vector<std::byte> got;
+    const size_t begin = run(**engine, p.lens, p.index, got);
+    compare(p.name, got, begin);
+  }
+  engine->reset();
+  auto fresh = CudaEngine::Create(model->get(), opt);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  run(**fresh, {kSequence}, 0, again);
+  compare("alone, new engine", again, 0);
+}
+
+using Fp8Gemm = CudaEngineOptions::Fp8Gemm;
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaBatchInvariance,
+                         ::testing::Values(Case{"random:qwen3.6-27b"},
+                                           Case{"random:qwen3.6-27b-fp8"},
+                                           Case{"random:qwen3.6-27b-fp8", Fp8Gemm::kDraftfeed},
+                                           Case{"random:qwen3.6-35b-a3b"},
+                                           Case{"random:qwen3.6-35b-a3b-fp8"},
+                                           Case{"random:qwen3-30b-a3b"},
+                                           Case{"random:qwen3-8b"},
+                                           Case{"random:qwen3-8b-fp8"}),
+                         CaseName);
+
+}  // namespace
+}  // namespace draftfeed
