@@ -2,9 +2,14 @@
 # The layering rules the code relies on, checked rather than hoped for:
 #  - nothing under client/ includes anything under server/;
 #  - kernels/ includes nothing of the project's other layers, gRPC, protobuf or Abseil;
-#  - DRAFTFEED_HAVE_NCCL appears only in the NCCL transport's files, their
-#    registration and CMake (the service and the feed never ask which transport
-#    they hold);
+#  - one folder per transport on each side, as a plugin would have
+#    (server/service/transports/<name>/, client/src/transports/<name>/, each
+#    with its CMakeLists.txt), and NCCL only under transports/nccl/: nothing
+#    else of server/service/ or client/src/ includes nccl.h or common/nccl/,
+#    calls NCCL or includes that folder's headers, but the registrations
+#    (server/service/transport_registry.cc, client/src/transports.cc);
+#  - DRAFTFEED_HAVE_NCCL appears only there, in common/nccl/ and in CMake (the
+#    service and the feed never ask which transport they hold);
 #  - a client-only build (DRAFTFEED_BUILD_SERVER=OFF, CUDA off) compiles no engine
 #    or model kernel and links neither CUDA nor NCCL.
 # Usage: scripts/check_layering.sh [--no-build]   (CLIENT_BUILD_DIR=build-client)
@@ -19,10 +24,26 @@ fi
 if hits=$(grep -rnE '#include [<"](proto/|server/|client/|common/|draftfeed/|absl/|grpc|google/protobuf)' kernels/); then
   fail "kernels/ includes a framework or another layer:"$'\n'"$hits"
 fi
-# The NCCL switch: files named for NCCL, the transport registrations and CMake.
+# The transports: a folder each, NCCL in its own.
+registrations='^(server/service/transport_registry\.cc|client/src/transports\.cc)$'
+for side in server/service client/src; do
+  for dir in "$side"/transports/*/; do
+    [[ -f $dir/CMakeLists.txt ]] || fail "transport folder ${dir%/} has no CMakeLists.txt"
+  done
+  [[ -d $side/transports/nccl ]] || fail "$side/transports/nccl/ is missing"
+  if hits=$(grep -rlE '#include [<"](nccl\.h|common/nccl/)|\bnccl[A-Z][A-Za-z]*\(' "$side" |
+            grep -v "^$side/transports/nccl/"); then
+    fail "NCCL used in $side outside $side/transports/nccl/:"$'\n'"$hits"
+  fi
+  if hits=$(grep -rlE "#include \"$side/transports/nccl/" "$side" |
+            grep -v "^$side/transports/nccl/" | grep -vE "$registrations"); then
+    fail "$side/transports/nccl/ headers included outside it and its registration:"$'\n'"$hits"
+  fi
+done
 if hits=$(grep -rln DRAFTFEED_HAVE_NCCL server/ client/ common/ kernels/ proto/ |
-          grep -vE "(nccl[^/]*|transport_registry[^/]*|client/src/transports\.cc|CMakeLists\.txt)\$"); then
-  fail "DRAFTFEED_HAVE_NCCL outside the NCCL transport's files:"$'\n'"$hits"
+          grep -vE '^(server/service|client/src)/transports/nccl/|^common/nccl/|CMakeLists\.txt$' |
+          grep -vE "$registrations"); then
+  fail "DRAFTFEED_HAVE_NCCL outside transports/nccl/, common/nccl/ and the registrations:"$'\n'"$hits"
 fi
 
 if [[ ${1:-} != --no-build ]]; then
@@ -45,4 +66,5 @@ if [[ ${1:-} != --no-build ]]; then
 fi
 
 if (( failed )); then exit 1; fi
-echo "layering: client/server/kernels boundaries hold; the client-only build has no engine, CUDA or NCCL"
+echo "layering: client/server/kernels boundaries hold; NCCL only under transports/nccl/;" \
+  "the client-only build has no engine, CUDA or NCCL"

@@ -26,8 +26,8 @@
 
 #include "absl/status/status.h"
 #include "client/src/feed_rates.h"
-#include "client/src/grpc_stream.h"
 #include "client/src/transport.h"
+#include "client/src/transports/grpc/grpc_stream.h"
 #include "common/capture_encoding.h"
 #include "common/host_buffer_pool.h"
 #include "common/payload_checksum.h"

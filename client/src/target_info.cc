@@ -11,7 +11,7 @@
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
-#include "client/src/grpc_stream.h"
+#include "client/src/transports/grpc/grpc_stream.h"
 
 namespace draftfeed {
 namespace {

@@ -5,11 +5,11 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "client/src/grpc_transport.h"
 #include "client/src/transport.h"
+#include "client/src/transports/grpc/grpc_transport.h"
 #include "common/nccl_hosts.h"
 #if DRAFTFEED_HAVE_NCCL
-#include "client/src/nccl_transport.h"
+#include "client/src/transports/nccl/nccl_transport.h"
 #endif
 
 namespace draftfeed {

@@ -4,10 +4,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/service/grpc_stream_transport.h"
-#include "server/service/nccl_hosts_rule.h"
+#include "server/service/transports/grpc/grpc_stream_transport.h"
+#include "server/service/transports/nccl/nccl_hosts_rule.h"
 #if DRAFTFEED_HAVE_NCCL
-#include "server/service/nccl_stream_transport.h"
+#include "server/service/transports/nccl/nccl_stream_transport.h"
 #endif
 
 namespace draftfeed {

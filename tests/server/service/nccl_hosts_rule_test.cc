@@ -1,7 +1,7 @@
 // The cross-host rule of the NCCL transport (every build): who may use NCCL
 // from another host, what the refusals and notes say, what the start-up line
 // and TargetInfo report.
-#include "server/service/nccl_hosts_rule.h"
+#include "server/service/transports/nccl/nccl_hosts_rule.h"
 
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-#include "server/service/nccl_stream_transport.h"
+#include "server/service/transports/nccl/nccl_stream_transport.h"
 
 #include <atomic>
 #include <cstdlib>
@@ -10,7 +10,7 @@
 #include "common/nccl/nccl_peer.h"
 #include "common/nccl_hosts.h"
 #include "common/thread_name.h"
-#include "server/service/nccl_hosts_rule.h"
+#include "server/service/transports/nccl/nccl_hosts_rule.h"
 
 namespace draftfeed {
 

@@ -1,4 +1,4 @@
-#include "server/service/chunk_writer.h"
+#include "server/service/transports/grpc/chunk_writer.h"
 
 #include <algorithm>
 #include <utility>

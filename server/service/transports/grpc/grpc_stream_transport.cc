@@ -1,8 +1,8 @@
-#include "server/service/grpc_stream_transport.h"
+#include "server/service/transports/grpc/grpc_stream_transport.h"
 
 #include <utility>
 
-#include "server/service/chunk_writer.h"
+#include "server/service/transports/grpc/chunk_writer.h"
 
 namespace draftfeed {
 

@@ -1,4 +1,4 @@
-#include "client/src/grpc_stream.h"
+#include "client/src/transports/grpc/grpc_stream.h"
 
 #include <grpcpp/support/proto_buffer_reader.h>
 

@@ -1,4 +1,4 @@
-#include "client/src/grpc_transport.h"
+#include "client/src/transports/grpc/grpc_transport.h"
 
 #include "absl/strings/str_cat.h"
 #include "common/host_buffer_pool.h"

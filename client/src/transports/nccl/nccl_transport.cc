@@ -1,4 +1,4 @@
-#include "client/src/nccl_transport.h"
+#include "client/src/transports/nccl/nccl_transport.h"
 
 #include <cuda_runtime.h>
 
@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "client/src/grpc_transport.h"
+#include "client/src/transports/grpc/grpc_transport.h"
 #include "common/host_buffer_pool.h"
 #include "common/nccl/nccl_peer.h"
 #include "common/nccl_hosts.h"

@@ -1,4 +1,4 @@
-#include "server/service/nccl_hosts_rule.h"
+#include "server/service/transports/nccl/nccl_hosts_rule.h"
 
 #include "absl/strings/str_cat.h"
 #include "common/nccl_hosts.h"
