@@ -10,6 +10,9 @@
 #    (server/service/transport_registry.cc, client/src/transports.cc);
 #  - DRAFTFEED_HAVE_NCCL appears only there, in common/nccl/ and in CMake (the
 #    service and the feed never ask which transport they hold);
+#  - no two units of server/service/ (a.h with a.cc, subfolders included)
+#    include each other's headers: a stream reaches the service through what
+#    it is handed, not back through the service's header;
 #  - a client-only build (DRAFTFEED_BUILD_SERVER=OFF, CUDA off) compiles no engine
 #    or model kernel and links neither CUDA nor NCCL.
 # Usage: scripts/check_layering.sh [--no-build]   (CLIENT_BUILD_DIR=build-client)
@@ -45,6 +48,21 @@ if hits=$(grep -rln DRAFTFEED_HAVE_NCCL server/ client/ common/ kernels/ proto/ 
           grep -vE "$registrations"); then
   fail "DRAFTFEED_HAVE_NCCL outside transports/nccl/, common/nccl/ and the registrations:"$'\n'"$hits"
 fi
+
+# Mutual includes among server/service/'s units: a unit is a.h with a.cc.
+declare -A includes
+while IFS= read -r file; do
+  unit=${file%.*}
+  includes[$unit]+=" $( (grep -oE '^#include "server/service/[^"]+\.h"' "$file" || true) |
+    sed -E 's/^#include "(.*)\.h"$/\1/' | tr '\n' ' ')"
+done < <(find server/service -name '*.h' -o -name '*.cc')
+for a in "${!includes[@]}"; do
+  for b in ${includes[$a]}; do
+    if [[ $a < $b && " ${includes[$b]:-} " == *" $a "* ]]; then
+      fail "server/service units include each other: $a and $b"
+    fi
+  done
+done
 
 if [[ ${1:-} != --no-build ]]; then
   dir=${CLIENT_BUILD_DIR:-build-client}

@@ -526,7 +526,7 @@ int Run(TargetSignals* signals) {
     return absl::StrCat(service.open_streams(), " open streams and ", service.scheduler().queued(),
                         " queued batches");
   });
-  AddServiceGauges(&service, absl::GetFlag(FLAGS_metrics_per_stream));
+  AddServiceGauges(service.stream_context(), absl::GetFlag(FLAGS_metrics_per_stream));
   AddGpuMemoryGauges(service.metrics().registry(), *gpus);
   std::unique_ptr<MetricsHttpServer> metrics_http;
   if (const std::string ml = absl::GetFlag(FLAGS_metrics_listen); !ml.empty()) {
@@ -542,7 +542,7 @@ int Run(TargetSignals* signals) {
   }
   std::unique_ptr<ThroughputLogger> throughput;
   if (const double every = absl::GetFlag(FLAGS_log_every_s); every > 0) {
-    throughput = std::make_unique<ThroughputLogger>(&service, every);
+    throughput = std::make_unique<ThroughputLogger>(service.stream_context(), every);
   }
   LogServing(*loaded, service, *exposure, port, metrics_http.get());
   if (const std::string pf = absl::GetFlag(FLAGS_port_file); !pf.empty()) {

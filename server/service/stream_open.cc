@@ -10,7 +10,8 @@
 #include "absl/strings/str_join.h"
 #include "common/status_macros.h"
 #include "server/model/engine.h"
-#include "server/service/target_service.h"
+#include "server/model/model.h"
+#include "server/service/service_options.h"
 #include "server/service/transport_registry.h"
 
 namespace draftfeed {
@@ -24,10 +25,10 @@ std::string WireEncodingName(v1::Encoding e) {
   return absl::AsciiStrToLower(absl::string_view(full).substr(sizeof("ENCODING_") - 1));
 }
 
-absl::StatusOr<CaptureEncoding> ResolveEncoding(const TargetService& service, v1::Encoding asked) {
+absl::StatusOr<CaptureEncoding> ResolveEncoding(const StreamContext& target, v1::Encoding asked) {
   // ENCODING_UNSPECIFIED is what an older client sends: bf16, the first encoding.
   const v1::Encoding wire = asked == v1::ENCODING_UNSPECIFIED ? v1::ENCODING_BF16 : asked;
-  const std::vector<CaptureEncoding> served = service.encodings();
+  const std::vector<CaptureEncoding>& served = target.encodings;
   const std::optional<CaptureEncoding> encoding = EncodingFromWire(wire);
   if (encoding.has_value() && std::find(served.begin(), served.end(), *encoding) != served.end()) {
     return *encoding;
@@ -49,9 +50,19 @@ absl::Status ValidateLayers(const ModelConfig& config, std::span<const int32_t> 
   return ValidateForwardInput(config, in, 1);
 }
 
+// OK when a batch of `asked` capture layers is within the engines' limit
+// (`most`, 0 = none), else the error naming TargetInfo.max_capture_layers.
+absl::Status CheckCaptureLayers(int64_t most, size_t asked) {
+  if (most == 0 || static_cast<int64_t>(asked) <= most) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(asked, " capture layers asked; this target captures at most ", most,
+                   " per batch (TargetInfo.max_capture_layers; start it with a larger "
+                   "--max_capture_layers)"));
+}
+
 // Open.target_outputs as the engines take it; null when it asks nothing.
 absl::StatusOr<std::shared_ptr<const TargetOutputs>> PlanTargetOutputs(
-    const TargetService& service, const v1::TargetOutputs& asked) {
+    const StreamContext& target, const v1::TargetOutputs& asked) {
   auto outputs = std::make_shared<TargetOutputs>();
   outputs->argmax = asked.argmax();
   outputs->top_k = asked.top_k();
@@ -66,11 +77,11 @@ absl::StatusOr<std::shared_ptr<const TargetOutputs>> PlanTargetOutputs(
   }
   outputs->probs_encoding = *EncodingFromWire(wire);
   if (outputs->empty()) return std::shared_ptr<const TargetOutputs>();
-  DF_RETURN_IF_ERROR(ValidateTargetOutputs(*outputs, service.model().config.vocab_size));
-  if (!service.serves_target_outputs()) {
+  DF_RETURN_IF_ERROR(ValidateTargetOutputs(*outputs, target.model.config.vocab_size));
+  if (!target.serves_target_outputs) {
     return absl::FailedPreconditionError(absl::StrCat(
         "target_outputs (argmax, top_k, draft_vocab) asked, but this target cannot compute them: ",
-        service.model().id, " has no lm_head (its checkpoint stores none and does not tie it to "
+        target.model.id, " has no lm_head (its checkpoint stores none and does not tie it to "
         "the embedding); TargetInfo.target_outputs is absent on such targets"));
   }
   return std::shared_ptr<const TargetOutputs>(std::move(outputs));
@@ -101,8 +112,8 @@ absl::Status CheckClientName(const std::string& name) {
 
 }  // namespace
 
-absl::StatusOr<StreamPlan> PlanStream(const TargetService& service, const v1::Open& open) {
-  const Model& model = service.model();
+absl::StatusOr<StreamPlan> PlanStream(const StreamContext& target, const v1::Open& open) {
+  const Model& model = target.model;
   if (!open.expected_fingerprint().empty() && open.expected_fingerprint() != model.fingerprint) {
     return absl::FailedPreconditionError(absl::StrCat(
         "model fingerprint mismatch: the client expects ", open.expected_fingerprint(),
@@ -110,20 +121,20 @@ absl::StatusOr<StreamPlan> PlanStream(const TargetService& service, const v1::Op
   }
   DF_RETURN_IF_ERROR(CheckClientName(open.client_name()));
   StreamPlan plan;
-  DF_ASSIGN_OR_RETURN(plan.encoding, ResolveEncoding(service, open.encoding()));
+  DF_ASSIGN_OR_RETURN(plan.encoding, ResolveEncoding(target, open.encoding()));
   DF_RETURN_IF_ERROR(CheckTransportKnown(open.transport()));
   plan.layers.assign(open.layers().begin(), open.layers().end());
-  DF_ASSIGN_OR_RETURN(plan.outputs, PlanTargetOutputs(service, open.target_outputs()));
+  DF_ASSIGN_OR_RETURN(plan.outputs, PlanTargetOutputs(target, open.target_outputs()));
   DF_RETURN_IF_ERROR(ValidateLayers(model.config, plan.layers, plan.outputs.get()));
-  DF_RETURN_IF_ERROR(service.CheckCaptureLayers(plan.layers.size()));
-  const ServiceOptions& opt = service.options();
+  DF_RETURN_IF_ERROR(CheckCaptureLayers(target.max_capture_layers, plan.layers.size()));
+  const ServiceOptions& opt = target.options;
   plan.credits = open.max_inflight_batches() <= 0
                      ? opt.default_credits
                      : std::min(open.max_inflight_batches(), opt.max_credits);
   return plan;
 }
 
-absl::StatusOr<BatchPlan> PlanBatch(const TargetService& service, const StreamPlan& stream,
+absl::StatusOr<BatchPlan> PlanBatch(const StreamContext& target, const StreamPlan& stream,
                                     const v1::Batch& batch) {
   BatchPlan out;
   out.token_ids.assign(batch.token_ids().begin(), batch.token_ids().end());
@@ -137,10 +148,10 @@ absl::StatusOr<BatchPlan> PlanBatch(const TargetService& service, const StreamPl
   out.outputs = stream.outputs;
   ForwardInput in{out.token_ids, out.seq_lens, out.layers, out.encoding};
   in.outputs = out.outputs.get();
-  const int64_t limit = service.max_sequence_tokens();
+  const int64_t limit = target.max_sequence_tokens;
   absl::Status valid;
   if (static_cast<int64_t>(out.token_ids.size()) > limit) {
-    const int64_t forward = service.options().max_batch_tokens;
+    const int64_t forward = target.options.max_batch_tokens;
     valid = absl::InvalidArgumentError(
         limit > forward
             ? absl::StrCat("it has ", out.token_ids.size(), " tokens, over this target's ",
@@ -151,9 +162,9 @@ absl::StatusOr<BatchPlan> PlanBatch(const TargetService& service, const StreamPl
                            " (it does not run longer batches in chunks: see "
                            "--max_sequence_tokens); split it into smaller batches"));
   } else {
-    valid = ValidateForwardInput(service.model().config, in, limit);
+    valid = ValidateForwardInput(target.model.config, in, limit);
   }
-  if (valid.ok()) valid = service.CheckCaptureLayers(out.layers.size());
+  if (valid.ok()) valid = CheckCaptureLayers(target.max_capture_layers, out.layers.size());
   if (!valid.ok()) {
     return absl::Status(valid.code(),
                         absl::StrCat("batch ", batch.batch_id(), ": ", valid.message()));

@@ -12,10 +12,9 @@
 #include "common/capture_encoding.h"
 #include "common/target_outputs.h"
 #include "draftfeed/v1/draftfeed.pb.h"
+#include "server/service/stream_context.h"
 
 namespace draftfeed {
-
-class TargetService;
 
 // The longest Open.client_name a stream may give.
 inline constexpr size_t kMaxClientNameBytes = 128;
@@ -34,7 +33,7 @@ struct StreamPlan {
 // without lm_head; INVALID_ARGUMENT: an encoding the target does not serve,
 // bad layers or bad target outputs (naming the field); UNIMPLEMENTED: an
 // unknown transport.
-absl::StatusOr<StreamPlan> PlanStream(const TargetService& service, const v1::Open& open);
+absl::StatusOr<StreamPlan> PlanStream(const StreamContext& target, const v1::Open& open);
 
 // What one Batch on a stream of `stream_layers` and `encoding` asks the engine: its tokens,
 // lengths and layers (the stream's when the batch names none), checked
@@ -47,7 +46,7 @@ struct BatchPlan {
   CaptureEncoding encoding = CaptureEncoding::kBf16;
   std::shared_ptr<const TargetOutputs> outputs;
 };
-absl::StatusOr<BatchPlan> PlanBatch(const TargetService& service, const StreamPlan& stream,
+absl::StatusOr<BatchPlan> PlanBatch(const StreamContext& target, const StreamPlan& stream,
                                     const v1::Batch& batch);
 
 }  // namespace draftfeed

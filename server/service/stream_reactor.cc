@@ -12,8 +12,9 @@
 #include "server/service/batch_parts.h"
 #include "server/service/call_auth.h"
 #include "server/service/status_util.h"
+#include "server/model/model.h"
+#include "server/service/service_options.h"
 #include "server/service/stream_open.h"
-#include "server/service/target_service.h"
 #include "server/service/transport_registry.h"
 
 namespace draftfeed {
@@ -92,17 +93,17 @@ StreamResponse DoneMessage(uint64_t batch_id, const ForwardResult& r, uint64_t c
 
 }  // namespace
 
-StreamReactor::StreamReactor(TargetService* service, grpc::CallbackServerContext* ctx,
+StreamReactor::StreamReactor(const StreamContext& target, grpc::CallbackServerContext* ctx,
                              std::string token_name)
-    : service_(service),
+    : target_(target),
       ctx_(ctx),
       token_name_(std::move(token_name)),
       peer_(ctx->peer()),
       started_(std::chrono::steady_clock::now()),
       link_(std::make_shared<ReactorLink>(this)),
-      sched_stream_(service->scheduler().AddStream(service->options().max_stream_pending_bytes)),
+      sched_stream_(target.scheduler.AddStream(target.options.max_stream_pending_bytes)),
       last_activity_(std::chrono::steady_clock::now()) {
-  service_->Register(this);
+  target_.streams.Register(this);
   std::lock_guard<std::mutex> lock(mu_);
   Pump();
 }
@@ -179,14 +180,14 @@ void StreamReactor::OnDone() {
       s.status = absl::CancelledError("client went away");
     } else if (!finish_status_.ok()) {
       s.status = finish_status_;
-    } else if ((draining_ || service_->draining()) && !reads_done_) {
+    } else if ((draining_ || target_.draining.load()) && !reads_done_) {
       s.status = absl::UnavailableError("target is shutting down");
     }
     if (s.refused) {
-      service_->metrics().CountStreamRefused(s.status.code());
-      service_->LogRefusedStream(StreamClosedLine(s));
+      target_.metrics.CountStreamRefused(s.status.code());
+      target_.streams.LogRefusedStream(StreamClosedLine(s));
     } else {
-      service_->metrics().CountStreamClosed(s.status.code());
+      target_.metrics.CountStreamClosed(s.status.code());
       std::fprintf(stderr, "%s\n", StreamClosedLine(s).c_str());
     }
   }
@@ -195,8 +196,8 @@ void StreamReactor::OnDone() {
     link_->reactor = nullptr;
     link_->cancelled_flag = true;
   }
-  service_->Unregister(this);
-  service_->scheduler().RemoveStream(sched_stream_);
+  target_.streams.Unregister(this);
+  target_.scheduler.RemoveStream(sched_stream_);
   delete this;  // the transport's destructor joins its threads
 }
 
@@ -271,21 +272,21 @@ void StreamReactor::HandleOpen() {
     return;
   }
   const v1::Open& open = req_.open();
-  absl::StatusOr<StreamPlan> plan = PlanStream(*service_, open);
+  absl::StatusOr<StreamPlan> plan = PlanStream(target_, open);
   if (!plan.ok()) {
     FailStream(plan.status());
     return;
   }
   // The stream counts against --max_streams (and its client's share) from
   // here: one that never sends Open holds no slot.
-  if (absl::Status admitted = service_->Admit(this, ClientKey()); !admitted.ok()) {
+  if (absl::Status admitted = target_.streams.Admit(this, ClientKey()); !admitted.ok()) {
     FailStream(std::move(admitted));
     return;
   }
   credits_ = plan->credits;
   plan_ = *std::move(plan);
   absl::StatusOr<std::unique_ptr<StreamTransport>> transport =
-      OpenStreamTransport(service_->transport_env(), open, link_);
+      OpenStreamTransport(target_.transport_env, open, link_);
   if (!transport.ok()) {
     FailStream(transport.status());
     return;
@@ -300,11 +301,11 @@ void StreamReactor::HandleOpen() {
 }
 
 void StreamReactor::SendOpened(const TransportOpened& transport) {
-  const ServiceOptions& opt = service_->options();
+  const ServiceOptions& opt = target_.options;
   opened_ = true;
   StreamResponse resp;
   v1::Opened* opened = resp.mutable_opened();
-  *opened->mutable_info() = service_->Info();
+  *opened->mutable_info() = target_.info;
   for (int32_t l : plan_.layers) opened->add_layers(l);
   opened->set_encoding(static_cast<v1::Encoding>(plan_.encoding));
   if (plan_.outputs != nullptr) {
@@ -325,7 +326,7 @@ void StreamReactor::SendOpened(const TransportOpened& transport) {
   LogStreamOpened(*ctx_, token_name_, req_.open(), *opened);
   client_name_ = req_.open().client_name();
   transport_kind_ = transport.transport;
-  service_->metrics().CountStreamOpened();
+  target_.metrics.CountStreamOpened();
 }
 
 void StreamReactor::HandleRequest() {
@@ -339,13 +340,13 @@ void StreamReactor::HandleRequest() {
   }
   v1::Batch* batch = req_.mutable_batch();
   const uint64_t batch_id = batch->batch_id();
-  if (draining_ || service_->draining()) {
+  if (draining_ || target_.draining.load()) {
     RejectBatch(batch_id,
                 absl::UnavailableError("target is shutting down; send this batch elsewhere"));
     return;
   }
-  absl::StatusOr<BatchPlan> planned = PlanBatch(*service_, plan_, *batch);
-  const int64_t forward_tokens = service_->options().max_batch_tokens;
+  absl::StatusOr<BatchPlan> planned = PlanBatch(target_, plan_, *batch);
+  const int64_t forward_tokens = target_.options.max_batch_tokens;
   if (planned.ok() && transport_kind_ == v1::TRANSPORT_NCCL &&
       static_cast<int64_t>(planned->token_ids.size()) > forward_tokens) {
     // The NCCL transport sends one device capture per batch.
@@ -367,16 +368,16 @@ void StreamReactor::HandleRequest() {
   item.stream = sched_stream_;
   ForwardInput shape{item.token_ids, item.seq_lens, item.layers, item.encoding};
   shape.outputs = item.outputs.get();
-  item.result_bytes = static_cast<int64_t>(CaptureBytes(service_->model().config, shape));
+  item.result_bytes = static_cast<int64_t>(CaptureBytes(target_.model.config, shape));
   std::shared_ptr<ReactorLink> link = link_;
   item.cancelled = [link] { return link->cancelled(); };
-  item.max_forward_tokens = service_->options().max_batch_tokens;
+  item.max_forward_tokens = target_.options.max_batch_tokens;
   item.done = [link, batch_id, charged = item.result_bytes,
                parts = std::make_shared<BatchParts>()](absl::StatusOr<ForwardResult> r) {
     link->Deliver(batch_id, charged, std::move(r), *parts);
   };
   transport_->Post(batch_id, item);
-  if (absl::Status s = service_->scheduler().Submit(std::move(item)); !s.ok()) {
+  if (absl::Status s = target_.scheduler.Submit(std::move(item)); !s.ok()) {
     RejectBatch(batch_id, s);
     return;
   }
@@ -390,7 +391,7 @@ void StreamReactor::RejectBatch(uint64_t batch_id, const absl::Status& status) {
   // and queue errors without bound.
   // Its bytes count against the stream's pending cap too, as a result would.
   ++inflight_;
-  if (service_->options().max_rejects_per_s > 0) {
+  if (target_.options.max_rejects_per_s > 0) {
     RefillRejects(std::chrono::steady_clock::now());
     reject_tokens_ -= 1;
     if (reject_tokens_ < 1 && !reject_paused_) {
@@ -399,7 +400,7 @@ void StreamReactor::RejectBatch(uint64_t batch_id, const absl::Status& status) {
     }
   }
   const int64_t bytes = static_cast<int64_t>(sizeof(StreamResponse)) + status.message().size();
-  service_->scheduler().ChargePending(sched_stream_, bytes);
+  target_.scheduler.ChargePending(sched_stream_, bytes);
   PushError(batch_id, status, bytes);
 }
 
@@ -411,14 +412,14 @@ void StreamReactor::PushError(uint64_t batch_id, const absl::Status& status,
   err->set_code(static_cast<int32_t>(status.code()));
   err->set_message(std::string(status.message()));
   ++batch_errors_;
-  service_->metrics().CountBatchError(status.code());
+  target_.metrics.CountBatchError(status.code());
   Enqueue(Outgoing{
       .message = std::move(resp), .releases_credit = true, .pending_bytes = pending_bytes});
 }
 
 void StreamReactor::Enqueue(Outgoing out) {
   outbox_.push_back(std::move(out));
-  service_->NoteQueuedResponses(static_cast<int64_t>(outbox_.size()));
+  target_.streams.NoteQueuedResponses(static_cast<int64_t>(outbox_.size()));
 }
 
 void StreamReactor::FailStream(absl::Status status) {
@@ -428,7 +429,7 @@ void StreamReactor::FailStream(absl::Status status) {
 
 void StreamReactor::Settle(const Outgoing& out) {
   if (out.releases_credit) --inflight_;
-  if (out.pending_bytes > 0) service_->scheduler().ReleasePending(sched_stream_, out.pending_bytes);
+  if (out.pending_bytes > 0) target_.scheduler.ReleasePending(sched_stream_, out.pending_bytes);
 }
 
 void StreamReactor::NextMessage() {
@@ -453,7 +454,7 @@ void StreamReactor::NextMessage() {
   const double send_s = transport_kind_ == v1::TRANSPORT_NCCL || !out.first_sent.has_value()
                             ? r.send_ms / 1e3
                             : std::chrono::duration<double>(now - *out.first_sent).count();
-  service_->metrics().CountBatchServed(transport_kind_, r.batch_tokens(), payload, r.queue_ms / 1e3,
+  target_.metrics.CountBatchServed(transport_kind_, r.batch_tokens(), payload, r.queue_ms / 1e3,
                                        r.forward_ms / 1e3, send_s);
   ++batches_served_;
   tokens_served_ += r.batch_tokens();
@@ -469,12 +470,12 @@ StreamLoad StreamReactor::Load() {
                     .client_name = client_name_,
                     .credits = opened_ ? credits_ : 0,
                     .inflight = inflight_,
-                    .pending_bytes = service_->scheduler().pending_bytes(sched_stream_),
+                    .pending_bytes = target_.scheduler.pending_bytes(sched_stream_),
                     .reject_pauses = reject_pauses_};
 }
 
 void StreamReactor::RefillRejects(std::chrono::steady_clock::time_point now) {
-  const double rate = service_->options().max_rejects_per_s;
+  const double rate = target_.options.max_rejects_per_s;
   const double elapsed = std::chrono::duration<double>(now - reject_refilled_at_).count();
   reject_tokens_ = std::min(kRejectBurst, reject_tokens_ + elapsed * rate);
   reject_refilled_at_ = now;
@@ -538,7 +539,7 @@ bool StreamReactor::EndIfIdle(std::chrono::steady_clock::time_point now,
   link_->cancelled_flag = true;
   outbox_.clear();
   inflight_ = 0;
-  service_->scheduler().RemoveStream(sched_stream_);
+  target_.scheduler.RemoveStream(sched_stream_);
   Pump();
   // With no write pending the status goes out now (Pump has finished the
   // stream). With one, the client has taken nothing for that long: not even
@@ -560,7 +561,7 @@ void StreamReactor::Pump() {
     write_pending_ = true;
     StartWrite(&raw_resp_);
   }
-  const bool draining = draining_ || service_->draining();
+  const bool draining = draining_ || target_.draining.load();
   if (!read_pending_ && !reads_done_ && !draining && !opening_ && !reject_paused_ &&
       (!opened_ || inflight_ < credits_)) {
     read_pending_ = true;

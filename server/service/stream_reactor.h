@@ -19,20 +19,24 @@
 #include "common/capture_encoding.h"
 #include "draftfeed/v1/draftfeed.pb.h"
 #include "server/service/scheduler.h"
+#include "server/service/stream_context.h"
 #include "server/service/stream_open.h"
+#include "server/service/stream_registry.h"
 #include "server/service/stream_transport.h"
 #include "server/service/target_metrics.h"
 
 namespace draftfeed {
 
-class TargetService;
 class ReactorLink;
 
-class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>,
+                            public RegisteredStream {
  public:
+  // `target`: what the stream needs of its target, which outlives it.
   // `token_name`: the name of the bearer token the call carried ("" when the
   // target checks none), shown in the stream's log line.
-  StreamReactor(TargetService* service, grpc::CallbackServerContext* ctx, std::string token_name);
+  StreamReactor(const StreamContext& target, grpc::CallbackServerContext* ctx,
+                std::string token_name);
 
   void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
@@ -40,7 +44,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   void OnDone() override;
 
   // The target drains: no more batches are read.
-  void Drain();
+  void Drain() override;
 
   // Ends the stream if it has been idle for `timeout` at `now`. Idle: since
   // the later of its last message read, its last write completed and its
@@ -54,19 +58,19 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // the caller should cancel the call outright: the stream was ended with a
   // write still pending, so not even the status can reach its client.
   bool EndIfIdle(std::chrono::steady_clock::time_point now,
-                 std::chrono::steady_clock::duration timeout);
-  void Cancel() { ctx_->TryCancel(); }
+                 std::chrono::steady_clock::duration timeout) override;
+  void Cancel() override { ctx_->TryCancel(); }
   // Ends the stream (DEADLINE_EXCEEDED naming --open_timeout_s) if it has
   // sent no Open for `timeout` since it started.
   void EndIfNotOpened(std::chrono::steady_clock::time_point now,
-                      std::chrono::steady_clock::duration timeout);
+                      std::chrono::steady_clock::duration timeout) override;
 
   const std::string& token_name() const { return token_name_; }
   // Its credits and waiting result bytes now, for /metrics.
-  StreamLoad Load();
+  StreamLoad Load() override;
   // Resumes reading a stream whose refused batches were throttled, once its
   // budget has refilled. Called by the service's housekeeping thread.
-  void ResumeIfThrottled(std::chrono::steady_clock::time_point now);
+  void ResumeIfThrottled(std::chrono::steady_clock::time_point now) override;
   static constexpr double kRejectBurst = 32;
   // How many idle timeouts a stream whose write is pending may go without a
   // completed write (EndIfIdle).
@@ -127,7 +131,7 @@ class StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grp
   // Advances the stream: next write, next read, or Finish. Called with mu_ held.
   void Pump();
 
-  TargetService* const service_;
+  const StreamContext& target_;
   grpc::CallbackServerContext* const ctx_;
   const std::string token_name_;
   const std::string peer_;

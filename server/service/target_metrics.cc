@@ -11,7 +11,9 @@
 #include "absl/strings/str_join.h"
 #include "common/log_line.h"
 #include "common/thread_name.h"
-#include "server/service/target_service.h"
+#include "server/model/model.h"
+#include "server/service/scheduler.h"
+#include "server/service/stream_registry.h"
 #include "server/service/version.h"
 
 namespace draftfeed {
@@ -100,8 +102,9 @@ int64_t ResidentBytes() {
   return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
-void AddServiceGauges(TargetService* service, bool per_stream) {
-  MetricsRegistry& r = service->metrics().registry();
+void AddServiceGauges(const StreamContext& target, bool per_stream) {
+  const StreamContext* t = &target;  // outlives the registry's renders
+  MetricsRegistry& r = t->metrics.registry();
   const auto one = [](double v) { return std::vector<GaugeSample>{{.value = v}}; };
   const auto start = std::chrono::steady_clock::now();
   r.AddGaugeCallback("draftfeed_uptime_seconds", "Seconds since the service started.", [=] {
@@ -109,34 +112,34 @@ void AddServiceGauges(TargetService* service, bool per_stream) {
   });
   r.AddGaugeCallback(
       "draftfeed_target_info", "1, labelled with the model served and the server's version.",
-      [service] {
-        const Model& m = service->model();
+      [t] {
+        const Model& m = t->model;
         return std::vector<GaugeSample>{{.labels = {{"model", m.id},
                                                     {"fingerprint", m.fingerprint},
                                                     {"version", std::string(kDraftfeedVersion)}},
                                          .value = 1}};
       });
   r.AddGaugeCallback("draftfeed_queue_depth", "Batches queued in the scheduler, all streams.",
-                     [=] { return one(service->scheduler().queued()); });
+                     [=] { return one(t->scheduler.queued()); });
   r.AddGaugeCallback("draftfeed_running_batches",
                      "Batches taken by an engine and not yet delivered to their stream.",
-                     [=] { return one(service->scheduler().running()); });
+                     [=] { return one(t->scheduler.running()); });
   r.AddCounterCallback("draftfeed_skipped_batches_total",
                        "Batches skipped because their stream was gone before they ran.",
-                       [=] { return service->scheduler().skipped_batches(); });
+                       [=] { return t->scheduler.skipped_batches(); });
   r.AddGaugeCallback("draftfeed_host_capture_bytes",
                      "Host memory of capture buffers, in use and kept for reuse.", [=] {
-                       const HostBufferPool& p = service->scheduler().pool();
+                       const HostBufferPool& p = t->scheduler.pool();
                        return one(p.live_bytes() + p.idle_bytes());
                      });
   r.AddGaugeCallback("draftfeed_resident_bytes", "Resident memory of the target process.",
                      [=] { return one(ResidentBytes()); });
   // The per-stream gauges come from one walk over the streams per family.
   r.AddGaugeCallback("draftfeed_open_streams", "Streams open now.",
-                     [=] { return one(service->open_streams()); });
+                     [=] { return one(t->streams.open_streams()); });
   r.AddGaugeCallback("draftfeed_credits_granted", "Sum of the open streams' credits.", [=] {
     int64_t sum = 0;
-    for (const StreamLoad& l : service->StreamLoads()) sum += l.credits;
+    for (const StreamLoad& l : t->streams.Loads()) sum += l.credits;
     return one(sum);
   });
   r.AddGaugeCallback("draftfeed_credits_in_use",
@@ -144,20 +147,20 @@ void AddServiceGauges(TargetService* service, bool per_stream) {
                      "message is written).",
                      [=] {
                        int64_t sum = 0;
-                       for (const StreamLoad& l : service->StreamLoads()) sum += l.inflight;
+                       for (const StreamLoad& l : t->streams.Loads()) sum += l.inflight;
                        return one(sum);
                      });
   // Not "_sum": Prometheus reads that suffix as a histogram's or summary's.
   r.AddGaugeCallback("draftfeed_pending_result_bytes",
                      "Result bytes taken for the forward and not yet written, all streams.", [=] {
                        int64_t sum = 0;
-                       for (const StreamLoad& l : service->StreamLoads()) sum += l.pending_bytes;
+                       for (const StreamLoad& l : t->streams.Loads()) sum += l.pending_bytes;
                        return one(sum);
                      });
   r.AddGaugeCallback("draftfeed_pending_result_bytes_max",
                      "The most result bytes waiting on one stream.", [=] {
                        int64_t most = 0;
-                       for (const StreamLoad& l : service->StreamLoads()) {
+                       for (const StreamLoad& l : t->streams.Loads()) {
                          most = std::max(most, l.pending_bytes);
                        }
                        return one(most);
@@ -167,7 +170,7 @@ void AddServiceGauges(TargetService* service, bool per_stream) {
         "draftfeed_stream_pending_result_bytes",
         "Result bytes waiting on each open stream (--metrics_per_stream).", [=] {
           std::vector<GaugeSample> out;
-          for (const StreamLoad& l : service->StreamLoads()) {
+          for (const StreamLoad& l : t->streams.Loads()) {
             out.push_back({.labels = {{"stream", absl::StrCat(l.id)}, {"client", l.client_name}},
                            .value = static_cast<double>(l.pending_bytes)});
           }
@@ -201,8 +204,8 @@ std::string StreamClosedText(const StreamSummary& s) {
       s.batch_errors, status);
 }
 
-ThroughputLogger::ThroughputLogger(TargetService* service, double period_s)
-    : service_(service), period_(period_s) {
+ThroughputLogger::ThroughputLogger(const StreamContext& target, double period_s)
+    : target_(target), period_(period_s) {
   thread_ = std::thread([this] {
     NameThisThread("df-throughput");
     Loop();
@@ -228,7 +231,7 @@ std::string ThroughputLogger::Line(double seconds, int64_t batches, int64_t toke
 }
 
 void ThroughputLogger::Loop() {
-  const TargetMetrics& m = service_->metrics();
+  const TargetMetrics& m = target_.metrics;
   int64_t batches = m.batches_served(), tokens = m.tokens_served(), bytes = m.payload_bytes();
   auto last = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(mu_);
@@ -236,10 +239,10 @@ void ThroughputLogger::Loop() {
     const auto now = std::chrono::steady_clock::now();
     const int64_t b = m.batches_served(), t = m.tokens_served(), y = m.payload_bytes();
     int64_t in_use = 0;
-    for (const StreamLoad& l : service_->StreamLoads()) in_use += l.inflight;
+    for (const StreamLoad& l : target_.streams.Loads()) in_use += l.inflight;
     const std::string line =
         Line(std::chrono::duration<double>(now - last).count(), b - batches, t - tokens, y - bytes,
-             service_->open_streams(), in_use, service_->scheduler().queued());
+             target_.streams.open_streams(), in_use, target_.scheduler.queued());
     LogLine(line);
     batches = b;
     tokens = t;

@@ -16,20 +16,9 @@
 #include "absl/status/status.h"
 #include "draftfeed/v1/draftfeed.pb.h"
 #include "server/service/metrics.h"
+#include "server/service/stream_context.h"
 
 namespace draftfeed {
-
-class TargetService;
-
-// One open stream's share of the target at a scrape.
-struct StreamLoad {
-  uint64_t id = 0;  // the stream's queue in the scheduler
-  std::string client_name;
-  int32_t credits = 0;        // batches it may have in flight (0 before its Opened)
-  int64_t inflight = 0;       // credits in use: batches whose last message is not written
-  int64_t pending_bytes = 0;  // result bytes taken for the forward and not yet written
-  int64_t reject_pauses = 0;  // times its reads paused for refusing too many batches a second
-};
 
 class TargetMetrics {
  public:
@@ -66,14 +55,14 @@ class TargetMetrics {
   Histogram* send_seconds_;
 };
 
-// The gauges read from `service` at each scrape: queue depth, batches
+// The gauges read from `target` at each scrape: queue depth, batches
 // running, open streams, credits granted and in use, result bytes waiting
 // (sum and max over streams; per stream too when `per_stream`, labelled by
 // stream id and client name: one series per stream, so off by default), the
 // capture buffers' host memory, the process's resident memory, uptime and an
-// info series with the model and version. `service` must outlive the
+// info series with the model and version. `target` must outlive the
 // registry's renders.
-void AddServiceGauges(TargetService* service, bool per_stream);
+void AddServiceGauges(const StreamContext& target, bool per_stream);
 
 // The process's resident set size in bytes (/proc/self/statm); 0 when unknown.
 int64_t ResidentBytes();
@@ -107,7 +96,7 @@ std::string StreamClosedLine(const StreamSummary& s);
 // tokens/s and bytes sent, and the open streams, credits in use and queue.
 class ThroughputLogger {
  public:
-  ThroughputLogger(TargetService* service, double period_s);
+  ThroughputLogger(const StreamContext& target, double period_s);
   ~ThroughputLogger();  // stops the thread
   ThroughputLogger(const ThroughputLogger&) = delete;
   ThroughputLogger& operator=(const ThroughputLogger&) = delete;
@@ -119,7 +108,7 @@ class ThroughputLogger {
 
  private:
   void Loop();
-  TargetService* const service_;
+  const StreamContext& target_;
   const std::chrono::duration<double> period_;
   std::mutex mu_;
   std::condition_variable cv_;

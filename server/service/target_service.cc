@@ -23,7 +23,20 @@ TargetService::TargetService(std::vector<Engine*> engines, ServiceOptions option
     : engines_(std::move(engines)),
       options_(options),
       scheduler_(engines_, options.max_queued_batches, options.throttle_tokens_per_s,
-                 options.host_pool_bytes, options.host_allocator) {
+                 options.host_pool_bytes, options.host_allocator),
+      streams_(options.max_streams, options.max_streams_per_client),
+      context_{.options = options_,
+               .model = model(),
+               .info = Info(),
+               .encodings = encodings(),
+               .serves_target_outputs = serves_target_outputs(),
+               .max_capture_layers = max_capture_layers(),
+               .max_sequence_tokens = max_sequence_tokens(),
+               .transport_env = transport_env(),
+               .scheduler = scheduler_,
+               .metrics = metrics_,
+               .streams = streams_,
+               .draining = draining_} {
   scheduler_.set_host_memory_cap(options.host_memory_cap_bytes);
   if (options_.stream_idle_timeout_s > 0 || options_.open_timeout_s > 0 ||
       options_.max_rejects_per_s > 0) {
@@ -60,13 +73,14 @@ void TargetService::IdleLoop() {
   }
   std::unique_lock<std::mutex> lock(mu_);
   while (!idle_cv_.wait_for(lock, period, [this] { return stopping_idle_; })) {
-    // mu_ keeps every registered stream alive (OnDone unregisters first).
+    // The registry's lock keeps every registered stream alive (OnDone
+    // unregisters first).
     const auto now = std::chrono::steady_clock::now();
-    for (StreamReactor* r : streams_) {
+    streams_.ForEach([&](RegisteredStream* r) {
       r->ResumeIfThrottled(now);
       if (idle_check && r->EndIfIdle(now, timeout)) r->Cancel();
       if (open_check) r->EndIfNotOpened(now, open_timeout);
-    }
+    });
   }
 }
 
@@ -146,15 +160,6 @@ int64_t TargetService::max_capture_layers() const {
   return most;
 }
 
-absl::Status TargetService::CheckCaptureLayers(size_t asked) const {
-  const int64_t most = max_capture_layers();
-  if (most == 0 || static_cast<int64_t>(asked) <= most) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat(asked, " capture layers asked; this target captures at most ", most,
-                   " per batch (TargetInfo.max_capture_layers; start it with a larger "
-                   "--max_capture_layers)"));
-}
-
 grpc::ServerUnaryReactor* TargetService::GetTargetInfo(grpc::CallbackServerContext* ctx,
                                                        const v1::GetTargetInfoRequest*,
                                                        v1::TargetInfo* response) {
@@ -180,48 +185,7 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* TargetService::Stre
         StreamClosedLine({.peer = ctx->peer(), .refused = true, .status = who.status()}));
     return new RefusedStream(ToGrpcStatus(who.status()));
   }
-  return new StreamReactor(this, ctx, *std::move(who));
-}
-
-void TargetService::Register(StreamReactor* r) {
-  std::lock_guard<std::mutex> lock(mu_);
-  streams_.insert(r);
-}
-
-absl::Status TargetService::Admit(StreamReactor* r, const std::string& client) {
-  std::lock_guard<std::mutex> lock(admit_mu_);
-  if (options_.max_streams > 0 && static_cast<int64_t>(admitted_.size()) >= options_.max_streams) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("this target serves at most --max_streams=", options_.max_streams,
-                     " streams at once and all are open; retry later or use another target"));
-  }
-  int32_t& mine = client_streams_[client];
-  if (options_.max_streams_per_client > 0 && mine >= options_.max_streams_per_client) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "this target serves at most --max_streams_per_client=", options_.max_streams_per_client,
-        " streams of one client at once and ", client, " has that many open; close one first"));
-  }
-  ++mine;
-  admitted_.emplace(r, client);
-  return absl::OkStatus();
-}
-
-void TargetService::Unregister(StreamReactor* r) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    streams_.erase(r);
-  }
-  std::lock_guard<std::mutex> lock(admit_mu_);
-  if (auto it = admitted_.find(r); it != admitted_.end()) {
-    if (--client_streams_[it->second] <= 0) client_streams_.erase(it->second);
-    admitted_.erase(it);
-  }
-}
-
-void TargetService::NoteQueuedResponses(int64_t queued) {
-  int64_t peak = peak_queued_responses_.load(std::memory_order_relaxed);
-  while (queued > peak && !peak_queued_responses_.compare_exchange_weak(peak, queued)) {
-  }
+  return new StreamReactor(context_, ctx, *std::move(who));
 }
 
 void TargetService::ServeHealth(grpc::Server* server) {
@@ -238,7 +202,7 @@ void TargetService::BeginDrain() {
   std::lock_guard<std::mutex> lock(mu_);
   // Load balancers stop sending new streams here while the open ones finish.
   if (health_ != nullptr) health_->SetServingStatus(false);
-  for (StreamReactor* r : streams_) r->Drain();
+  streams_.ForEach([](RegisteredStream* r) { r->Drain(); });
 }
 
 LoopbackServer ServeOnLoopback(TargetService* service) {
@@ -264,28 +228,8 @@ TransportEnv TargetService::transport_env() const {
                       .host = options_.host.id.empty() ? LocalHost() : options_.host};
 }
 
-std::vector<StreamLoad> TargetService::StreamLoads() const {
-  // The order IdleLoop takes the locks in: the service's, then each stream's.
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<StreamLoad> out;
-  out.reserve(streams_.size());
-  for (StreamReactor* r : streams_) out.push_back(r->Load());
-  return out;
-}
+std::vector<StreamLoad> TargetService::StreamLoads() const { return streams_.Loads(); }
 
-void TargetService::LogRefusedStream(const std::string& line) {
-  int64_t suppressed = 0;
-  if (!refusal_log_.Allow(std::chrono::steady_clock::now(), &suppressed)) return;
-  if (suppressed > 0) {
-    LogF("draftfeed-target: %lld more stream refusals suppressed (at most %lld lines a second)",
-         static_cast<long long>(suppressed), static_cast<long long>(kRefusalLinesPerS));
-  }
-  std::fprintf(stderr, "%s\n", line.c_str());
-}
-
-int64_t TargetService::open_streams() const {
-  std::lock_guard<std::mutex> lock(admit_mu_);
-  return static_cast<int64_t>(admitted_.size());
-}
+int64_t TargetService::open_streams() const { return streams_.open_streams(); }
 
 }  // namespace draftfeed

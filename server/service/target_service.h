@@ -7,8 +7,6 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <map>
-#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,62 +17,14 @@
 #include "common/capture_encoding.h"
 #include "draftfeed/v1/draftfeed.grpc.pb.h"
 #include "server/model/engine.h"
-#include "server/service/auth_tokens.h"
-#include "server/service/log_rate_limit.h"
 #include "server/service/scheduler.h"
+#include "server/service/service_options.h"
+#include "server/service/stream_context.h"
+#include "server/service/stream_registry.h"
 #include "server/service/stream_transport.h"
 #include "server/service/target_metrics.h"
 
 namespace draftfeed {
-
-struct ServiceOptions {
-  int64_t max_batch_tokens = 16384;            // tokens of one forward
-  // Most tokens of one Batch, and so its longest sequence: a batch over
-  // max_batch_tokens runs in forward chunks, the engines carrying each
-  // spanning sequence across them (they must have ReserveCarry'd this much).
-  // At most max_batch_tokens (0 included): no chunking.
-  int64_t max_sequence_tokens = 0;
-  int32_t default_credits = 4;                 // Open.max_inflight_batches == 0
-  int32_t max_credits = 32;                    // larger requests are clamped
-  int64_t chunk_bytes = 4 << 20;               // payload per HiddenChunk (whole tokens)
-  int64_t max_queued_batches = 256;            // scheduler backstop
-  double throttle_tokens_per_s = 0;            // > 0: cap the engine's rate (benchmarks)
-  int64_t host_pool_bytes = int64_t{2} << 30;  // idle capture buffers kept for reuse
-  int64_t host_memory_cap_bytes = 0;           // capture buffers live + idle; 0 = no cap
-  // Per stream: bytes of results taken for the forward and not yet written
-  // (captures, and unsent BatchErrors); at this much the stream's batches
-  // wait and other streams run on. 0 = no cap.
-  int64_t max_stream_pending_bytes = int64_t{2048} << 20;
-  int32_t max_streams = 64;            // open streams; the next is RESOURCE_EXHAUSTED
-  // Open streams of one client: its bearer token's name when tokens are
-  // checked, else its address (without the port); 0 = no share beyond
-  // max_streams. A stream counts from its Open on, so that streams which
-  // never send one cannot lock good clients out.
-  int32_t max_streams_per_client = 0;
-  // A stream that has sent no Open this long after it started is ended
-  // (DEADLINE_EXCEEDED); 0 = never.
-  double open_timeout_s = 10;
-  double stream_idle_timeout_s = 300;  // a stream idle this long is ended; 0 = never
-  // Per stream: batches refused (invalid, or sent while draining) beyond a
-  // burst of kRejectBurst are read at most this many a second; a flood of
-  // invalid batches costs the target reads and parses that no credit or
-  // fair queue accounts for. 0 = unlimited.
-  double max_rejects_per_s = 100;
-  // Capture buffers' memory: pinned (PinnedHostAllocator) for GPU engines.
-  HostAllocator host_allocator = HostAllocator::Heap();
-  bool enable_nccl = true;             // offer TRANSPORT_NCCL (one GPU engine, NCCL built in)
-  double nccl_timeout_s = 120.0;       // one batch's NCCL send must finish in this
-  double nccl_setup_timeout_s = 60.0;  // a stream's NCCL set-up and handshake, likewise
-  bool nccl_across_hosts = true;       // offer NCCL to trainers on other hosts too
-  // The host trainers' Open.host_id is compared with; empty id: LocalHost().
-  // Tests set it to make one machine's target and trainer look like two hosts.
-  HostIdentity host;
-  // Bearer tokens every call but health must carry (--auth_tokens_file);
-  // null: none are checked.
-  std::shared_ptr<const TokenChecker> tokens;
-};
-
-class StreamReactor;
 
 class TargetService;
 
@@ -132,14 +82,13 @@ class TargetService final
   // The most tokens one Batch may hold: options().max_sequence_tokens where
   // every engine can carry that much, else max_batch_tokens.
   int64_t max_sequence_tokens() const;
-  absl::Status CheckCaptureLayers(size_t asked) const;
   // What the stream transports need of this target.
   TransportEnv transport_env() const;
   Scheduler& scheduler() { return scheduler_; }
   bool draining() const { return draining_.load(); }
   // The most responses one stream has held queued and not yet written, over
   // the target's life: what the stream's memory holds beyond its payloads.
-  int64_t peak_queued_responses() const { return peak_queued_responses_.load(); }
+  int64_t peak_queued_responses() const { return streams_.peak_queued_responses(); }
   // What /metrics and the log count (the streams update it as they serve).
   TargetMetrics& metrics() { return metrics_; }
   const TargetMetrics& metrics() const { return metrics_; }
@@ -147,20 +96,13 @@ class TargetService final
   std::vector<StreamLoad> StreamLoads() const;
   // Writes a refused stream's log line, at most kRefusalLinesPerS a second;
   // the next line written after some were held back says how many.
-  void LogRefusedStream(const std::string& line);
-  static constexpr int64_t kRefusalLinesPerS = 10;
+  void LogRefusedStream(const std::string& line) { streams_.LogRefusedStream(line); }
+  static constexpr int64_t kRefusalLinesPerS = StreamRegistry::kRefusalLinesPerS;
+  // What each stream is handed of this target (and /metrics' gauges and the
+  // throughput line read): built once, at construction.
+  const StreamContext& stream_context() const { return context_; }
 
  private:
-  friend class StreamReactor;
-  // Every stream is registered from its start (for the drain and the idle
-  // and Open deadlines) until OnDone unregisters it.
-  void Register(StreamReactor* r);
-  void Unregister(StreamReactor* r);
-  // At a stream's Open: counts it as open, or RESOURCE_EXHAUSTED naming
-  // --max_streams (that many are open) or --max_streams_per_client (its
-  // client, `client`, holds its share). Unregister uncounts it.
-  absl::Status Admit(StreamReactor* r, const std::string& client);
-  void NoteQueuedResponses(int64_t queued);
   // Every stream_idle_timeout_s / 4 (at most 1 s), ends the idle streams
   // and (likewise for open_timeout_s) those that sent no Open in time;
   // with max_rejects_per_s, every 20 ms resumes the reads of streams whose
@@ -172,18 +114,13 @@ class TargetService final
   TargetMetrics metrics_;  // before scheduler_: its threads' results are counted until they stop
   Scheduler scheduler_;
   std::atomic<bool> draining_{false};
-  std::atomic<int64_t> peak_queued_responses_{0};
+  StreamRegistry streams_;  // registered from their start until done
+  const StreamContext context_;
+  // Taken before the registry's lock (IdleLoop, BeginDrain).
   mutable std::mutex mu_;
-  std::set<StreamReactor*> streams_;
-  // The open (admitted) streams, by client. Its own lock: Admit runs under a
-  // stream's lock, which IdleLoop takes under mu_.
-  mutable std::mutex admit_mu_;
-  std::map<StreamReactor*, std::string> admitted_;
-  std::map<std::string, int32_t> client_streams_;
   grpc::HealthCheckServiceInterface* health_ = nullptr;  // owned by the server; guarded by mu_
   std::condition_variable idle_cv_;
   bool stopping_idle_ = false;  // guarded by mu_
-  LogRateLimit refusal_log_{kRefusalLinesPerS};
   std::thread idle_thread_;     // when a timeout above or max_rejects_per_s is > 0
 };
 

@@ -115,14 +115,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     draftfeed::v1::StreamRequest req;
     if (!req.ParseFromZeroCopyStream(&reader)) continue;  // the reactor fails the stream
     if (req.msg_case() == draftfeed::v1::StreamRequest::kOpen) {
-      auto plan = draftfeed::PlanStream(*fx.service, req.open());
+      auto plan = draftfeed::PlanStream(fx.service->stream_context(), req.open());
       if (!plan.ok()) continue;
       const ServiceOptions& opt = fx.service->options();
       Require(plan->credits >= 1 && plan->credits <= opt.max_credits, "credits in range");
       CheckLayers(plan->layers, fx.model->config.num_layers);
       if (!plan->layers.empty() || plan->outputs != nullptr) stream = *std::move(plan);
     } else if (req.msg_case() == draftfeed::v1::StreamRequest::kBatch) {
-      auto batch = draftfeed::PlanBatch(*fx.service, stream, req.batch());
+      auto batch = draftfeed::PlanBatch(fx.service->stream_context(), stream, req.batch());
       if (!batch.ok()) {
         const std::string msg(batch.status().message());
         Require(msg.rfind("batch ", 0) == 0, "a batch error that names the batch");

@@ -135,12 +135,12 @@ TEST(ServiceTargetOutputs, ATargetWithoutLmHeadSaysSoAndRefusesThem) {
   EXPECT_FALSE(service.Info().has_target_outputs());
   v1::Open open = testing::OpenFor({1});
   open.mutable_target_outputs()->set_argmax(true);
-  absl::StatusOr<StreamPlan> plan = PlanStream(service, open);
+  absl::StatusOr<StreamPlan> plan = PlanStream(service.stream_context(), open);
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(plan.status().message().find("has no lm_head"), std::string::npos) << plan.status();
   // Hidden states alone still are served.
-  EXPECT_TRUE(PlanStream(service, testing::OpenFor({1})).ok());
+  EXPECT_TRUE(PlanStream(service.stream_context(), testing::OpenFor({1})).ok());
   service.StopScheduler();
 }
 
