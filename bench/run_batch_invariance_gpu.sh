@@ -31,14 +31,14 @@ if [[ $part == *,engines,* ]]; then
   timeout 560 .bundle/bin/cuda_batch_invariance_test --gtest_filter="${FILTER:-*}" 2>&1 | summary
 fi
 if [[ $part == *,speed,* ]]; then
-  # Side by side in one run: a draftfeed-bench-before built from the code
-  # before the change (when the bundle has one), alternated with this one.
+  # Side by side in one run: draftfeed-bench-before* built from the code
+  # before each change (those the bundle has), alternated with this one.
   for m in ${MODELS:-random:qwen3.6-27b-fp8 random:qwen3.6-35b-a3b}; do
     for round in 1 2; do
-      for b in draftfeed-bench-before draftfeed-bench; do
-        [[ -x .bundle/bin/$b ]] || continue
-        echo "== $b $m (round $round)"
-        .bundle/bin/$b engine --model "$m" --tokens 49152 --iters 5 2>&1 | grep -E "^engine:|rror"
+      for b in .bundle/bin/draftfeed-bench-before* .bundle/bin/draftfeed-bench; do
+        [[ -x $b ]] || continue
+        echo "== ${b##*/} $m (round $round)"
+        $b engine --model "$m" --tokens 49152 --iters 5 2>&1 | grep -E "^engine:|rror"
       done
     done
   done

@@ -251,6 +251,8 @@ py::dict DescriptionDict(const TargetDescription& d) {
   r["vocab_size"] = d.vocab_size;
   r["max_batch_tokens"] = d.max_batch_tokens;
   r["max_sequence_tokens"] = d.max_sequence_tokens;
+  r["batch_invariant"] = d.batch_invariant;
+  r["numerics"] = d.numerics;
   r["devices"] = d.devices;
   r["layer_types"] = d.layer_types;
   r["dtype"] = d.dtype;

@@ -40,6 +40,8 @@ TargetDescription Describe(const std::string& address, const v1::TargetInfo& inf
   d.max_batch_tokens = info.max_batch_tokens();
   d.max_sequence_tokens = info.max_sequence_tokens() > 0 ? info.max_sequence_tokens()
                                                           : info.max_batch_tokens();
+  d.batch_invariant = info.batch_invariant();
+  d.numerics = info.numerics();
   d.devices.assign(info.devices().begin(), info.devices().end());
   d.layer_types.assign(info.layer_types().begin(), info.layer_types().end());
   d.dtype = info.dtype();

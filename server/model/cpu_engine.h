@@ -27,6 +27,9 @@ class CpuEngine final : public Engine {
   // Chunked prefill: the carried sequence's state lives on the host and grows
   // with it, up to ReserveCarry's limit (nothing is allocated up front).
   int64_t max_carry_tokens() const override;
+  // Every op is row-local or per sequence in a fixed order (goldens_packed_test).
+  bool batch_invariant() const override { return true; }
+  std::string numerics() const override { return "cpu fp32"; }
   int64_t CarryBytes(int64_t tokens) const override;
   absl::Status ReserveCarry(int64_t tokens) override;
   void DropCarry() override;

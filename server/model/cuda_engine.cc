@@ -50,6 +50,14 @@ const Model& CudaEngine::model() const { return *impl_->model; }
 
 std::string CudaEngine::device_name() const { return absl::StrCat("cuda:", impl_->options.device); }
 
+std::string CudaEngine::numerics() const {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, impl_->options.device) != cudaSuccess) return device_name();
+  return absl::StrCat("cuda ", prop.name, " sm_", prop.major, prop.minor, " ",
+                      prop.multiProcessorCount, " SMs, FP8 GEMM ",
+                      Fp8GemmPathName(impl_->fp8_gemm_path));
+}
+
 absl::Status CudaEngine::ForwardOnDevice(const ForwardInput& in) {
   impl_->TakeBuffer();
   return impl_->Run(in);

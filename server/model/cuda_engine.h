@@ -48,7 +48,7 @@ struct CudaEngineOptions {
   int64_t max_layers = 0;
   bool profile = false;  // time every op family (adds syncs; benchmarks only)
   // FP8 models: the routed experts through the FP8 grouped GEMMs (the FP8
-  // engine's maths, half the expert memory), or dequantised to bf16 at load
+  // engine's maths, half the expert memory), or dequantized to bf16 at load
   // for the bf16 grouped GEMMs (bf16 activations; on the H200 faster today).
   bool fp8_expert_gemms = true;
   // FP8 models: the GEMM behind the dense FP8 projections (ChooseFp8Gemm,
@@ -105,6 +105,10 @@ class CudaEngine final : public Engine {
   // Chunked prefill: ReserveCarry allocates the K/V of `tokens` tokens per
   // attention layer and the GDN layers' states now (cuda_sequence_carry.cc).
   int64_t max_carry_tokens() const override;
+  bool batch_invariant() const override { return true; }
+  // The GPU's name and SM count (cuBLASLt's heuristics follow both) and the
+  // FP8 GEMM serving the projections.
+  std::string numerics() const override;
   int64_t CarryBytes(int64_t tokens) const override;
   absl::Status ReserveCarry(int64_t tokens) override;
   void DropCarry() override;
@@ -112,7 +116,7 @@ class CudaEngine final : public Engine {
   int64_t weight_bytes() const;
   int64_t workspace_bytes() const;
   // An FP8 model's device buffers by how they run: through FP8 GEMMs, or
-  // dequantised to bf16 at load (the routed experts). Both 0 for bf16 models.
+  // dequantized to bf16 at load (the routed experts). Both 0 for bf16 models.
   struct Fp8Layout {
     int64_t gemm_buffers = 0, dequantized_buffers = 0;
   };

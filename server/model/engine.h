@@ -108,6 +108,16 @@ class Engine {
   // that cannot refuses a batch asking for them with FAILED_PRECONDITION.
   virtual bool serves_target_outputs() const { return false; }
 
+  // Whether a sequence's rows are the same bits whatever else its batch
+  // holds, wherever it sits there, and on every run and restart (TargetInfo.
+  // batch_invariant). The CUDA engine's GEMMs, for one, choose no algorithm
+  // by the batch's size (tests/server/model/cuda_batch_invariance_test.cc).
+  virtual bool batch_invariant() const { return false; }
+  // What a row's bits follow beyond the model and the batch (the device kind
+  // and the kernels chosen for it): replicas whose strings are equal compute
+  // the same bits, so a batch gets the same result whichever runs it.
+  virtual std::string numerics() const { return device_name(); }
+
   // How the engine holds one model instance: over how many ranks (1: the
   // whole model on one device), the MoE strategy of a sharded MoE model ("ep"
   // or "split", else empty), and the decoder weight bytes one rank holds (0:

@@ -37,6 +37,9 @@ class ShardedCpuEngine final : public Engine {
   bool serves_target_outputs() const override;
   // Chunked prefill: each rank carries its heads' share, on the host.
   int64_t max_carry_tokens() const override;
+  // The ranks are CPU engines and their partials are summed in rank order.
+  bool batch_invariant() const override { return true; }
+  std::string numerics() const override { return "cpu fp32"; }
   int64_t CarryBytes(int64_t tokens) const override;
   absl::Status ReserveCarry(int64_t tokens) override;
   void DropCarry() override;

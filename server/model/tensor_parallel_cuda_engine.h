@@ -42,6 +42,9 @@ class TensorParallelCudaEngine final : public Engine {
   // Chunked prefill: every rank carries its own heads' K/V and GDN states
   // (each forward runs on all ranks with the same resume_tokens/carry_last).
   int64_t max_carry_tokens() const override;
+  // Ranks on one GPU sum in a fixed order; NCCL's all-reduce splits the
+  // message by its size, so an element's summation order follows the batch.
+  bool batch_invariant() const override { return all_reduce_kind() != "nccl"; }
   int64_t CarryBytes(int64_t tokens) const override;  // all ranks together
   absl::Status ReserveCarry(int64_t tokens) override;
   void DropCarry() override;

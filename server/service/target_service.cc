@@ -92,6 +92,25 @@ int64_t TargetService::max_sequence_tokens() const {
   return limit;
 }
 
+// Every engine's rows ignore their batch, and all compute the same bits (a
+// batch gets one answer whichever replica runs it).
+bool TargetService::batch_invariant() const {
+  if (numerics().empty()) return false;
+  for (const Engine* e : engines_) {
+    if (!e->batch_invariant()) return false;
+  }
+  return true;
+}
+
+std::string TargetService::numerics() const {
+  if (engines_.empty()) return "";
+  const std::string first = engines_.front()->numerics();
+  for (const Engine* e : engines_) {
+    if (e->numerics() != first) return "";
+  }
+  return first;
+}
+
 v1::TargetInfo TargetService::Info() const {
   const Model& m = model();
   v1::TargetInfo info;
@@ -105,6 +124,8 @@ v1::TargetInfo TargetService::Info() const {
   for (Engine* e : engines_) info.add_devices(e->device_name());
   info.set_max_batch_tokens(options_.max_batch_tokens);
   info.set_max_sequence_tokens(max_sequence_tokens());
+  info.set_batch_invariant(batch_invariant());
+  info.set_numerics(numerics());
   const TransportEnv env = transport_env();
   for (v1::Transport t : OfferedTransports(env)) info.add_transports(t);
   info.set_nccl_across_hosts(OffersNcclAcrossHosts(env));

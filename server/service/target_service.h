@@ -82,6 +82,12 @@ class TargetService final
   // The most tokens one Batch may hold: options().max_sequence_tokens where
   // every engine can carry that much, else max_batch_tokens.
   int64_t max_sequence_tokens() const;
+  // TargetInfo.batch_invariant: a sequence's bits ignore its batch and the
+  // replica that runs it.
+  bool batch_invariant() const;
+  // TargetInfo.numerics: the engines' common Engine::numerics, empty where
+  // they differ.
+  std::string numerics() const;
   // What the stream transports need of this target.
   TransportEnv transport_env() const;
   Scheduler& scheduler() { return scheduler_; }

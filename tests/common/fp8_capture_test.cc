@@ -53,7 +53,7 @@ TEST(Fp8CaptureTest, BytesPerTokenAreCodesThenScales) {
   EXPECT_EQ(CaptureBytesPerToken(CaptureEncoding::kBf16, 5, 5120), 5 * 5120 * 2);
   EXPECT_EQ(EncodingName(CaptureEncoding::kFp8E4m3), "fp8_e4m3");
   EXPECT_EQ(EncodingFromWire(2), CaptureEncoding::kFp8E4m3);
-  EXPECT_EQ(EncodingFromWire(3), std::nullopt);  // bf16_zstd: not built
+  EXPECT_EQ(EncodingFromWire(3), std::nullopt);  // 3 (once bf16_zstd): reserved
 }
 
 TEST(Fp8CaptureTest, EncodesAHandCheckedRow) {

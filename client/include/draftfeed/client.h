@@ -1,7 +1,7 @@
 // draftfeed client: feeds packed token batches to target servers and hands
 // back their hidden states, token-major [T, K, H]: bf16, or fp8_e4m3 with one
 // fp32 scale per token and layer (FeedOptions::encoding), which the gRPC path
-// dequantises to bf16 on the way in unless FeedOptions::fp8_raw.
+// dequantizes to bf16 on the way in unless FeedOptions::fp8_raw.
 //
 //   draftfeed::FeedOptions opt;
 //   opt.targets = {"127.0.0.1:50051"};
@@ -132,10 +132,10 @@ struct FeedOptions {
   // Recompute each batch's checksum and fail the batch on a mismatch.
   bool verify_checksum = true;
   // What the targets send. kFp8E4m3 takes K*H + 4K bytes a token instead of
-  // bf16's 2*K*H. Results that come by gRPC are then dequantised to bf16 as
+  // bf16's 2*K*H. Results that come by gRPC are then dequantized to bf16 as
   // Next() hands them out (bf16(float(code) * scale), HiddenBatch::encoding
   // kBf16) unless `fp8_raw`; results that come by NCCL stay fp8_e4m3 in the
-  // GPU's memory (dequantise them there: the Python client does, with torch).
+  // GPU's memory (dequantize them there: the Python client does, with torch).
   // prefetch_bytes counts the bytes sent.
   Encoding encoding = Encoding::kBf16;
   // kFp8E4m3 only: hand out the e4m3 codes and scales as they were sent
@@ -205,6 +205,13 @@ struct TargetDescription {
   // max_batch_tokens runs in forward chunks. A target from before chunked
   // prefill reports 0, read here as max_batch_tokens.
   int64_t max_sequence_tokens = 0;
+  // A sequence's rows are the same bits whatever it is packed with, on every
+  // run of the target (so a batch re-sent elsewhere after a failure returns
+  // the same bits from a target of the same model and engine kind).
+  bool batch_invariant = false;
+  // What the bits follow beyond the model (TargetInfo.numerics): targets with
+  // equal fingerprints and numerics compute the same bits.
+  std::string numerics;
   std::vector<std::string> devices;
   std::vector<std::string> layer_types;
   std::string dtype;                    // of the hidden states it computes ("bf16")
@@ -293,7 +300,7 @@ struct HiddenBatch {
   // (num_draft values; bf16 exactly, e4m3 as code * scale).
   void draft_probs(int64_t t, std::span<float> probs) const;
   // As sent in BatchDone (verified when asked): of the bytes sent, so of the
-  // fp8_e4m3 payload for a result dequantised on the way in.
+  // fp8_e4m3 payload for a result dequantized on the way in.
   uint64_t checksum = 0;
   std::string target;  // address that computed it
   double queue_ms = 0, forward_ms = 0, send_ms = 0;

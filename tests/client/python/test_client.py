@@ -211,19 +211,19 @@ def test_synthetic_trainer_is_deterministic(target):
 
 class _OtherEncoding:
     """A compiled result whose capture is in an encoding the Python layer lacks."""
-    encoding = "bf16_zstd"
+    encoding = "int4_blocked"
     device = -1
     hidden_bits = np.zeros((1, 1, 4), dtype=np.uint8)
 
 
 def test_an_unknown_encoding_fails_by_name():
     r = draftfeed.Result(_OtherEncoding())
-    with pytest.raises(draftfeed.DraftfeedError, match="bf16_zstd") as e:
+    with pytest.raises(draftfeed.DraftfeedError, match="int4_blocked") as e:
         r.hidden
     assert e.value.code_name == "UNIMPLEMENTED"
     pytest.importorskip("torch")
     with pytest.raises(draftfeed.DraftfeedError,
-                       match="cannot read captures encoded as 'bf16_zstd'"):
+                       match="cannot read captures encoded as 'int4_blocked'"):
         r.torch()
 
 

@@ -290,10 +290,11 @@ TEST(ServiceTest, StreamLevelRefusals) {
   }
   {
     v1::Open o = OpenFor({1});
-    // Offered by the wire, not built: refused by name, the offered ones listed.
-    o.set_encoding(v1::ENCODING_BF16_ZSTD);
+    // A number the proto does not name (3, once bf16_zstd): refused by
+    // number, the offered ones listed.
+    o.set_encoding(static_cast<v1::Encoding>(3));
     cases.push_back({o, grpc::StatusCode::INVALID_ARGUMENT,
-                     "encoding bf16_zstd is not served by this target; offered: bf16, fp8_e4m3"});
+                     "encoding unknown (3) is not served by this target; offered: bf16, fp8_e4m3"});
   }
   {
     v1::Open o = OpenFor({1});

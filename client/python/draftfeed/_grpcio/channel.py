@@ -190,6 +190,7 @@ def describe(address: str, info) -> dict:
         "num_layers": info.num_layers, "hidden_size": info.hidden_size,
         "vocab_size": info.vocab_size, "max_batch_tokens": info.max_batch_tokens,
         "max_sequence_tokens": info.max_sequence_tokens or info.max_batch_tokens,
+        "batch_invariant": info.batch_invariant, "numerics": info.numerics,
         "devices": list(info.devices), "layer_types": list(info.layer_types),
         "dtype": info.dtype,
         "transports": [_wire_name(proto.TRANSPORT_NAMES, t, "TRANSPORT_")
