@@ -25,9 +25,9 @@ bins=($b/bin/draftfeed-target $b/bin/draftfeed-bench $b/bin/draftfeed-bench-kern
       $b/tests/kernels/cuda/small_ops_cuda_test $b/tests/kernels/cuda/gdn_cuda_test
       $b/tests/kernels/cuda/attention_cuda_test $b/tests/common/payload_checksum_test
       $b/tests/kernels/cuda/moe_cuda_test $b/tests/server/model/cuda_moe_engine_test
-      $b/tests/kernels/cuda/fp8_gemm_cuda_test $b/tests/server/model/cuda_fp8_engine_test
+      $b/tests/kernels/cuda/fp8_gemm_cuda_test $b/tests/server/model/cuda_fp8_weights_test
       $b/tests/kernels/cuda/moe_fp8_cuda_test $b/tests/server/model/fp8_goldens_test
-      $b/tests/kernels/cuda/capture_fp8_cuda_test $b/tests/server/model/cuda_engine_fp8_test
+      $b/tests/kernels/cuda/capture_fp8_cuda_test $b/tests/server/model/cuda_fp8_capture_test
       $b/tests/server/model/fp8_model_test $b/tests/kernels/cuda/moe_cublas_cuda_test
       $b/tests/server/model/cuda_tensor_parallel_test $b/bin/draftfeed-tp-bench
       $b/bin/draftfeed-fp8-distance
@@ -68,8 +68,8 @@ if [[ ${PART:-tests} == tests ]]; then
   echo "== transport_test (two-GPU cases skip on one GPU)"
   timeout 240 .bundle/bin/transport_test 2>&1 | summary
 elif [[ $PART == fp8 ]]; then
-  for t in fp8_gemm_cuda_test moe_fp8_cuda_test capture_fp8_cuda_test cuda_fp8_engine_test \
-           cuda_engine_fp8_test fp8_goldens_test; do
+  for t in fp8_gemm_cuda_test moe_fp8_cuda_test capture_fp8_cuda_test cuda_fp8_weights_test \
+           cuda_fp8_capture_test fp8_goldens_test; do
     echo "== $t"; timeout 240 .bundle/bin/$t 2>&1 | summary
   done
   timeout 240 .bundle/bin/draftfeed-bench-kernels --benchmark_filter='Fp8|Bf16Gemm|SwiGluQuant' \

@@ -5,7 +5,7 @@
 #     -DDRAFTFEED_CUDA_ARCHS="90a-real;90-virtual"
 #   cmake --build build-h200 --target draftfeed-target draftfeed-bench draftfeed-e2e-bench \
 #     draftfeed-bench-kernels target_outputs_cuda_test cuda_target_outputs_test \
-#     target_outputs_goldens_test cuda_engine_test cuda_moe_engine_test cuda_fp8_engine_test
+#     target_outputs_goldens_test cuda_engine_test cuda_moe_engine_test cuda_fp8_weights_test
 #   BUILD_DIR=build-h200 BINS="draftfeed-target draftfeed-bench draftfeed-e2e-bench ..." \
 #     bash bench/run_gpu_checks.sh bundle
 # then on the GPU machine, from the repository root (carrying .bundle.tar.xz):
@@ -32,7 +32,7 @@ if [[ $part == *,goldens,* ]]; then
 fi
 if [[ $part == *,tests,* ]]; then
   for t in ${TESTS:-target_outputs_cuda_test cuda_target_outputs_test target_outputs_goldens_test \
-           cuda_engine_test cuda_moe_engine_test cuda_fp8_engine_test}; do
+           cuda_engine_test cuda_moe_engine_test cuda_fp8_weights_test}; do
     echo "== $t"
     timeout 300 .bundle/bin/$t 2>&1 | summary
   done

@@ -1,8 +1,8 @@
 // The CPU engine on FP8 models (the reference of FP8 GEMM semantics: weights
-// dequantised, then fp32): on every architecture its states equal, bit for
+// dequantized, then fp32): on every architecture its states equal, bit for
 // bit, those of the same model with each FP8 weight replaced by its
-// dequantised values stored as F32 (and so also after an HF round trip),
-// and they differ from the unquantised bf16 model by a bounded, non-zero
+// dequantized values stored as F32 (and so also after an HF round trip),
+// and they differ from the unquantized bf16 model by a bounded, non-zero
 // amount.
 #include <cmath>
 #include <cstdint>
@@ -41,7 +41,7 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.spec; }
 
 class Fp8EngineTest : public ::testing::TestWithParam<Case> {};
 
-TEST_P(Fp8EngineTest, EqualsTheDequantisedModelAndStaysNearTheBf16One) {
+TEST_P(Fp8EngineTest, EqualsTheDequantizedModelAndStaysNearTheBf16One) {
   const std::string spec = absl::StrCat(GetParam().spec, ":6");
   auto fp8 = MakeRandomModel(spec);
   ASSERT_TRUE(fp8.ok()) << fp8.status();
@@ -50,7 +50,7 @@ TEST_P(Fp8EngineTest, EqualsTheDequantisedModelAndStaysNearTheBf16One) {
   const LayerWeights& l0 = (*deq)->weights.layers[0];
   EXPECT_EQ((l0.in_proj_qkv.valid() ? l0.in_proj_qkv : l0.q_proj).dtype, DType::kF32);
   EXPECT_FALSE((*deq)->config.quantization.enabled);
-  // The bf16 model it was quantised from: same config, same seed.
+  // The bf16 model it was quantized from: same config, same seed.
   ModelConfig c = (*fp8)->config;
   c.quantization = Fp8Quantization{};
   auto bf16 = MakeRandomModel(c, 6);
@@ -66,7 +66,7 @@ TEST_P(Fp8EngineTest, EqualsTheDequantisedModelAndStaysNearTheBf16One) {
 
   // Through an HF checkpoint and back: the same states again.
   const std::string dir =
-      (fs::path(::testing::TempDir()) / "fp8_engine_test" / GetParam().spec).string();
+      (fs::path(::testing::TempDir()) / "cpu_fp8_weights_test" / GetParam().spec).string();
   ASSERT_TRUE(WriteHfCheckpoint(**fp8, dir, {}).ok());
   auto loaded = LoadModel(dir);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
@@ -100,7 +100,7 @@ TEST_P(Fp8EngineTest, EqualsTheDequantisedModelAndStaysNearTheBf16One) {
 }
 
 // With DRAFTFEED_FP8_EXPORT_DIR set, writes each architecture's FP8 built-in
-// as an HF checkpoint (<dir>/<spec>) and its dequantised F32 twin
+// as an HF checkpoint (<dir>/<spec>) and its dequantized F32 twin
 // (<dir>/<spec>-dequantized), for checking on a machine with transformers
 // that it loads them with the same weights; skipped otherwise.
 TEST_P(Fp8EngineTest, ExportForTransformers) {

@@ -1,5 +1,5 @@
 // The CPU engine's fp8_e4m3 capture: the bytes are EncodeFp8Capture of its
-// fp32 states (one rounding), K*H + 4K bytes a token, and the dequantised
+// fp32 states (one rounding), K*H + 4K bytes a token, and the dequantized
 // states' rms error against the fp32 states is within 1.1x of e4m3
 // rounding's. That reference is the rms error of rounding each fp32 state to
 // the e4m3 grid at its row's scale (amax / 448 of the same fp32 row): for an

@@ -1,17 +1,17 @@
 // The CUDA engine on FP8 models (skips without a GPU that runs the case's
 // GEMMs): it runs the projections through FP8 GEMMs and stays close to the
-// CPU reference, which computes in fp32 on the dequantised weights (what the
+// CPU reference, which computes in fp32 on the dequantized weights (what the
 // checkpoint means). Under a portable kernel set (DRAFTFEED_PORTABLE_KERNELS's
 // modes) a Hopper runs what a B200 or an RTX PRO 6000 would: the portable
 // dense FP8 GEMM and the experts' mma.sync FP8 GEMMs.
 //
-// The two differ by the GPU's run-time quantisation of every FP8 GEMM input
-// to e4m3 per 128-group: e4m3 keeps 3 mantissa bits, so each quantised
+// The two differ by the GPU's run-time quantization of every FP8 GEMM input
+// to e4m3 per 128-group: e4m3 keeps 3 mantissa bits, so each quantized
 // element carries a relative rounding error of rms 2^-4/√3 ≈ 3.6%, and a GEMM
 // output about the same relative error. Compounded over these models' few
 // layers (plus bf16 roundings) the captured states stay within ~10% relative
 // rms; the bound 0.15 leaves room, while a scale read from the wrong block,
-// a misplaced bf16 tail or an unquantised input gives errors of order 1. MoE
+// a misplaced bf16 tail or an unquantized input gives errors of order 1. MoE
 // models add routing flips (FP8 noise moves near-tie tokens to other
 // experts: errors of order 1 on those tokens), so they are judged by the
 // median token's relative error, which flips of a minority cannot move. The
@@ -52,7 +52,7 @@ struct Case {
 };
 class CudaFp8EngineTest : public ::testing::TestWithParam<Case> {};
 
-TEST_P(CudaFp8EngineTest, RunsFp8GemmsCloseToTheDequantisedReference) {
+TEST_P(CudaFp8EngineTest, RunsFp8GemmsCloseToTheDequantizedReference) {
   const bool portable = GetParam().kernels != cuda::PortableKernels::kAuto;
   if (portable && (CudaDeviceCount() == 0 || !cuda::PortableFp8GemmAvailable())) {
     GTEST_SKIP() << "needs an sm_89 or newer GPU (e4m3 mma.sync)";
@@ -108,7 +108,7 @@ TEST_P(CudaFp8EngineTest, RunsFp8GemmsCloseToTheDequantisedReference) {
     std::nth_element(token_rel.begin(), token_rel.begin() + T / 2, token_rel.end());
     const double rel = moe ? token_rel[static_cast<size_t>(T / 2)] : std::sqrt(num / den);
     EXPECT_LT(rel, 0.15) << name << " capture slot " << k << (moe ? " (median token)" : "");
-    // Activation quantisation is real: the GPU is not silently running bf16.
+    // Activation quantization is real: the GPU is not silently running bf16.
     EXPECT_GT(rel, 1e-3) << name << " capture slot " << k;
   }
 }
