@@ -113,7 +113,8 @@ ABSL_FLAG(double, max_rejects_per_s, 100,
 ABSL_FLAG(double, stream_idle_timeout_s, 300,
           "End a stream (DEADLINE_EXCEEDED) that for this long has sent no message, taken no "
           "write and had no batch running (a stream waiting for its own batches, or reading a "
-          "large result, is not idle); its unsent results and queued batches are dropped. 0 = "
+          "large result, is not idle); its unsent results and queued batches are dropped. A stream "
+          "with a write pending (a slow reader) gets 4 times this with nothing completed. 0 = "
           "never.");
 ABSL_FLAG(int32_t, drain_timeout_s, 60,
           "On SIGTERM/SIGINT: seconds to let accepted batches finish before cancelling. A "
@@ -161,13 +162,13 @@ ABSL_FLAG(bool, insecure, false,
           "Serve plaintext on a --listen address other than loopback (refused without it "
           "unless TLS is configured).");
 ABSL_FLAG(std::string, quantize, "none",
-          "Quantise the model at load: none, or fp8 (e4m3 weights with one fp32 scale per "
+          "Quantize the model at load: none, or fp8 (e4m3 weights with one fp32 scale per "
           "128x128 block, as Qwen's FP8 checkpoints; refused for a checkpoint already FP8).");
 ABSL_FLAG(std::string, fp8_experts, "fp8",
           "FP8 MoE models on CUDA: run the routed experts through FP8 grouped GEMMs (fp8: "
           "the FP8 engine's maths, half the expert memory, and the faster: on an H200 the "
           "Qwen3.6-35B-A3B-FP8 shape runs 94,683 tokens/s against 72,231 with bf16) or "
-          "dequantise them to bf16 at load (bf16: twice the expert memory).");
+          "dequantize them to bf16 at load (bf16: twice the expert memory).");
 ABSL_FLAG(std::string, fp8_gemm, "auto",
           "FP8 models on CUDA: the GEMM behind the dense FP8 projections. auto: cuBLASLt's "
           "block-scaled GEMM on sm_90 (the faster on an H200), draftfeed's portable one on other "
