@@ -50,7 +50,7 @@ ABSL_FLAG(int32_t, iters, 5, "Timed iterations (median reported).");
 ABSL_FLAG(int32_t, device, 0, "CUDA device.");
 ABSL_FLAG(uint64_t, seed, 0, "Sequence-length and token seed.");
 ABSL_FLAG(bool, fp8_expert_gemms, true,
-          "FP8 MoE models: FP8 grouped expert GEMMs (else experts dequantised to bf16).");
+          "FP8 MoE models: FP8 grouped expert GEMMs (else experts dequantized to bf16).");
 ABSL_FLAG(std::string, fp8_gemm, "auto",
           "FP8 models' dense projections: auto or cublaslt (cuBLASLt's block-scaled GEMM), or "
           "draftfeed (draftfeed's Hopper FP8 GEMM).");

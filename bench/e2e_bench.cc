@@ -66,7 +66,7 @@ ABSL_FLAG(double, startup_timeout_s, 600, "Seconds to wait for the target to ser
 ABSL_FLAG(double, min_ratio, 0, "Exit 1 when end-to-end / engine-only is below this.");
 ABSL_FLAG(uint64_t, seed, 0, "Sequence-length and token seed.");
 ABSL_FLAG(std::string, encoding, "bf16",
-          "Capture encoding on the wire: bf16, or fp8_e4m3 (the trainer gets it dequantised to "
+          "Capture encoding on the wire: bf16, or fp8_e4m3 (the trainer gets it dequantized to "
           "bf16 on the way in unless --fp8_raw).");
 ABSL_FLAG(bool, fp8_raw, false, "With --encoding fp8_e4m3: the trainer keeps the fp8 bytes.");
 ABSL_FLAG(int32_t, draft_vocab, 0,

@@ -1,6 +1,6 @@
 // How far an FP8 model's hidden states are from those of the bf16 model it
-// was quantised from: the same batch through both (`M` and `M-fp8`, the
-// latter quantised as --quantize fp8 does, or drawn then quantised on the GPU
+// was quantized from: the same batch through both (`M` and `M-fp8`, the
+// latter quantized as --quantize fp8 does, or drawn then quantized on the GPU
 // for random:* shapes), per captured layer, the relative rms distance over
 // all tokens and the median token's cosine.
 //   draftfeed-fp8-distance --model random:qwen3.6-27b --device cuda:0

@@ -4,7 +4,7 @@
 //
 // Writes the built-in shape (cut to --layers) as a synthetic checkpoint in
 // --dir (unless one is there: its values are a hash of their position,
-// finite, FP8 codes and scales as a quantiser leaves them), loads it (mmap)
+// finite, FP8 codes and scales as a quantizer leaves them), loads it (mmap)
 // and times CheckWeightsFinite from a cold page cache (the file evicted with
 // POSIX_FADV_DONTNEED), from the page cache through a fresh mapping, and over
 // pages already mapped, at 1 thread and at every hardware thread.

@@ -42,7 +42,7 @@ absl::Status EncodeFp8Capture(std::span<const float> states, int64_t tokens, int
 absl::Status EncodeFp8CaptureBf16(std::span<const uint16_t> states, int64_t tokens, int64_t layers,
                                   int64_t hidden, std::span<std::byte> out);
 
-// Dequantises a capture to [T, K, H]: float(e4m3) * s as one fp32 multiply
+// Dequantizes a capture to [T, K, H]: float(e4m3) * s as one fp32 multiply
 // (the e4m3 value is exact in fp32), then, for bf16, rounded to nearest even:
 // the same two operations torch does for `codes.float() * scales` then
 // `.bfloat16()`, so the GPU decode of the Python client gives the same bits. INVALID_ARGUMENT

@@ -1,6 +1,6 @@
 // OCP FP8 E4M3 ("e4m3fn"): 1 sign, 4 exponent (bias 7), 3 mantissa bits; no
 // infinities, 0x7f/0xff are NaN, the largest finite magnitude is 448. One
-// definition for every host user: the checkpoint loader and quantiser (weights
+// definition for every host user: the checkpoint loader and quantizer (weights
 // with 128x128 block scales), the CPU engine's capture encoder and the client's
 // decoder (hidden states with one scale per token and layer). The conversions
 // match the hardware's (cvt.rn.satfinite.e4m3x2.f32, __nv_cvt_float_to_fp8 with
@@ -40,7 +40,7 @@ inline constexpr std::array<float, 256> MakeE4m3Table() {
 inline constexpr std::array<float, 256> kE4m3Table = MakeE4m3Table();
 }  // namespace fp8_internal
 
-// Table form for hot loops (dequantising a weight or a capture).
+// Table form for hot loops (dequantizing a weight or a capture).
 inline float E4m3ToFloatFast(uint8_t v) { return fp8_internal::kE4m3Table[v]; }
 
 // Round to nearest even, saturating: |f| >= 448 (and +-inf) gives +-448.

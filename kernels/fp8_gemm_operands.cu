@@ -32,7 +32,7 @@ __device__ __forceinline__ float HalfWarpMax(float v) {
   return v;
 }
 
-// Quantises the lane's 8 values of one group and writes them and the scale.
+// Quantizes the lane's 8 values of one group and writes them and the scale.
 __device__ __forceinline__ void QuantizeGroup(const float (&v)[vec::kVec], int sub,
                                               uint8_t* group_out, float* scale_out, bool live,
                                               bool in_range) {

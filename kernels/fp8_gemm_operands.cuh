@@ -1,9 +1,9 @@
 // The operands of the fine-grained FP8 GEMMs, in the layouts cuBLASLt's
 // block-scaled mode reads on sm_90 (found by probing it against a reference,
-// see the GPU test): activations quantised per token and 128-wide K group,
+// see the GPU test): activations quantized per token and 128-wide K group,
 // weights e4m3 with one fp32 scale per 128x128 block, and the conversions the
 // loader needs (checkpoint scales to that layout; GPU-made random weights
-// quantised; FP8 weights dequantised for the kernels that take bf16).
+// quantized; FP8 weights dequantized for the kernels that take bf16).
 //
 // Layouts, for Y[M, N] = X[M, K]·W[N, K]ᵀ with KB = K / 128:
 //   xq      [M_pad, K] e4m3, row-major; M_pad = Fp8RowsPadded(M) (rows >= M are 0)
@@ -21,7 +21,7 @@ namespace draftfeed::cuda {
 inline constexpr int64_t kFp8Block = 128;
 inline constexpr float kFp8Max = 448.0f;
 // An all-zero activation group still gets a finite, non-zero scale (so the
-// GEMM never sees 0 * inf): amax is clamped from below, as vLLM's quantiser does.
+// GEMM never sees 0 * inf): amax is clamped from below, as vLLM's quantizer does.
 inline constexpr float kFp8MinAmax = 1e-10f;
 
 // cuBLASLt takes M (the token count) only in multiples of 4 with these modes.
@@ -31,21 +31,21 @@ inline constexpr int64_t Fp8ScaleStride(int64_t k) {
   return ((k + kFp8Block - 1) / kFp8Block + 3) / 4 * 4;
 }
 
-// Quantises x[m, :] (row stride ldx, bf16) for m < M into xq/x_scale as above:
+// Quantizes x[m, :] (row stride ldx, bf16) for m < M into xq/x_scale as above:
 // s = max(amax, kFp8MinAmax) / 448 per 128 group (fp32), q = e4m3(x / s)
 // (IEEE division, round to nearest even, saturating). Rows M..M_pad-1 get
 // q = 0, s = 0. K must be a multiple of 128.
 cudaError_t QuantizeActivationsFp8(const bf16* x, int64_t ldx, int64_t m, int64_t k, uint8_t* xq,
                                    float* x_scale, cudaStream_t stream);
 
-// SwiGLU fused with the quantisation of its output, the down projection's
+// SwiGLU fused with the quantization of its output, the down projection's
 // input: the values are exactly SwiGlu's (elementwise.cuh), rounded to bf16,
-// then quantised as QuantizeActivationsFp8 does. gate_up: [M, 2F]; F % 128 == 0.
+// then quantized as QuantizeActivationsFp8 does. gate_up: [M, 2F]; F % 128 == 0.
 cudaError_t SwiGluQuantizeFp8(const bf16* gate_up, int64_t m, int64_t ffn_dim, uint8_t* xq,
                               float* x_scale, cudaStream_t stream);
 
-// Quantises bf16 weights w[N, K] by 128x128 blocks (s = amax / 448, an
-// all-zero block s = 1; q = e4m3(w / s)): the host quantiser's rule, for the
+// Quantizes bf16 weights w[N, K] by 128x128 blocks (s = amax / 448, an
+// all-zero block s = 1; q = e4m3(w / s)): the host quantizer's rule, for the
 // GPU-made random FP8 models. Writes wq [N, K] and w_scale with row stride
 // `scale_stride` (>= ceil(K/128)).
 cudaError_t QuantizeWeightBlocksFp8(const bf16* w, int64_t n, int64_t k, uint8_t* wq,

@@ -6,7 +6,7 @@
 // run on this one: cuBLASLt serves 128x128-block scales on sm_90 only.
 //
 // Y[M, N] (bf16) = X·Wᵀ, the same operands and maths as Fp8BlockGemm: X
-// quantised per token and 128-wide K group, W e4m3 with one fp32 scale per
+// quantized per token and 128-wide K group, W e4m3 with one fp32 scale per
 // 128x128 block, in kernels/fp8_gemm_operands.cuh's layouts. Per 128-wide K
 // block g the tensor cores' fp32 partial is scaled by s_x[row, g]·S_w[n / 128,
 // g] and added (one fused multiply-add) to an fp32 accumulator in registers,

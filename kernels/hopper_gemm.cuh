@@ -2,7 +2,7 @@
 // the fine-grained FP8 GEMM, and the MoE experts' grouped GEMMs in FP8 and
 // bf16.
 //
-// The FP8 GEMM: Y[M, N] (bf16) = X·Wᵀ with X quantised per token and 128-wide
+// The FP8 GEMM: Y[M, N] (bf16) = X·Wᵀ with X quantized per token and 128-wide
 // K group and W e4m3 with one fp32 scale per 128x128 block, in
 // kernels/fp8_gemm_operands.cuh's layouts (the ones cuBLASLt's block-scaled
 // mode reads, so either GEMM takes the same operands). Per 128-wide K block

@@ -108,9 +108,9 @@ cudaError_t MoeDown(const bf16* act, const bf16* down, int64_t hidden, int64_t i
                     cudaStream_t stream);
 
 // The same two GEMMs on fine-grained FP8 operands (fp8_gemm_operands.cuh's
-// layouts): x quantised per token and 128 group ([T_pad, D] e4m3, scales
+// layouts): x quantized per token and 128 group ([T_pad, D] e4m3, scales
 // [D/128][x_scale_stride] indexed by token, gathered through the routing),
-// act quantised likewise per expert-sorted row ([rows, I], scales
+// act quantized likewise per expert-sorted row ([rows, I], scales
 // [I/128][act_scale_stride]); weights e4m3 [E, 2I, D] / [E, D, I] with fp32
 // block scales of row stride Fp8ScaleStride(K), experts
 // ⌈rows/128⌉·stride apart. Requires D and I multiples of kMoeFp8Block.

@@ -121,7 +121,7 @@ void BM_ProtobufParseChunk(benchmark::State& state) {
 BENCHMARK(BM_ProtobufParseChunk);
 
 // The fp8_e4m3 capture codec on the same chunk (81 tokens x 5 layers x
-// 5,120): the client's dequantisation on the way in (to bf16, and to fp32)
+// 5,120): the client's dequantization on the way in (to bf16, and to fp32)
 // and the host encoder the CPU engine uses. Bytes are fp8 wire bytes, so
 // MB/s compares with a connection's rate directly.
 constexpr int64_t kTokens = 81, kLayers = 5, kHidden = 5120;

@@ -4,8 +4,8 @@
 // (activations per token and 128 group, weights per 128x128 block), beside
 // two ceilings measured in the same run, cuBLASLt's bf16 GEMM and its
 // per-tensor-scaled FP8 GEMM (the fastest FP8 mode it has, the limit block
-// scaling approaches), plus the activation quantisers, which are
-// memory-bound. Operands are real data: random bf16 quantised by the engine's
+// scaling approaches), plus the activation quantizers, which are
+// memory-bound. Operands are real data: random bf16 quantized by the engine's
 // own kernels (tensor cores draw less power on zeros, so zeros flatter).
 #include <cublasLt.h>
 #include <cuda_runtime.h>

@@ -16,12 +16,12 @@
 namespace draftfeed {
 namespace {
 
-// An fp8_e4m3 result in host memory, dequantised into a bf16 buffer from the
+// An fp8_e4m3 result in host memory, dequantized into a bf16 buffer from the
 // pool (the fp8 one goes back to it). Runs outside the feed's lock, on the
 // caller of Next(): ~1 ns a value (draftfeed-bench-codec).
 // Target outputs after the hidden states are copied over unchanged, at their
 // new offsets.
-absl::Status DequantiseToBf16(HostBufferPool& pool, HiddenBatch& r) {
+absl::Status DequantizeToBf16(HostBufferPool& pool, HiddenBatch& r) {
   const int64_t T = r.num_tokens, K = r.num_layers, H = r.hidden_size;
   const int64_t fp8_hidden = CaptureBytesPerToken(CaptureEncoding::kFp8E4m3, K, H);
   const int64_t tail = r.bytes_per_token - fp8_hidden;  // the target outputs' bytes
@@ -30,7 +30,7 @@ absl::Status DequantiseToBf16(HostBufferPool& pool, HiddenBatch& r) {
   std::shared_ptr<std::byte> bf16 = pool.Acquire(bytes);
   if (bf16 == nullptr) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("cannot allocate ", bytes, " bytes to dequantise batch ", r.batch_id));
+        absl::StrCat("cannot allocate ", bytes, " bytes to dequantize batch ", r.batch_id));
   }
   auto* out = reinterpret_cast<uint16_t*>(bf16.get());
   if (tail == 0) {
@@ -251,7 +251,7 @@ absl::StatusOr<HiddenBatch> Feed::Next() {
   m.window.Record(m.SinceOpen(), WindowCounts(m.stats));
   lock.unlock();
   if (p.result.encoding == Encoding::kFp8E4m3 && p.result.device < 0 && !m.options.fp8_raw) {
-    DF_RETURN_IF_ERROR(DequantiseToBf16(*m.pool, p.result));
+    DF_RETURN_IF_ERROR(DequantizeToBf16(*m.pool, p.result));
   }
   return std::move(p.result);
 }

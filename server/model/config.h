@@ -51,7 +51,7 @@ struct ArchFeatures {
 ArchFeatures FeaturesOf(Arch arch);
 
 // A fine-grained FP8 checkpoint's quantization_config: e4m3 weights with one
-// scale per block_rows x block_cols block, activations quantised at run time
+// scale per block_rows x block_cols block, activations quantized at run time
 // (per token and 128-wide group). The only scheme accepted (quant_method
 // "fp8", fmt "e4m3", activation_scheme "dynamic", weight_block_size
 // [128, 128]); which modules are FP8 is read from the tensors themselves

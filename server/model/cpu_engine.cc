@@ -53,7 +53,7 @@ absl::Status CheckWeight(const ModelWeights& weights, const WeightSpec& spec) {
         absl::StrCat("weight ", spec.name, " has shape ", t.ShapeString(), ", expected [",
                      absl::StrJoin(spec.shape, ", "), "] (", spec.origin, ")"));
   }
-  // FP8 weights are widened by ToFloat (dequantised with their block scales);
+  // FP8 weights are widened by ToFloat (dequantized with their block scales);
   // embed_tokens, read in place below, is never FP8 (the loader refuses it).
   if (t.dtype != DType::kBF16 && t.dtype != DType::kF16 && t.dtype != DType::kF32 &&
       !(t.fp8() && spec.fp8_eligible)) {

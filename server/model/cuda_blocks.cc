@@ -75,7 +75,7 @@ absl::Status CudaEngine::Impl::Project(const DeviceBlock& b, int i, const bf16* 
 
 absl::Status CudaEngine::Impl::Block(const DeviceBlock& b, int64_t T, int32_t nseq,
                                      int32_t max_len) {
-  x8_source = nullptr;  // the block's inputs are new: nothing quantised is current
+  x8_source = nullptr;  // the block's inputs are new: nothing quantized is current
   // A tensor-parallel rank's mixer or dense MLP output is a partial sum
   // (its output projection is cut along K): summed here, before the residual
   // add. The MoE block sums its own partial (MoeMlp).
@@ -210,7 +210,7 @@ absl::Status CudaEngine::Impl::Attention(const DeviceBlock& w, int64_t T, int32_
 }
 
 // down(SiLU(gate)·up) from the fused [gate; up] projection `proj` of width
-// 2·width: with FP8 down weights SwiGLU writes the down GEMM's quantised
+// 2·width: with FP8 down weights SwiGLU writes the down GEMM's quantized
 // input directly (the same values SwiGlu would store, one pass fewer).
 absl::Status CudaEngine::Impl::SwiGluDown(const DeviceBlock& w, int down, int64_t T, int64_t width,
                                           bf16* out) {
@@ -219,7 +219,7 @@ absl::Status CudaEngine::Impl::SwiGluDown(const DeviceBlock& w, int down, int64_
       return CudaStatus(cuda::SwiGluQuantizeFp8(proj, T, width, x8, x8_scale, stream),
                         "SwiGluQuantizeFp8");
     }));
-    x8_source = act;  // what it quantised, as if SwiGlu had written act first
+    x8_source = act;  // what it quantized, as if SwiGlu had written act first
     x8_tokens = T;
     x8_k = width;
   } else {
@@ -265,8 +265,8 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
                       "MoePermute");
   }));
   if (IsFp8(w, kMoeExpertsGateUp) && IsFp8(w, kMoeExpertsDown)) {
-    // FP8 experts: u quantised per token (gathered by the kernel), and the
-    // SwiGLU activations re-quantised per expert-sorted row for down.
+    // FP8 experts: u quantized per token (gathered by the kernel), and the
+    // SwiGLU activations re-quantized per expert-sorted row for down.
     DF_RETURN_IF_ERROR(QuantizeForFp8(u, T, D));
     const Fp8Weight& gu = w.fp8[kMoeExpertsGateUp];
     const Fp8Weight& dn = w.fp8[kMoeExpertsDown];

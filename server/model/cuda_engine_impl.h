@@ -227,12 +227,12 @@ struct CudaEngine::Impl {
   std::vector<int32_t> draft_indexed;
   bool draft_built = false;
   void* gdn_ws = nullptr;
-  // FP8 GEMM inputs: the activation quantised per token and 128 group, and
+  // FP8 GEMM inputs: the activation quantized per token and 128 group, and
   // which activation it holds (reset at each block, whose inputs are fresh).
   uint8_t* x8 = nullptr;      // [T_pad, fp8_k_max]
   float* x8_scale = nullptr;  // [fp8_k_max / 128, T_pad]
   int64_t fp8_k_max = 0;      // 0: no FP8 weights on the device
-  // FP8 routed experts: the SwiGLU activations re-quantised for the down GEMM.
+  // FP8 routed experts: the SwiGLU activations re-quantized for the down GEMM.
   uint8_t* moe_act8 = nullptr;      // [pad4(T·k), I]
   float* moe_act8_scale = nullptr;  // [I / 128, pad4(T·k)]
   const bf16* x8_source = nullptr;
@@ -386,7 +386,7 @@ struct CudaEngine::Impl {
   absl::Status Block(const DeviceBlock& b, int64_t T, int32_t nseq, int32_t max_len);
   static bool AddsToResidual(const DeviceBlock& b) { return b.kind == BlockKind::kMoeMlp; }
   // y[T, N] = x[T, K]·W_iᵀ for buffer i of block b: cuBLASLt bf16, or
-  // the FP8 GEMM on x quantised (once per activation) for an FP8 buffer, with
+  // the FP8 GEMM on x quantized (once per activation) for an FP8 buffer, with
   // its bf16 tail rows as a second GEMM into the remaining columns.
   absl::Status Project(const DeviceBlock& b, int i, const bf16* x, bf16* y, int64_t T, int64_t N,
                        int64_t K);

@@ -1,5 +1,5 @@
 // Fine-grained FP8 GEMMs through cuBLASLt: Y[M, N] (bf16) = X·Wᵀ where X is
-// quantised per token and 128-wide K group and W is e4m3 with one fp32 scale
+// quantized per token and 128-wide K group and W is e4m3 with one fp32 scale
 // per 128x128 block; fp32 accumulation, one bf16 rounding of Y. The operand
 // layouts are kernels/fp8_gemm_operands.cuh's.
 //

@@ -8,7 +8,7 @@
 // GEMM's layout, and its bf16 members after them (GDN's in_proj_b/a) as a
 // bf16 tail; the routed experts stay FP8 for the FP8 grouped GEMMs when their
 // widths are whole blocks. Anything else FP8 (a buffer that breaks those
-// rules) is dequantised to bf16 at load.
+// rules) is dequantized to bf16 at load.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -145,7 +145,7 @@ size_t DeviceWeightPlacement::BytesOf(const std::vector<size_t>& idx, int64_t he
 namespace {
 
 // GPU-made FP8 weights are drawn in bf16 as the bf16 model's are, then
-// quantised by blocks (and, where they run in bf16, dequantised again)
+// quantized by blocks (and, where they run in bf16, dequantized again)
 // through this stage, sized for the largest and reused tensor after tensor.
 struct Fp8Stage {
   cuda::bf16* bf16 = nullptr;
@@ -178,7 +178,7 @@ absl::Status AllocateFp8Stage(const DeviceWeightPlacement& p, Fp8Stage& stage) {
   return absl::OkStatus();
 }
 
-// Tensor i of a GPU-made FP8 model: drawn in bf16, quantised by blocks into
+// Tensor i of a GPU-made FP8 model: drawn in bf16, quantized by blocks into
 // its FP8 place, or (a tensor that runs in bf16) through the stage and back.
 absl::Status FillRandomFp8(const DeviceWeightPlacement& p, size_t i, uint64_t seed,
                            const Fp8Stage& stage, cudaStream_t stream) {

@@ -108,7 +108,7 @@ absl::Status CudaEngine::Impl::OpenDevice(const ModelConfig& c) {
 }
 
 absl::Status CudaEngine::Impl::SetFp8Width(bool any_fp8) {
-  // FP8 weights quantise each GEMM's input first: room for the widest.
+  // FP8 weights quantize each GEMM's input first: room for the widest.
   fp8_k_max = any_fp8 ? std::max({D, F, Hq * hd, Nv * dv, I_shared}) : 0;
   fp8_k_max = (fp8_k_max + cuda::kFp8Block - 1) / cuda::kFp8Block * cuda::kFp8Block;
   if (!any_fp8) return absl::OkStatus();
@@ -143,7 +143,7 @@ CudaEngine::Impl::WorkspaceSizes CudaEngine::Impl::SizeWorkspace(bool any_fp8) c
   probe.num_seqs = static_cast<int32_t>(options.max_seqs);
   w.gdn_bytes = c.features.linear_attention ? cuda::GdnWorkspaceBytes(probe) : 0;
   w.gemm_ws = 64 << 20;
-  // FP8 experts re-quantise their [T·k, I] activations.
+  // FP8 experts re-quantize their [T·k, I] activations.
   w.moe_rows8 = any_fp8 && w.any_moe ? cuda::Fp8RowsPadded(T * top_k) : 0;
   size_t& total = w.total;
   auto add = [&](size_t bytes) { total += DeviceArena::Round(std::max<size_t>(bytes, 1)); };

@@ -8,7 +8,7 @@
 //    54 GB checkpoint costs ~54 MB of reads (their readahead is asked for all
 //    at once, so that a cold page cache serves them in parallel).
 //  - for an FP8 tensor, its block scales too (dtype, shape, bytes), and the
-//    config's quantisation scheme.
+//    config's quantization scheme.
 // The raw bytes and the dtype are hashed, so the same values stored as bf16
 // and as f32 fingerprint differently; that is deliberate, since a bf16 and an
 // f32 copy need not give bit-identical states.
@@ -184,7 +184,7 @@ std::string ComputeFingerprint(const Model& model) {
     d.U64(c.mlp_only_layers.size());
     for (int64_t l : c.mlp_only_layers) d.U64(static_cast<uint64_t>(l));
   }
-  if (c.quantization.enabled) {  // absent for unquantised models, whose digests predate it
+  if (c.quantization.enabled) {  // absent for unquantized models, whose digests predate it
     // modules_to_not_convert is not hashed: the tensors' dtypes decide what is FP8.
     d.Str("fp8-e4m3-dynamic");
     d.U64(static_cast<uint64_t>(c.quantization.block_rows));

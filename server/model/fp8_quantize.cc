@@ -120,7 +120,7 @@ absl::Status ApplyQuantizeFlag(Model& model, std::string_view value) {
 absl::StatusOr<std::unique_ptr<Model>> DequantizedFp8Copy(const Model& model) {
   if (model.weights_on_device_random) {
     return absl::FailedPreconditionError(
-        absl::StrCat("model ", model.id, " has no host weights to dequantise"));
+        absl::StrCat("model ", model.id, " has no host weights to dequantize"));
   }
   auto out = std::make_unique<Model>(model);
   auto storage = std::make_shared<QuantizedStorage>();

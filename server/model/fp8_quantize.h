@@ -1,4 +1,4 @@
-// Fine-grained FP8 quantisation at load (--quantize fp8), with the scheme of
+// Fine-grained FP8 quantization at load (--quantize fp8), with the scheme of
 // Qwen's FP8 releases: each 128x128 block of a GEMM weight gets one fp32
 // scale s = max|W| / 448 and its elements become e4m3(W / s) (round to
 // nearest even), so W ~= e4m3 * s with |error| at most half an e4m3 step of
@@ -18,7 +18,7 @@
 
 namespace draftfeed {
 
-// One tensor quantised: the e4m3 codes (the weight's shape) and fp32 block
+// One tensor quantized: the e4m3 codes (the weight's shape) and fp32 block
 // scales of Fp8ScaleShape(weight shape), blocks restarting in every leading
 // index (each expert of a stacked [E, rows, cols] has its own grid).
 struct Fp8Blocks {
@@ -35,13 +35,13 @@ Fp8Blocks QuantizeFp8Blocks(const Tensor& t);
 // is not a multiple of 128 (their scales could not be split per expert).
 absl::Status QuantizeModelFp8(Model& model);
 
-// --quantize: "" or "none" leaves the model as it is, "fp8" quantises it;
+// --quantize: "" or "none" leaves the model as it is, "fp8" quantizes it;
 // anything else is refused naming the accepted values.
 absl::Status ApplyQuantizeFlag(Model& model, std::string_view value);
 
-// A copy of `model` in which every FP8 tensor is replaced by its dequantised
+// A copy of `model` in which every FP8 tensor is replaced by its dequantized
 // values (exactly float(e4m3) * float(scale)) stored as F32 and the config is
-// unquantised: what the FP8 checkpoint means, for references. Other tensors
+// unquantized: what the FP8 checkpoint means, for references. Other tensors
 // are shared, not copied.
 absl::StatusOr<std::unique_ptr<Model>> DequantizedFp8Copy(const Model& model);
 

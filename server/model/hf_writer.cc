@@ -2,7 +2,7 @@
 // model.safetensors, or N shards and model.safetensors.index.json. FP8
 // weights go out as fine-grained FP8 checkpoints ship: F8_E4M3 `weight` plus
 // `weight_scale_inv` in the dtype the model holds them (F32 from the
-// quantiser, BF16 from Qwen's releases: rewriting them in another dtype could
+// quantizer, BF16 from Qwen's releases: rewriting them in another dtype could
 // change their values, and LoadModel must round-trip bit for bit; transformers
 // upcasts either to fp32), experts per expert, and a quantization_config
 // whose modules_to_not_convert names every Linear left in bf16.
@@ -118,7 +118,7 @@ absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
   }
 
   const std::string prefix = options.multimodal_naming ? "model.language_model." : "model.";
-  // A tensor stays F8 on disk unless asked to dequantise; its scales follow
+  // A tensor stays F8 on disk unless asked to dequantize; its scales follow
   // it under <weight name>_scale_inv.
   auto keep_fp8 = [&](const Tensor& t) { return t.fp8() && !options.dequantize_fp8; };
   auto out_dtype = [&](const Tensor& t) { return keep_fp8(t) ? DType::kF8E4M3 : options.dtype; };
@@ -150,7 +150,7 @@ absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
           " has no block scales of shape [", absl::StrJoin(Fp8ScaleShape(t.shape), ", "), "]"));
     }
     any_fp8 |= keep_fp8(t);
-    // Linear layers (2-D weights and the experts) left unquantised, named as
+    // Linear layers (2-D weights and the experts) left unquantized, named as
     // transformers names modules; embed_tokens is an Embedding, never converted.
     // (conv1d, 3-D without expert parts, is a Conv1d).
     const bool linear = (spec.shape.size() == 2 || !spec.expert_parts.empty()) &&
@@ -185,7 +185,7 @@ absl::Status WriteHfCheckpoint(const Model& model, const std::string& dir,
                     static_cast<size_t>((e * parts + p) * rows * cols) * DTypeSize(stacked.dtype);
         if (stacked.fp8()) {
           // Each part must be whole scale blocks tall (the loader and the
-          // quantiser refuse other widths); then its scales are a contiguous
+          // quantizer refuse other widths); then its scales are a contiguous
           // run of the stacked ones.
           if (parts > 1 && rows % kFp8BlockSize != 0) {
             return absl::InvalidArgumentError(

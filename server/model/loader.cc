@@ -229,7 +229,7 @@ absl::Status CheckpointLoader::Classify() {
 std::string CheckpointLoader::ExtraReason(const std::string& suffix) const {
   if (absl::EndsWith(suffix, ".weight_scale") || absl::EndsWith(suffix, ".input_scale")) {
     return " (fine-grained FP8 checkpoints name their block scales weight_scale_inv and have no "
-           "input scales; this is another quantisation format)";
+           "input scales; this is another quantization format)";
   }
   if (!absl::StartsWith(suffix, "layers.")) return "";
   const absl::string_view rest = absl::string_view(suffix).substr(7);
@@ -333,7 +333,7 @@ absl::Status CheckpointLoader::BindScales(const Found& weight, const std::string
     return Error("tensor ", weight.name, " in ", weight.file,
                  " is F8_E4M3, but this tensor stays in bf16 in FP8 checkpoints (only the "
                  "attention, GDN in_proj_qkv/in_proj_z/out_proj, MLP and expert projections are "
-                 "quantised)");
+                 "quantized)");
   }
   if (!config_.quantization.enabled) {
     return Error("tensor ", weight.name, " in ", weight.file,

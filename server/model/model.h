@@ -105,8 +105,8 @@ struct HfWriteOptions {
   int num_shards = 1;              // >1 writes model-0000i-of-0000n + index.json
   DType dtype = DType::kBF16;      // of the written weight tensors (BF16, F16 or F32)
   // FP8 tensors are written as they are (F8_E4M3 + weight_scale_inv, with a
-  // quantization_config) unless this is set: then as their dequantised
-  // values in `dtype`, an unquantised checkpoint of what the FP8 one means.
+  // quantization_config) unless this is set: then as their dequantized
+  // values in `dtype`, an unquantized checkpoint of what the FP8 one means.
   bool dequantize_fp8 = false;
 };
 // Saves a model as an HF-format directory that LoadModel (and transformers) read.

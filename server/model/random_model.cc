@@ -3,7 +3,7 @@
 // shapes later); weights are drawn from a seeded mt19937_64 in the canonical
 // tensor order of weight_layout.h, each by its RandomInit there (scaled so
 // activations stay O(1) through every layer). Every shape also comes as
-// NAME-fp8: host models are the bf16 model quantised by QuantizeModelFp8
+// NAME-fp8: host models are the bf16 model quantized by QuantizeModelFp8
 // (fp8_quantize.h); device-random ones carry F8_E4M3 dtypes and F32 scale
 // shapes and the GPU engine fills them.
 #include <cmath>
@@ -389,7 +389,7 @@ class Sampler {
 
 // A model of `config` (validated) with random weights: on the host from
 // `seed`, or (on_device) shapes only, the GPU engine filling them (F8_E4M3
-// with F32 scales for the fp8_eligible tensors when config is quantised).
+// with F32 scales for the fp8_eligible tensors when config is quantized).
 std::unique_ptr<Model> MakeRandomWeights(const ModelConfig& config, uint64_t seed, std::string id,
                                          bool on_device);
 
@@ -410,7 +410,7 @@ std::vector<BuiltinModel> BuiltinModels() {
   }
   out.push_back({"NAME-fp8[:SEED]",
                  "any model above with FP8 weights (e4m3, one fp32 scale per 128x128 block): "
-                 "host models quantised as --quantize fp8 does (tiny MoE experts 128 wide), "
+                 "host models quantized as --quantize fp8 does (tiny MoE experts 128 wide), "
                  "random:* ones made on the GPU"});
   return out;
 }

@@ -129,7 +129,7 @@ float WidenAt(DType dtype, const std::byte* data, int64_t i) {
   return dtype == DType::kBF16 ? Bf16ToFloat(v) : Fp16ToFloat(v);
 }
 
-std::vector<float> DequantiseFp8(const Tensor& t) {
+std::vector<float> DequantizeFp8(const Tensor& t) {
   const BlockScales& s = t.scale_inv;
   const bool scale_dtype_ok =
       s.dtype == DType::kBF16 || s.dtype == DType::kF16 || s.dtype == DType::kF32;
@@ -160,7 +160,7 @@ std::vector<float> DequantiseFp8(const Tensor& t) {
 }  // namespace
 
 std::vector<float> ToFloat(const Tensor& t) {
-  if (t.fp8()) return DequantiseFp8(t);
+  if (t.fp8()) return DequantizeFp8(t);
   const int64_t n = t.numel();
   std::vector<float> out(static_cast<size_t>(n));
   switch (t.dtype) {

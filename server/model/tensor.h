@@ -23,7 +23,7 @@ size_t DTypeSize(DType dtype);
 // size fine-grained FP8 checkpoints use; config.json's weight_block_size).
 inline constexpr int64_t kFp8BlockSize = 128;
 
-// The dequantisation multipliers of an FP8 weight (HF's `weight_scale_inv`):
+// The dequantization multipliers of an FP8 weight (HF's `weight_scale_inv`):
 //   W[.., r, c] = float(e4m3 W[.., r, c]) * float(s[.., r / 128, c / 128])
 // A partial last block shares its scale.
 struct BlockScales {
@@ -54,9 +54,9 @@ struct Tensor {
 };
 
 // Widens any supported dtype to fp32 (exact for bf16 and fp16). An FP8 tensor
-// is dequantised with its block scales, each element exactly
+// is dequantized with its block scales, each element exactly
 // float(e4m3) * float(scale) rounded once to fp32; it must carry scales of
-// Fp8ScaleShape (the loader and the quantiser guarantee it; anything else is a
+// Fp8ScaleShape (the loader and the quantizer guarantee it; anything else is a
 // programmer error and aborts).
 std::vector<float> ToFloat(const Tensor& t);
 

@@ -82,7 +82,7 @@ float ElementAsFloat(DType dtype, const std::byte* data, int64_t i) {
 
 // An FP8 weight's block scales multiply every element of their block: each
 // must be finite and positive (a zero scale erases its block, a negative one
-// flips it; neither comes out of a quantiser) and at most kMaxFp8BlockScale.
+// flips it; neither comes out of a quantizer) and at most kMaxFp8BlockScale.
 // Scales are 1/16384 of their weight's elements: a scalar loop is enough.
 int64_t FirstBadScale(const Region& r, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {

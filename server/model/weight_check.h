@@ -16,14 +16,14 @@
 namespace draftfeed {
 
 // The largest FP8 block scale (weight_scale_inv) accepted: 2^64 / 448, about
-// 4.1e16, so that no dequantised weight (448 x scale at most) exceeds 2^64.
+// 4.1e16, so that no dequantized weight (448 x scale at most) exceeds 2^64.
 // Why that bound: an FP8 GEMM sums, in fp32, K products of a weight and an
 // activation and writes the sum as bf16; fp32 and bf16 both end at about
 // 2^128. A weight under 2^64 leaves 2^64 for K x |activation|: with K up to
 // 2^16 (the widest contraction of any Qwen shape is under 2^15) that is
 // activations up to 2^48 (2.8e14) before an output overflows to Inf, where
 // hidden states of a working model stay under about 1e5. A scale over it
-// cannot come out of a quantiser (real scales are amax/448, about 1e-3): the
+// cannot come out of a quantizer (real scales are amax/448, about 1e-3): the
 // checkpoint is corrupt. Checking only that 448 x scale is finite would pass
 // 1e35, whose weights of 4e37 overflow at the first activation over 10.
 inline constexpr double kMaxFp8BlockScale = 0x1p64 / 448.0;

@@ -103,7 +103,7 @@ struct WeightSpec {
   BlockKind block = BlockKind::kNorms;     // layer tensors only
   RandomInit init;
   bool device_f32 = false;  // the CUDA engine keeps it fp32 (GDN gate parameters), else bf16
-  // A GEMM weight that fine-grained FP8 checkpoints quantise (attention and
+  // A GEMM weight that fine-grained FP8 checkpoints quantize (attention and
   // GDN projections but in_proj_a/b, dense and shared-expert MLPs, every
   // expert); the rest (embeddings, norms, conv1d, gates, routers) stay bf16.
   bool fp8_eligible = false;

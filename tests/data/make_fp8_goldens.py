@@ -6,13 +6,13 @@ Usage:  python3 tests/data/make_fp8_goldens.py --out DIR [--only NAME[,NAME...]]
 
 Four small random-weight models (qwen35_text, qwen3, qwen35_moe, qwen3_moe) are built with
 transformers' own classes from a seed in bf16, as make_goldens.py / make_moe_goldens.py build
-theirs (same perturbations), with every quantised Linear's dims multiples of 128. Each eligible
+theirs (same perturbations), with every quantized Linear's dims multiples of 128. Each eligible
 Linear (q/k/v/o_proj, linear_attn.in_proj_qkv/in_proj_z/out_proj, dense and shared-expert MLP,
-every routed expert) is quantised in torch with the 128x128 block scheme:
+every routed expert) is quantized in torch with the 128x128 block scheme:
     s = max|W| / 448 per block (fp32; an all-zero block gets s = 1), rounded to the scale's
     storage dtype (BF16 for qwen35_text and qwen35_moe, as Qwen's releases store it; F32 for
     qwen3 and qwen3_moe), then q = e4m3(clamp(W / s_stored, +-448)), round to nearest even;
-so the dequantised weight is exactly float(q) * float(s_stored). The checkpoint is written as
+so the dequantized weight is exactly float(q) * float(s_stored). The checkpoint is written as
 official FP8 releases lay it out: `weight` F8_E4M3 + `weight_scale_inv` per module, routed
 experts per expert (mlp.experts.{e}.{gate,up,down}_proj), config.json with a quantization_config
 {quant_method fp8, fmt e4m3, activation_scheme dynamic, weight_block_size [128, 128],
@@ -20,18 +20,18 @@ modules_to_not_convert [the Linears kept bf16]}.
 
 References, each sequence run ALONE (batch 1, position_ids arange, no mask, no cache, eager
 attention, eager experts; make_goldens.run_one, which also checks the hidden_states mapping):
-  ref   transformers in fp32 on the dequantised weights (float32(e4m3) * float32(scale)), a
+  ref   transformers in fp32 on the dequantized weights (float32(e4m3) * float32(scale)), a
         checkpoint of the same config without quantization_config; run on the CPU (IEEE fp32),
         cross-checked on the GPU in fp32 with TF32 off. What the FP8 checkpoint means.
   emu   what an FP8 engine computes, emulated in torch on the GPU: the bf16 model as
-        transformers runs it in bf16, with every quantised Linear (and each routed expert's two
-        GEMMs) replaced by: x (the bf16 activation) quantised per token and 128-wide K group,
+        transformers runs it in bf16, with every quantized Linear (and each routed expert's two
+        GEMMs) replaced by: x (the bf16 activation) quantized per token and 128-wide K group,
         s_x = max(amax, 1e-10) / 448, q_x = e4m3(x / s_x); y = sum_g (q_x[:, g] . q_w[:, g]^T)
         * (s_x[:, g] * S_w[n / 128, g]) accumulated in fp32 over g ascending; y -> bf16 once.
-        The experts' SiLU(gate) * up (bf16) is re-quantised the same way before the down GEMM.
-  bf16  the original (unquantised) bf16 model run in bf16 on the GPU (report only)
+        The experts' SiLU(gate) * up (bf16) is re-quantized the same way before the down GEMM.
+  bf16  the original (unquantized) bf16 model run in bf16 on the GPU (report only)
   orig  the original bf16 model run in fp32 on the CPU: the FP8 model's distance from it
-  deq_bf16  the dequantised weights run in bf16 on the GPU (report only): a bf16 engine on the
+  deq_bf16  the dequantized weights run in bf16 on the GPU (report only): a bf16 engine on the
         FP8 checkpoint's weights
 transformers' own FP8 path is also tried (from_pretrained on the FP8 checkpoint, one forward);
 whether it loads and runs is recorded, nothing depends on it.
@@ -49,7 +49,7 @@ Writes, under DIR:
       seq{i}.emu.layer_out      BF16 [T, N, H]  emu's (bf16 values: stored exactly)
       seq{i}.emu.final          BF16 [T, H]
       seq{i}.orig.layer_out     BF16 [T, N, H]  orig's, rounded to bf16 (only for the distance
-      seq{i}.orig.final         BF16 [T, H]     from the unquantised model, 10x above bf16's)
+      seq{i}.orig.final         BF16 [T, H]     from the unquantized model, 10x above bf16's)
       MoE models also: seq{i}.{ref,emu}.router_logits F32 [T, N, E] (x.W_g^T of the router's
       input, rows of dense layers 0), from which tests find the near-tie tokens.
   goldens_report.json             DIR's (or tests/data's) report with an "fp8" section merged in
@@ -91,7 +91,7 @@ QWEN35_MAX_TOKEN = 248
 # Two layers a model (three for qwen3_moe: MoE, dense, MoE) keep the files small: the FP8 references
 # are F32 for 212 tokens x (layers + 2) x 128 per model; attention, GDN and routing over more
 # layers are the bf16 goldens' job.
-# Dims: every quantised Linear has in and out a multiple of 128 (activation groups need
+# Dims: every quantized Linear has in and out a multiple of 128 (activation groups need
 # K % 128 == 0; whole weight blocks keep a fused [gate; up] split on a block edge). Attention
 # 8 Q / 4 KV heads x 32: q_proj 512 (query + gate) or 256 rows, k/v 128, o_proj in 256. GDN
 # 2 QK / 4 V heads x 32: in_proj_qkv 256 rows, in_proj_z 128, out_proj in 128 (in_proj_a/b
@@ -123,7 +123,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
               "norm_topk_prob", "mlp_only_layers"]
 
-# The last path component of every Linear that FP8 releases quantise (spec: q/k/v/o_proj, GDN
+# The last path component of every Linear that FP8 releases quantize (spec: q/k/v/o_proj, GDN
 # in_proj_qkv/in_proj_z/out_proj, dense and shared-expert MLP, every expert).
 QUANTISED_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
                     "gate_proj", "up_proj", "down_proj"}
@@ -132,7 +132,7 @@ problem, note = mg.problem, mg.note
 
 
 # ----------------------------------------------------------------------------------------
-# e4m3, block quantisation and the emulated FP8 GEMM
+# e4m3, block quantization and the emulated FP8 GEMM
 # ----------------------------------------------------------------------------------------
 def e4m3_round_hand(x):
     """Nearest OCP e4m3fn value (ties to even) of fp32 x with |x| <= 448, as fp32, in float64
@@ -168,7 +168,7 @@ def to_e4m3(x):
     return x.to(torch.float8_e4m3fn).float() if HAS_F8 else e4m3_round_hand(x)
 
 
-def quantise_blocks(w, scale_dtype):
+def quantize_blocks(w, scale_dtype):
     """W [rows, cols] -> (e4m3 values as fp32 [rows, cols], the stored scales [ceil(rows/128),
     ceil(cols/128)] in scale_dtype). A partial last block shares its scale."""
     w32 = w.float()
@@ -181,12 +181,12 @@ def quantise_blocks(w, scale_dtype):
     return to_e4m3((w32 / full).clamp(-E4M3_MAX, E4M3_MAX)), s
 
 
-def dequantise(q, s):
+def dequantize(q, s):
     rows, cols = q.shape
     return q * s.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:rows, :cols]
 
 
-def quantise_activation(x2):
+def quantize_activation(x2):
     """[M, K] fp32 -> (q [M, G, 128] e4m3 values, s [M, G]) per token and 128-wide group."""
     m, k = x2.shape
     if k % BLOCK:
@@ -197,7 +197,7 @@ def quantise_activation(x2):
 
 
 def emu_gemm(x, q_w, s_w):
-    """The FP8 engine's y = x.W^T: x [..., K] (bf16) quantised per token/group, W as e4m3 values
+    """The FP8 engine's y = x.W^T: x [..., K] (bf16) quantized per token/group, W as e4m3 values
     q_w [N, K] (fp32) with block scales s_w [ceil(N/128), K/128]; fp32 partial products per
     K group, scaled by s_x * S_w and summed over groups in fp32; bf16 out."""
     return emu_gemm_fp32(x, q_w, s_w).to(torch.bfloat16)
@@ -206,7 +206,7 @@ def emu_gemm(x, q_w, s_w):
 def emu_gemm_fp32(x, q_w, s_w):
     lead, k = x.shape[:-1], x.shape[-1]
     n = q_w.shape[0]
-    q_x, s_x = quantise_activation(x.reshape(-1, k).float())
+    q_x, s_x = quantize_activation(x.reshape(-1, k).float())
     g = k // BLOCK
     part = torch.einsum("mgk,ngk->gmn", q_x, q_w.reshape(n, g, BLOCK))
     s_wn = s_w.float().repeat_interleave(BLOCK, 0)[:n].t()  # [G, N]
@@ -244,7 +244,7 @@ def self_test(device):
     w = torch.randn(200, 300, generator=g) * 0.05
     w[:128, 128:256] = 0
     for sdt in (torch.float32, torch.bfloat16):
-        q, s = quantise_blocks(w.to(torch.bfloat16), sdt)
+        q, s = quantize_blocks(w.to(torch.bfloat16), sdt)
         if tuple(s.shape) != (2, 3) or s[0, 1].item() != 1.0 or bool((q[:128, 128:256] != 0).any()):
             problem(f"block self-test ({sdt}): zero block scale {s[0, 1].item()}, shape {tuple(s.shape)}")
         full = s.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:200, :300]
@@ -255,9 +255,9 @@ def self_test(device):
     # The emulated GEMM against a float64 evaluation of the same sum, and an all-zero row.
     x = (torch.randn(37, 256, generator=g) * 0.7).to(torch.bfloat16)
     x[5] = 0
-    wq, ws = quantise_blocks((torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16), torch.float32)
+    wq, ws = quantize_blocks((torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16), torch.float32)
     y = emu_gemm_fp32(x.to(device), wq.to(device), ws.to(device)).cpu()
-    qx, sx = quantise_activation(x.float())
+    qx, sx = quantize_activation(x.float())
     ref = torch.zeros(37, 384, dtype=torch.float64)
     for j in range(2):
         ref += (qx[:, j].double() @ wq[:, j * 128:(j + 1) * 128].double().t()) * sx[:, j, None].double() * \
@@ -267,15 +267,15 @@ def self_test(device):
     err = ((y.double() - ref).abs() / ref.abs().max()).max().item()
     if err > 1e-6:  # fp32 sums of 128 exact products, then two groups: a few fp32 ulps
         problem(f"GEMM self-test: emulation vs float64 {err:.3e} of max (more than fp32 rounding)")
-    deq = F.linear(x.float(), dequantise(wq, ws))
+    deq = F.linear(x.float(), dequantize(wq, ws))
     rel = ((y - deq).pow(2).mean().sqrt() / deq.pow(2).mean().sqrt()).item()
     if not 1e-4 < rel < 0.1:
-        problem(f"GEMM self-test: emulation vs dequantised fp32 GEMM rms {rel:.3e} (activation rounding "
+        problem(f"GEMM self-test: emulation vs dequantized fp32 GEMM rms {rel:.3e} (activation rounding "
                 f"should put it between 1e-4 and 0.1)")
     print(f"self-test: e4m3 {'torch cast checked' if HAS_F8 else 'hand rounding only (no float8 dtype)'}; "
-          f"GEMM emulation vs float64 {err:.2e} of max, vs dequantised fp32 {rel:.2e} rms")
+          f"GEMM emulation vs float64 {err:.2e} of max, vs dequantized fp32 {rel:.2e} rms")
     return {"torch_float8_cast_checked": HAS_F8, "gemm_vs_float64_max_rel": err,
-            "gemm_vs_dequantised_fp32_rms_rel": rel}
+            "gemm_vs_dequantized_fp32_rms_rel": rel}
 
 
 # ----------------------------------------------------------------------------------------
@@ -364,20 +364,20 @@ def build(name, idx, models_tmp):
     return d, cls, tc
 
 
-def is_quantised(key):
+def is_quantized(key):
     parts = key.split(".")
     return (key.endswith(".weight") and len(parts) >= 2 and parts[-2] in QUANTISED_LEAVES
             and not key.startswith(("model.visual.", "mtp.")))
 
 
-def bf16_linear_modules(model, quantised_modules):
+def bf16_linear_modules(model, quantized_modules):
     """modules_to_not_convert: every nn.Linear left in bf16 (full names, as the checkpoint
     names them), the vision tower as one prefix. transformers matches these as substrings."""
     out = []
     for mname, m in model.named_modules():
         if mname.startswith("model.visual"):
             continue
-        if isinstance(m, torch.nn.Linear) and mname not in quantised_modules:
+        if isinstance(m, torch.nn.Linear) and mname not in quantized_modules:
             out.append(mname)
     if any(k.startswith("model.visual") for k, _ in model.named_modules()):
         out.append("model.visual")
@@ -385,7 +385,7 @@ def bf16_linear_modules(model, quantised_modules):
 
 
 def make_fp8(name, orig_dir, cls, scale_dtype, out_dir, tmp):
-    """Writes models/<name>_fp8 (the FP8 checkpoint) and tmp/<name>_deq (fp32 dequantised, no
+    """Writes models/<name>_fp8 (the FP8 checkpoint) and tmp/<name>_deq (fp32 dequantized, no
     quantization_config). Returns (fp8 dir, deq dir, {weight name: (q, s)}, facts)."""
     tensors = mg.read_safetensors_dir(orig_dir)
     cfg = json.loads((orig_dir / "config.json").read_text())
@@ -396,14 +396,14 @@ def make_fp8(name, orig_dir, cls, scale_dtype, out_dir, tmp):
         tensors = mmg.relayout(tensors, "per-expert", tcfg["num_experts"])
     quant, fp8_tensors, deq_tensors = {}, {}, {}
     for k, v in tensors.items():
-        if is_quantised(k):
+        if is_quantized(k):
             if v.dim() != 2 or v.shape[0] % BLOCK or v.shape[1] % BLOCK:
                 problem(f"{name}: {k} {tuple(v.shape)} is not whole 128x128 blocks")
-            q, s = quantise_blocks(v, scale_dtype)
+            q, s = quantize_blocks(v, scale_dtype)
             quant[k] = (q, s)
             fp8_tensors[k] = q.to(torch.float8_e4m3fn)
             fp8_tensors[k + "_scale_inv"] = s
-            deq_tensors[k] = dequantise(q, s)
+            deq_tensors[k] = dequantize(q, s)
         else:
             fp8_tensors[k] = deq_tensors[k] = v
     probe = mg.load(cls, orig_dir, torch.float32, torch.device("cpu"))
@@ -443,7 +443,7 @@ def make_fp8(name, orig_dir, cls, scale_dtype, out_dir, tmp):
 # The emulated FP8 model
 # ----------------------------------------------------------------------------------------
 class EmuFp8Linear(torch.nn.Module):
-    """In place of a quantised nn.Linear. Keeps the bf16 `weight` for code that reads its dtype or
+    """In place of a quantized nn.Linear. Keeps the bf16 `weight` for code that reads its dtype or
     device; the call counter shows that every forward went through the emulation."""
 
     def __init__(self, weight, q, s, counter, key):
@@ -481,7 +481,7 @@ def experts_forward(experts, gemm):
 
 
 def patch_emulation(model, quant, counter, top_k):
-    """Replaces every quantised Linear and fused experts module of the bf16 `model` by the FP8
+    """Replaces every quantized Linear and fused experts module of the bf16 `model` by the FP8
     emulation, after checking that the replacement experts loop reproduces transformers' own
     bit for bit when its GEMMs are the bf16 ones. Returns the names of the patched modules."""
     dev = next(model.parameters()).device
@@ -596,7 +596,7 @@ def check_loaded(model, quant, deq_dir, name):
     sd = model.state_dict()
     bad = []
     for k, (q, s) in quant.items():
-        want = dequantise(q, s)
+        want = dequantize(q, s)
         if k in sd:
             got = sd[k]
         elif ".mlp.experts." in k:
@@ -614,7 +614,7 @@ def check_loaded(model, quant, deq_dir, name):
         if got is None or got.dtype != torch.float32 or not torch.equal(got.cpu(), want):
             bad.append(k)
     if bad:
-        problem(f"{name}: the dequantised reference model ({deq_dir.name}) does not hold the dequantised "
+        problem(f"{name}: the dequantized reference model ({deq_dir.name}) does not hold the dequantized "
                 f"weights for {len(bad)} tensors: {bad[:6]}")
 
 
@@ -709,7 +709,7 @@ def try_transformers_fp8(cls, fdir, ids, emu, ref):
 
 
 def run_model(name, idx, out, tmp, dev, env):
-    """Builds, quantises, runs and writes one model; returns its report entry."""
+    """Builds, quantizes, runs and writes one model; returns its report entry."""
     print(f"\n=== {name}_fp8 ===")
     scale_dtype = torch.bfloat16 if name.startswith("qwen35") else torch.float32
     orig_dir, cls, tc = build(name, idx, tmp)
@@ -739,7 +739,7 @@ def run_model(name, idx, out, tmp, dev, env):
     r["bf16"] = run_set(m, seqs, f"{name} bf16 {dev}", n, e_num)
     del m
     m = load(ddir, torch.bfloat16, dev)
-    r["deq_bf16"] = run_set(m, seqs, f"{name} dequantised bf16 {dev}", n, e_num)
+    r["deq_bf16"] = run_set(m, seqs, f"{name} dequantized bf16 {dev}", n, e_num)
     del m
     m = load(orig_dir, torch.bfloat16, dev)
     counter = {}
@@ -749,7 +749,7 @@ def run_model(name, idx, out, tmp, dev, env):
     uncovered = [q for q in quant if not any(q.startswith(p + ".") for p in patched)]
     if uncovered or set(counter) != patched:
         problem(f"{name}: FP8 weights without an emulated module {uncovered[:4]}, patched modules never "
-                f"called {sorted(patched - set(counter))[:4]}: not every quantised GEMM was emulated")
+                f"called {sorted(patched - set(counter))[:4]}: not every quantized GEMM was emulated")
 
     info = dict(facts, layers=n, moe_layers=moe_layers, emulated_modules=len(patched),
                 emulated_gemm_calls=sum(counter.values()), goldens_file=f"goldens_{name}_fp8.safetensors")
@@ -768,7 +768,7 @@ def run_model(name, idx, out, tmp, dev, env):
                 problem(f"{name}: the fp32 reference routes tokens differently on cpu and {dev}")
     for run in ("emu", "orig", "bf16", "deq_bf16"):
         if not all(torch.equal(a["embed"], b["embed"]) for a, b in zip(r[run], r["ref"])):
-            problem(f"{name}: {run}'s embedding output differs from ref's (embed_tokens is not quantised)")
+            problem(f"{name}: {run}'s embedding output differs from ref's (embed_tokens is not quantized)")
     if not all(torch.equal(x[kk].bfloat16().float(), x[kk]) for x in r["emu"] for kk in ("layer_out", "final")):
         problem(f"{name}: emu's hidden states are not bf16 values (they are stored as BF16)")
     info["distances_all_tokens"] = dist = distances(r, n)
@@ -813,11 +813,11 @@ def run_model(name, idx, out, tmp, dev, env):
         "seq_lens": ",".join(map(str, SEQ_LENS)), "num_seqs": len(SEQ_LENS), "seed": SEED,
         "scale_dtype": ST_DTYPES[scale_dtype], "fp8_weights": len(quant),
         "transformers_version": env["transformers"], "torch_version": env["torch"],
-        "ref": "transformers fp32 on the dequantised weights (float32(e4m3) * float32(scale)), cpu, eager",
-        "emu": f"bf16 model on {env['device']} with each quantised GEMM emulated: x per token and 128-group "
+        "ref": "transformers fp32 on the dequantized weights (float32(e4m3) * float32(scale)), cpu, eager",
+        "emu": f"bf16 model on {env['device']} with each quantized GEMM emulated: x per token and 128-group "
                f"s = max(amax, 1e-10) / 448, q = e4m3(x / s); fp32 partial products per group times "
                f"s_x * S_w, summed over groups in fp32; bf16 out",
-        "orig": "the unquantised bf16 checkpoint in fp32 on cpu, stored rounded to bf16",
+        "orig": "the unquantized bf16 checkpoint in fp32 on cpu, stored rounded to bf16",
         "layout": "seq{i}.input_ids I32[T]; seq{i}.ref.{embed F32[T,H], layer_out F32[T,N,H], final F32[T,H]}; "
                   "seq{i}.{emu,orig}.{layer_out BF16[T,N,H], final BF16[T,H]} (embed = ref's); MoE: "
                   "seq{i}.{ref,emu}.router_logits F32[T,N,E]",

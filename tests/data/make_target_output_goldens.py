@@ -23,7 +23,7 @@ file), and writes from the fp32 logits [T, V]:
     seq{i}.draft_probs     F32 [T, Vd] softmax(logits[:, draft_vocab], dim=-1)
 
 FP8 checkpoints: the reference is make_fp8_goldens.py's "ref", transformers in fp32 on the
-dequantised weights float32(e4m3) * float32(weight_scale_inv) (a checkpoint of the same config
+dequantized weights float32(e4m3) * float32(weight_scale_inv) (a checkpoint of the same config
 without quantization_config, written to a temporary folder), checked to hold exactly those
 values (make_fp8_goldens.check_loaded).
 
@@ -105,9 +105,9 @@ def head_weight(tensors, cfg):
     return tensors[names[0]].float(), f"{names[0]} (tied: no lm_head.weight stored)"
 
 
-def dequantised_checkpoint(name, d, tmp):
+def dequantized_checkpoint(name, d, tmp):
     """make_fp8_goldens.py's ref checkpoint for the FP8 checkpoint d: every FP8 weight as
-    float32(e4m3) * float32(scale) (make_fp8_goldens.dequantise), the other tensors as stored,
+    float32(e4m3) * float32(scale) (make_fp8_goldens.dequantize), the other tensors as stored,
     config.json without quantization_config. Returns (dir, {weight: (q fp32, scale)}, tensors)."""
     tensors = mg.read_safetensors_dir(d)
     cfg = json.loads((d / "config.json").read_text())
@@ -125,16 +125,16 @@ def dequantised_checkpoint(name, d, tmp):
                 problem(f"{name}: {k} has a scale but is {v.dtype}")
             q, s = v.float(), tensors[k + "_scale_inv"]
             quant[k] = (q, s)
-            deq[k] = mfg.dequantise(q, s)
+            deq[k] = mfg.dequantize(q, s)
         else:
             if v.dtype not in (torch.bfloat16, torch.float32):
-                problem(f"{name}: unquantised tensor {k} is {v.dtype}")
+                problem(f"{name}: unquantized tensor {k} is {v.dtype}")
             deq[k] = v
     ddir = Path(tmp) / f"{name}_deq"
     ddir.mkdir(parents=True)
     (ddir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     mfg.write_safetensors(ddir / "model.safetensors", deq, {"format": "pt"})
-    print(f"  dequantised {len(quant)} FP8 weights of {d.name} into {ddir}")
+    print(f"  dequantized {len(quant)} FP8 weights of {d.name} into {ddir}")
     return ddir, quant, deq
 
 
@@ -213,7 +213,7 @@ def run_model(name, out_dir, tmp, env):
     fp8 = "quantization_config" in cfg
     moe = int(tcfg.get("num_experts", 0) or 0) > 0
     if fp8:
-        load_dir, quant, tensors = dequantised_checkpoint(name, d, tmp)
+        load_dir, quant, tensors = dequantized_checkpoint(name, d, tmp)
         if str(len(quant)) != str(gmeta.get("fp8_weights", len(quant))):
             problem(f"{name}: {len(quant)} FP8 weights, the goldens metadata says {gmeta.get('fp8_weights')}")
     else:
@@ -303,7 +303,7 @@ def run_model(name, out_dir, tmp, env):
     if head_diff:
         note(f"{name}: hidden_states[-1] @ W^T equals the logits within {head_diff:.3e}, not bit for bit")
 
-    reference = ("transformers fp32 on the dequantised weights float32(e4m3) * float32(weight_scale_inv) "
+    reference = ("transformers fp32 on the dequantized weights float32(e4m3) * float32(weight_scale_inv) "
                  "(make_fp8_goldens.py's ref), cpu" if fp8 else
                  "transformers fp32 (dtype=float32 from the bf16 checkpoint), cpu (IEEE fp32, no TF32)")
     meta = {

@@ -10,7 +10,7 @@ Layer ids: i is the raw output of decoder layer i (transformers' hidden_states[i
 -1 is the post-final-norm state (hidden_states[num_layers]).
 
 FP8 on the wire: `Feed(..., encoding="fp8_e4m3")` halves the bytes per token (K*H + 4K: e4m3
-codes and one fp32 scale per token and layer). Results still read as bf16 (`torch()`), dequantised
+codes and one fp32 scale per token and layer). Results still read as bf16 (`torch()`), dequantized
 on the way in for gRPC and on the receiving GPU for NCCL; with `fp8_raw=True` they keep the codes
 and scales (`Result.values`, `Result.scales`, `Result.fp8()`).
 """
@@ -251,7 +251,7 @@ class Result:
         """Torch tensor [T, K, H] in the capture's dtype (bf16: torch.bfloat16)
         through DLPack (no copy on CPU).
 
-        An fp8_e4m3 result is dequantised to bf16 (dequantize_fp8) where it is: on its GPU
+        An fp8_e4m3 result is dequantized to bf16 (dequantize_fp8) where it is: on its GPU
         for NCCL results (then copied to `device`, if another), on `device` for host ones.
         With `device` (e.g. "cuda:0") it is copied there; from pinned memory the
         copy is asynchronous when `non_blocking`.
@@ -339,7 +339,7 @@ class Feed:
         nccl_timeout_s (each batch's receive, default 120).
       encoding: what the targets send: "bf16" (default, exact) or "fp8_e4m3" (K*H + 4K bytes a
         token instead of 2*K*H: e4m3 codes with one fp32 scale per token and layer,
-        scale = max|x| / 448). fp8 results are bf16 to the trainer: dequantised on the way in
+        scale = max|x| / 448). fp8 results are bf16 to the trainer: dequantized on the way in
         for gRPC, on the receiving GPU by `torch()` for NCCL.
       tls: TLS to targets started with --tls_cert: True (the system's trust store) or
         draftfeed.Tls(ca=..., cert=..., key=...) (cert and key: mutual TLS). None: plaintext.
@@ -355,7 +355,7 @@ class Feed:
         (one float32 scale per token). With any of these, `layers` may be empty.
       fp8_raw: with encoding="fp8_e4m3", keep results as sent: `Result.encoding` is then
         "fp8_e4m3" and `Result.values` / `Result.scales` / `Result.fp8()` give the codes and
-        scales (`torch()` still dequantises on request).
+        scales (`torch()` still dequantizes on request).
 
     A batch whose target dies, hangs or shuts down is re-sent to another target;
     duplicates are dropped by batch id, so each batch comes back exactly once. Each such

@@ -1,5 +1,5 @@
 """FP8 (OCP e4m3) decoding: every code's value, an fp8_e4m3 result's codes and scales viewed
-apart, and their dequantisation to bf16 with torch ops (the same bits as the C++ client's)."""
+apart, and their dequantization to bf16 with torch ops (the same bits as the C++ client's)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _e4m3_values() -> np.ndarray:
 
 E4M3_VALUES = _e4m3_values()
 
-# Tokens of an fp8 result dequantised per step on torch: bounds the fp32 (and,
+# Tokens of an fp8 result dequantized per step on torch: bounds the fp32 (and,
 # without torch.float8_e4m3fn, int64 index) temporaries at 2^24 values.
 _DEQUANT_VALUES_PER_STEP = 1 << 24
 
@@ -43,7 +43,7 @@ def _fp8_torch(raw, num_layers: int, hidden_size: int):
 def dequantize_fp8(codes, scales):
     """bf16 [T, K, H] from fp8_e4m3 codes [T, K, H] (torch.float8_e4m3fn or uint8) and
     scales [T, K], on their device: bf16(float32(code) * scale), the same bits as the C++
-    client's dequantisation on the way in."""
+    client's dequantization on the way in."""
     import torch
 
     t = codes.shape[0]

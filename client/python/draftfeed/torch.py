@@ -22,7 +22,7 @@ copy); a PackedBatch becomes {token_ids, seq_lens, position_ids, cu_seqlens, ind
 a pair {token_ids, seq_lens}, as CPU torch tensors (numpy memory shared, not copied). Added to
 every dict: `hidden` (bf16 torch tensor [T, K, H], or [T, K*H] with layers_view="t(kh)", on
 `device`) and `batch_id` (the feed's id). Items with no tokens are skipped (a target refuses them).
-A feed with encoding="fp8_e4m3" gives the same bf16 `hidden` (dequantised on the receiving GPU for
+A feed with encoding="fp8_e4m3" gives the same bf16 `hidden` (dequantized on the receiving GPU for
 NCCL); with fp8_raw=True too, `hidden` is instead the e4m3 codes ([T, K, H]
 torch.float8_e4m3fn where torch has it, else uint8; [T, K*H] with "t(kh)") and `hidden_scales`
 their float32 scales [T, K]: value = code * scale (draftfeed.dequantize_fp8 does it).
@@ -249,7 +249,7 @@ class HiddenStateDataset(torch.utils.data.IterableDataset):
         else:
             # bf16 [T, K, H] sharing the result's memory: on the CPU (gRPC), or
             # already on the receiving GPU (transport="nccl"; an fp8_e4m3
-            # result is dequantised there).
+            # result is dequantized there).
             t = self._to_device(result.torch())
         if self.layers_view == "t(kh)":
             t = t.reshape(t.shape[0], -1)

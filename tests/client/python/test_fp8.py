@@ -1,7 +1,7 @@
 """fp8_e4m3 on the wire, from Python, against a real CPU target process.
 
 The target encodes its fp32 states: per token and layer, scale = max|x| / 448 and codes
-round x / scale to nearest even. A gRPC feed dequantises on the way in (bf16(code * scale));
+round x / scale to nearest even. A gRPC feed dequantizes on the way in (bf16(code * scale));
 fp8_raw=True keeps the codes and scales. Both are checked against the bf16 feed's states."""
 
 import numpy as np
@@ -36,7 +36,7 @@ def within_e4m3(got, ref, scales):
     return np.abs(got - ref) <= bound
 
 
-def test_fp8_feed_dequantises_on_the_way_in(target):
+def test_fp8_feed_dequantizes_on_the_way_in(target):
     want, want_stats = run(target)
     got, stats = run(target, encoding="fp8_e4m3")
     raw, _ = run(target, encoding="fp8_e4m3", fp8_raw=True)
@@ -57,10 +57,10 @@ def test_fp8_feed_dequantises_on_the_way_in(target):
 
 
 def test_fp8_raw_gives_codes_and_scales(target):
-    dequantised, _ = run(target, encoding="fp8_e4m3")
+    dequantized, _ = run(target, encoding="fp8_e4m3")
     raw, _ = run(target, encoding="fp8_e4m3", fp8_raw=True)
     bf16, _ = run(target)
-    for d, r, b in zip(dequantised, raw, bf16):
+    for d, r, b in zip(dequantized, raw, bf16):
         T = r.num_tokens
         assert r.encoding == "fp8_e4m3" and r.bytes_per_token == K * H + 4 * K
         assert r.values.shape == (T, K, H) and r.values.dtype == np.uint8
@@ -78,17 +78,17 @@ def test_fp8_raw_gives_codes_and_scales(target):
         np.testing.assert_array_equal(rounded, d.hidden_bits)
 
 
-def test_fp8_raw_torch_views_and_dequantisation(target):
+def test_fp8_raw_torch_views_and_dequantization(target):
     torch = pytest.importorskip("torch")
-    dequantised, _ = run(target, encoding="fp8_e4m3")
+    dequantized, _ = run(target, encoding="fp8_e4m3")
     raw, _ = run(target, encoding="fp8_e4m3", fp8_raw=True)
-    for d, r in zip(dequantised, raw):
+    for d, r in zip(dequantized, raw):
         codes, scales = r.fp8()
         assert tuple(codes.shape) == (r.num_tokens, K, H)
         assert codes.dtype in (torch.uint8, getattr(torch, "float8_e4m3fn", torch.uint8))
         np.testing.assert_array_equal(codes.view(torch.uint8).numpy(), r.values)
         np.testing.assert_array_equal(scales.numpy(), r.scales)
-        # torch's dequantisation (the one NCCL results get on the GPU) matches the C++ one.
+        # torch's dequantization (the one NCCL results get on the GPU) matches the C++ one.
         t = r.torch()
         assert t.dtype == torch.bfloat16
         np.testing.assert_array_equal(t.view(torch.int16).numpy().view(np.uint16),
@@ -136,27 +136,27 @@ def _cuda_devices():
 
 
 @pytest.mark.skipif(_cuda_devices() < 1, reason="needs a CUDA device")
-def test_dequantisation_on_a_gpu_gives_the_cpu_bits(target):
+def test_dequantization_on_a_gpu_gives_the_cpu_bits(target):
     # What an NCCL result gets on the trainer's GPU: the same bf16 bits as the
-    # C++ client's dequantisation on the way in.
+    # C++ client's dequantization on the way in.
     import torch
 
-    dequantised, _ = run(target, encoding="fp8_e4m3")
+    dequantized, _ = run(target, encoding="fp8_e4m3")
     raw, _ = run(target, encoding="fp8_e4m3", fp8_raw=True)
-    for d, r in zip(dequantised, raw):
+    for d, r in zip(dequantized, raw):
         codes, scales = r.fp8("cuda:0")
         t = draftfeed.dequantize_fp8(codes, scales)
         assert t.is_cuda
         np.testing.assert_array_equal(t.cpu().view(torch.int16).numpy().view(np.uint16),
                                       d.hidden_bits)
-        on_gpu = r.torch("cuda:0")  # dequantised on the device it goes to
+        on_gpu = r.torch("cuda:0")  # dequantized on the device it goes to
         assert on_gpu.is_cuda and torch.equal(on_gpu.view(torch.int16), t.view(torch.int16))
 
 
 @pytest.mark.skipif(_cuda_devices() < 2, reason="needs two CUDA devices")
 def test_nccl_fp8_lands_on_the_trainers_gpu(make_target):
     # A CUDA target on GPU 0 sending fp8 by NCCL to GPU 1: the raw payload is the
-    # gRPC raw payload; torch() dequantises it there to the gRPC feed's bf16 bits.
+    # gRPC raw payload; torch() dequantizes it there to the gRPC feed's bf16 bits.
     import torch
 
     t = make_target(model="small-random", extra=["--device=cuda:0"])

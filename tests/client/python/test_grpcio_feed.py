@@ -78,7 +78,7 @@ def test_torch_and_float_views(target):
     assert r.device == -1 and r.__dlpack_device__() == (1, 0)
 
 
-def test_fp8_dequantised_and_raw_as_the_compiled_clients(target):
+def test_fp8_dequantized_and_raw_as_the_compiled_clients(target):
     deq, _ = run(target.address, "grpcio", encoding="fp8_e4m3")
     with draftfeed.Feed(targets=[target.address], layers=[3, 0, -1], prefetch=4,
                         transport="grpcio", encoding="fp8_e4m3", fp8_raw=True) as feed:

@@ -116,7 +116,7 @@ def test_outputs_alone_fp8_probs_and_fp8_hidden_states(ckpt_target):
         assert np.array_equal(a.top_k_logprobs, r.top_k_logprobs)
         assert np.array_equal(h.argmax, r.argmax) and np.array_equal(h.top_k_ids, r.top_k_ids)
         assert np.array_equal(h.draft_probs, r.draft_probs)
-        assert np.array_equal(h.hidden_bits, hp.hidden_bits)  # dequantised as without outputs
+        assert np.array_equal(h.hidden_bits, hp.hidden_bits)  # dequantized as without outputs
         # e4m3 probabilities: 4 significant bits, one scale per token (max p / 448).
         assert f.bytes_per_token == 4 + 300
         want = r.draft_probs

@@ -1,5 +1,5 @@
 // The FP8 GEMM's operands and the block-scaled GEMMs (cuBLASLt's, our Hopper
-// one, our portable one) against host definitions: the quantisers bit for bit
+// one, our portable one) against host definitions: the quantizers bit for bit
 // (the host e4m3 conversion of common/fp8_e4m3.h, fp32 division), the GEMMs
 // against an exact (double) evaluation of the block-scaled sum they must
 // compute, against each other, and the portable one's batch invariance.
@@ -25,7 +25,7 @@ using testing::DeviceBuffer;
 using testing::RandomBf16Values;
 using testing::ToBf16;
 
-// The activation quantiser's definition on the host.
+// The activation quantizer's definition on the host.
 void HostQuantizeActivations(const std::vector<float>& x, int64_t m, int64_t k,
                              std::vector<uint8_t>& q, std::vector<float>& s) {
   const int64_t m_pad = cuda::Fp8RowsPadded(m), groups = k / 128;
@@ -44,7 +44,7 @@ void HostQuantizeActivations(const std::vector<float>& x, int64_t m, int64_t k,
   }
 }
 
-TEST(Fp8OperandsCudaTest, ActivationQuantisationMatchesTheHostBitForBit) {
+TEST(Fp8OperandsCudaTest, ActivationQuantizationMatchesTheHostBitForBit) {
   DF_REQUIRE_GPU();
   for (int64_t m : {1, 5, 64, 257}) {
     const int64_t k = 384;
@@ -66,7 +66,7 @@ TEST(Fp8OperandsCudaTest, ActivationQuantisationMatchesTheHostBitForBit) {
   }
 }
 
-TEST(Fp8OperandsCudaTest, FusedSwiGluQuantisationEqualsSwiGluThenQuantise) {
+TEST(Fp8OperandsCudaTest, FusedSwiGluQuantizationEqualsSwiGluThenQuantize) {
   DF_REQUIRE_GPU();
   const int64_t m = 37, f = 256;
   DeviceBuffer<__nv_bfloat16> gate_up(ToBf16(RandomBf16Values(m * 2 * f, 2.0f, 11)));
@@ -82,7 +82,7 @@ TEST(Fp8OperandsCudaTest, FusedSwiGluQuantisationEqualsSwiGluThenQuantise) {
   EXPECT_EQ(s1.Download(), s2.Download());
 }
 
-TEST(Fp8OperandsCudaTest, WeightBlockQuantisationMatchesTheHostRule) {
+TEST(Fp8OperandsCudaTest, WeightBlockQuantizationMatchesTheHostRule) {
   DF_REQUIRE_GPU();
   const int64_t n = 200, k = 300;  // partial blocks on both edges
   std::vector<float> w = RandomBf16Values(static_cast<size_t>(n * k), 0.05f, 3);
@@ -249,7 +249,7 @@ TEST(Fp8GemmCudaTest, PortableBlockScaledGemmMatchesTheExactSum) {
   ExpectBlockScaledGemmMatchesTheExactSum(Which::kPortable, 400, 400, 256);
 }
 
-// Quantised random operands for Y[m, n] = X·Wᵀ (K = k), as the engine makes them.
+// Quantized random operands for Y[m, n] = X·Wᵀ (K = k), as the engine makes them.
 struct Fp8Operands {
   Fp8Operands(int64_t m, int64_t n, int64_t k, uint64_t seed)
       : m_pad(cuda::Fp8RowsPadded(m)),

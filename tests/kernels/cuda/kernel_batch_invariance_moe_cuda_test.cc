@@ -66,7 +66,7 @@ bi::Output PairRows(std::string name, const MoeBuffers& b, int k, const bf16* ro
           }};
 }
 
-// One MoE layer's weights (bf16, and quantised to FP8 blocks) and buffers for
+// One MoE layer's weights (bf16, and quantized to FP8 blocks) and buffers for
 // kMaxTokens tokens.
 class MoeLayer {
  public:

@@ -30,7 +30,7 @@ using ::draftfeed::testing::ToF32;
 // Router logits with bf16 values (as the engine's router GEMM writes them):
 // distinct values then differ by at least a bf16 ulp, which moves p by far
 // more than the GPU's few-fp32-ulp softmax differences, so the chosen
-// experts must match the reference exactly. `levels` > 0 quantises them to
+// experts must match the reference exactly. `levels` > 0 quantizes them to
 // that many values, making exact ties common.
 std::vector<float> Logits(int64_t tokens, int64_t experts, uint64_t seed, int levels = 0) {
   std::vector<float> v = RandomBf16Values(static_cast<size_t>(tokens * experts), 2.0f, seed);

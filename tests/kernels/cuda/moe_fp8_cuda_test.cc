@@ -1,7 +1,7 @@
 // The FP8 grouped expert GEMMs against the block-scaled sums they define,
 // evaluated on the host in double from the very operands the GPU read (its
-// own quantised activations and weights, downloaded): gate_up + SwiGLU, then
-// down on the GPU's re-quantised activations. Differences left: fp32
+// own quantized activations and weights, downloaded): gate_up + SwiGLU, then
+// down on the GPU's re-quantized activations. Differences left: fp32
 // accumulation order and the one bf16 rounding of each output.
 #include <cuda_fp8.h>
 
@@ -32,7 +32,7 @@ struct Shape {
   int experts, k;
 };
 
-// Dequantised row r of an e4m3 [rows, cols] matrix with block scales.
+// Dequantized row r of an e4m3 [rows, cols] matrix with block scales.
 std::vector<double> DequantRow(const std::vector<uint8_t>& q, const std::vector<float>& s,
                                int64_t stride, int64_t r, int64_t cols) {
   std::vector<double> out(static_cast<size_t>(cols));

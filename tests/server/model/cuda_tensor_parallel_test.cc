@@ -159,7 +159,7 @@ TEST_P(CudaTensorParallelTest, MatchesUnshardedWithinOneRoundingPerBlock) {
     // Cosine distance grows as the error does: within 1.25x the unsharded
     // engine's plus 1e-4 (for bf16 models, whose unsharded distance is ~0,
     // that is cos >= 0.9999; FP8 ones start near 1e-3 from their activation
-    // quantisation).
+    // quantization).
     EXPECT_LE(1 - es[k].median_cos, 1.25 * (1 - eu[k].median_cos) + 1e-4)
         << p.model << " layer " << layer << ": cos " << es[k].median_cos << ", unsharded "
         << eu[k].median_cos;

@@ -2,9 +2,9 @@
 // tests/data/make_fp8_goldens.py: e4m3 weights, one scale per 128x128 block,
 // BF16 scales for the two Qwen3.5 models and F32 for the two Qwen3 ones, MoE
 // experts per expert) against transformers: the CPU engine against the fp32
-// model on the dequantised weights ("ref", what the checkpoint means), the CUDA
+// model on the dequantized weights ("ref", what the checkpoint means), the CUDA
 // engine against the bar set by a torch emulation of an FP8 engine ("emu":
-// per-token, 128-group activation quantisation and block-scaled GEMMs with
+// per-token, 128-group activation quantization and block-scaled GEMMs with
 // fp32 accumulation). Until the goldens are committed every test skips,
 // naming the command that makes them; once goldens_report.json lists a
 // model's goldens file, a missing file fails instead.
@@ -55,8 +55,8 @@ namespace fs = std::filesystem;
 // contraction and algorithm form, as the bf16 goldens' CPU runs do against HF
 // fp32. goldens_test.cc measured that at <= 3.9e-6 of max|ref| over 4-6
 // layers and set its bound at 2e-5, 30x below the smallest convention error
-// it tried; the same bound holds here. The FP8 quantisation itself is ~1e-2
-// (make_fp8_goldens.py reports ref vs the unquantised model per layer), 500x
+// it tried; the same bound holds here. The FP8 quantization itself is ~1e-2
+// (make_fp8_goldens.py reports ref vs the unquantized model per layer), 500x
 // the bound, so an engine that ignored or misplaced a block scale fails.
 constexpr double kRelTol = 2e-5;
 constexpr double kAbsTol = 1e-6;
@@ -322,7 +322,7 @@ class Fp8GoldensTest : public ::testing::TestWithParam<std::string> {
 };
 
 // The loader sees the checkpoint as it ships: FP8 exactly where the format
-// quantises (every fp8_eligible tensor, and nothing else: embeddings, norms,
+// quantizes (every fp8_eligible tensor, and nothing else: embeddings, norms,
 // lm_head, routers, GDN a/b stay bf16), the scales in the dtype the script
 // stored and on the 128x128 grid, and as many FP8 tensors as it wrote.
 TEST_P(Fp8GoldensTest, CheckpointLoadsAsFp8) {
@@ -347,14 +347,14 @@ TEST_P(Fp8GoldensTest, CheckpointLoadsAsFp8) {
     fp8_tensors +=
         t.shape.size() == 3 ? t.shape[0] * std::max<int64_t>(1, spec.expert_parts.size()) : 1;
     for (float v : ToFloat(t)) {
-      ASSERT_TRUE(std::isfinite(v)) << spec.name << " dequantises to a non-finite value";
+      ASSERT_TRUE(std::isfinite(v)) << spec.name << " dequantizes to a non-finite value";
     }
   }
   EXPECT_EQ(fp8_tensors, goldens_.fp8_weights);
 }
 
-// The goldens measure FP8: the quantisation moved the model (ref vs the
-// unquantised model, by more than one bf16 rounding) and the emulated
+// The goldens measure FP8: the quantization moved the model (ref vs the
+// unquantized model, by more than one bf16 rounding) and the emulated
 // engine's error is above one bf16 rounding and under a fifth of the layer,
 // so the CUDA bar below is neither vacuous nor loose.
 // MoE: on the tokens the CUDA test compares (a routing flip is not GEMM error).
@@ -381,10 +381,10 @@ TEST_P(Fp8GoldensTest, GoldensMeasureFp8) {
 }
 
 // The CPU engine computes the FP8 checkpoint's meaning: fp32 maths on the
-// dequantised weights. Its fp32 output matches ref at the fp32 bound, alone
+// dequantized weights. Its fp32 output matches ref at the fp32 bound, alone
 // and packed; its bf16 output is that rounded once, so each value is within
 // one bf16 rounding (2^-8 of itself) of ref plus twice the fp32 bound.
-TEST_P(Fp8GoldensTest, CpuEngineMatchesDequantisedReference) {
+TEST_P(Fp8GoldensTest, CpuEngineMatchesDequantizedReference) {
   const std::vector<int32_t> ids = AllLayers(n_);
   const int64_t k_total = n_ + 1;
   std::vector<int32_t> all_tokens, all_lens;
@@ -511,7 +511,7 @@ TEST_P(Fp8GoldensTest, CudaEngineWithinEmulationBar) {
       }
     }
   }
-  std::cout << "CUDA FP8 engine vs the fp32 dequantised reference, worst over the sequences "
+  std::cout << "CUDA FP8 engine vs the fp32 dequantized reference, worst over the sequences "
                "alone and packed\n"
             << absl::StrFormat("%-16s %-8s %12s %12s %12s\n", "model", "layer", "cuda_rmsrel",
                                "emu_rmsrel", "cuda/bar");

@@ -168,7 +168,7 @@ TEST_F(Fp8LoaderTest, ConfigAndTensorNamesAreTheReleasedOnes) {
   EXPECT_EQ((*back)->config.quantization.modules_to_not_convert.front(), "lm_head");
 }
 
-// Qwen's releases store scales in BF16; they load as BF16 and dequantise
+// Qwen's releases store scales in BF16; they load as BF16 and dequantize
 // exactly (an e4m3 value times a bf16 scale fits fp32's mantissa).
 TEST_F(Fp8LoaderTest, Bf16ScalesAsQwenShipsThem) {
   auto m = MakeRandomModel("tiny-random-qwen3-fp8:5");
@@ -274,7 +274,7 @@ TEST_F(Fp8LoaderTest, MalformedTensorsAreRefusedByName) {
             absl::StrCat("checkpoint ", dir, ": tensor ", router,
                          " in model.safetensors is F8_E4M3, but this tensor stays in bf16 in FP8 "
                          "checkpoints (only the attention, GDN in_proj_qkv/in_proj_z/out_proj, MLP "
-                         "and expert projections are quantised)"));
+                         "and expert projections are quantized)"));
   // Scales beside a bf16 weight.
   entries_ = saved;
   const std::string a = "model.layers.0.linear_attn.in_proj_a.weight";
@@ -296,9 +296,9 @@ TEST_F(Fp8LoaderTest, MalformedTensorsAreRefusedByName) {
                                         "checkpoints name their block scales weight_scale_inv"));
   // F8 weights but no quantization_config.
   entries_ = saved;
-  ModelConfig unquantised = (*m)->config;
-  unquantised.quantization = Fp8Quantization{};
-  const std::string plain = unquantised.ToJson();
+  ModelConfig unquantized = (*m)->config;
+  unquantized.quantization = Fp8Quantization{};
+  const std::string plain = unquantized.ToJson();
   ASSERT_THAT(plain, Not(HasSubstr("quantization_config")));
   config_ = plain;
   dir = WriteByHand("no-config");
@@ -309,7 +309,7 @@ TEST_F(Fp8LoaderTest, MalformedTensorsAreRefusedByName) {
 
 TEST_F(Fp8LoaderTest, Fp8ExpertsNarrowerThanABlockAreRefused) {
   // The bf16 tiny-random-qwen3-moe (experts 64 wide), each expert part
-  // quantised on its own and saved per expert.
+  // quantized on its own and saved per expert.
   auto m = MakeRandomModel("tiny-random-qwen3-moe:1");
   ASSERT_TRUE(m.ok());
   Source(**m);

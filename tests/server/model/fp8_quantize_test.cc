@@ -1,8 +1,8 @@
 // QuantizeFp8Blocks / QuantizeModelFp8 / the -fp8 built-ins: codes and
 // scales equal the definition (s = max|W| / 448 per 128x128 block, q =
 // e4m3(W / s) round to nearest even) on hand-checked blocks, partial last
-// blocks, all-zero blocks and stacked experts; the dequantised error bound;
-// which tensors a model's quantisation touches; the refusals.
+// blocks, all-zero blocks and stacked experts; the dequantized error bound;
+// which tensors a model's quantization touches; the refusals.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -103,7 +103,7 @@ TEST(Fp8QuantizeTest, PartialBlocksAndStackedExpertsFollowTheDefinition) {
       }
     }
   }
-  // Dequantised, every element is within half an e4m3 step of |W / s|,
+  // Dequantized, every element is within half an e4m3 step of |W / s|,
   // times s; the slack covers the two fp32 roundings (of W / s and of q * s),
   // a few ulps of |W|.
   const std::vector<float> back = ToFloat(Fp8View(q, shape));
@@ -135,7 +135,7 @@ TEST(Fp8QuantizeTest, AllZeroBlockGetsScaleOne) {
   EXPECT_EQ(q.codes[127 * 256 + 5], 0x7e);  // the block's maximum maps to 448
 }
 
-TEST(Fp8QuantizeTest, ModelQuantisesEligibleTensorsOnly) {
+TEST(Fp8QuantizeTest, ModelQuantizesEligibleTensorsOnly) {
   for (const char* spec : {"tiny-random:4", "tiny-random-qwen3:4"}) {
     auto bf16 = MakeRandomModel(spec);
     auto fp8 = MakeRandomModel(spec);
@@ -143,7 +143,7 @@ TEST(Fp8QuantizeTest, ModelQuantisesEligibleTensorsOnly) {
     ASSERT_TRUE(QuantizeModelFp8(**fp8).ok());
     EXPECT_TRUE((*fp8)->config.quantization.enabled);
     EXPECT_NE((*fp8)->fingerprint, (*bf16)->fingerprint);
-    int quantised = 0;
+    int quantized = 0;
     for (const WeightSpec& s : DecoderWeightSpecs((*bf16)->config)) {
       const Tensor& a = WeightSlot((*bf16)->weights, s);
       const Tensor& b = WeightSlot((*fp8)->weights, s);
@@ -152,7 +152,7 @@ TEST(Fp8QuantizeTest, ModelQuantisesEligibleTensorsOnly) {
         EXPECT_EQ(std::memcmp(a.data, b.data, a.nbytes()), 0) << s.name;
         continue;
       }
-      ++quantised;
+      ++quantized;
       ASSERT_EQ(b.dtype, DType::kF8E4M3) << s.name;
       EXPECT_EQ(b.scale_inv.dtype, DType::kF32) << s.name;
       EXPECT_EQ(b.scale_inv.shape, Fp8ScaleShape(s.shape)) << s.name;
@@ -162,7 +162,7 @@ TEST(Fp8QuantizeTest, ModelQuantisesEligibleTensorsOnly) {
           << s.name;
     }
     // Per layer: 4 attention projections (or 3 GDN ones) and the 3 MLP ones.
-    EXPECT_GE(quantised, 6 * (*bf16)->config.num_layers) << spec;
+    EXPECT_GE(quantized, 6 * (*bf16)->config.num_layers) << spec;
     EXPECT_EQ((*fp8)->weights.embed_tokens.dtype, DType::kBF16);
 
     const absl::Status again = QuantizeModelFp8(**fp8);
@@ -222,7 +222,7 @@ TEST(Fp8QuantizeTest, FlagValuesAndRefusals) {
   EXPECT_THAT(QuantizeModelFp8(**device).message(), HasSubstr("use its -fp8 built-in variant"));
 }
 
-TEST(Fp8QuantizeTest, BuiltinFp8VariantsAreTheQuantisedBf16Models) {
+TEST(Fp8QuantizeTest, BuiltinFp8VariantsAreTheQuantizedBf16Models) {
   for (const char* base : {"tiny-random", "tiny-random-qwen3", "small-random-qwen3"}) {
     auto want = MakeRandomModel(absl::StrCat(base, ":9"));
     auto got = MakeRandomModel(absl::StrCat(base, "-fp8:9"));
@@ -232,7 +232,7 @@ TEST(Fp8QuantizeTest, BuiltinFp8VariantsAreTheQuantisedBf16Models) {
     EXPECT_EQ((*got)->id, absl::StrCat(base, "-fp8:9"));
   }
   // The MoE variants widen their experts to 128 so gate and up split on a
-  // block edge; otherwise they are the bf16 shape quantised.
+  // block edge; otherwise they are the bf16 shape quantized.
   for (const char* base : {"tiny-random-moe", "tiny-random-qwen3-moe"}) {
     auto got = MakeRandomModel(absl::StrCat(base, "-fp8:2"));
     ASSERT_TRUE(got.ok()) << got.status();

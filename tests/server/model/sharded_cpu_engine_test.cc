@@ -198,7 +198,7 @@ TEST(ShardedCpuEngineTest, Fp8ModelsCutWithTheirScalesEqualUnsharded) {
     ASSERT_NE(m, nullptr);
     auto ref_engine = CpuEngine::Create(m.get(), 2);
     ASSERT_TRUE(ref_engine.ok()) << ref_engine.status();
-    // Both engines dequantise the same codes and scales: what differs is
+    // Both engines dequantize the same codes and scales: what differs is
     // only the regrouping of fp32 sums, as for bf16 models.
     auto sharded = MakeSharded(*m, 2, MoeParallel::kExpert, 2);
     ASSERT_NE(sharded, nullptr);
@@ -207,9 +207,9 @@ TEST(ShardedCpuEngineTest, Fp8ModelsCutWithTheirScalesEqualUnsharded) {
   }
 }
 
-// Every rank's FP8 part, dequantised, is exactly the same part of the
-// dequantised whole: the codes and the scales were cut together.
-TEST(ShardedCpuEngineTest, Fp8SlicesDequantiseToSlicesOfTheDequantisedWhole) {
+// Every rank's FP8 part, dequantized, is exactly the same part of the
+// dequantized whole: the codes and the scales were cut together.
+TEST(ShardedCpuEngineTest, Fp8SlicesDequantizeToSlicesOfTheDequantizedWhole) {
   for (const char* spec : {"tiny-random", "tiny-random-moe"}) {
     SCOPED_TRACE(spec);
     std::unique_ptr<Model> m = MakeFp8BlockAligned(spec, 7);

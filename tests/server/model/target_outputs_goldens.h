@@ -4,7 +4,7 @@
 //
 // The goldens are tests/data/goldens_outputs_<model>.safetensors, made by
 // tests/data/make_target_output_goldens.py from transformers' fp32 logits on
-// the CPU (FP8 checkpoints: on the dequantised weights), each sequence of
+// the CPU (FP8 checkpoints: on the dequantized weights), each sequence of
 // goldens_<model>.safetensors run alone: per token the argmax, the top-8 of
 // log_softmax over the full vocabulary and the softmax over a 100-id draft
 // vocabulary (tests/data/README.md, "Target-output goldens"). The tests ask an

@@ -1,5 +1,5 @@
 // fp8_e4m3 end to end over gRPC: a CPU target's fp8 capture reaches the
-// client byte for byte (fp8_raw), or dequantised on the way in to the bf16 of
+// client byte for byte (fp8_raw), or dequantized on the way in to the bf16 of
 // bf16(code * scale), within e4m3's bound of the engine's fp32 states; the
 // checksum covers the fp8 bytes sent, and a token costs K*H + 4K bytes.
 #include <grpcpp/grpcpp.h>
@@ -99,7 +99,7 @@ TEST(ServiceFp8Test, RawModeReturnsTheEnginesBytes) {
   EXPECT_EQ(feed->Stats().bytes_received, static_cast<int64_t>((1 + 31 + 130) * (K * H + 4 * K)));
 }
 
-TEST(ServiceFp8Test, DefaultModeDequantisesOnTheWayIn) {
+TEST(ServiceFp8Test, DefaultModeDequantizesOnTheWayIn) {
   Server server;
   const std::vector<int32_t> layers = {1, -1};
   const int64_t K = 2, H = server.model().config.hidden_size;

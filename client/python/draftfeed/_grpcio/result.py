@@ -1,6 +1,6 @@
 """A finished batch as the pure-Python client hands it to draftfeed.Result: the same fields
 and views as the compiled module's result (client/python/module.cc's PyResult), over one numpy
-buffer of [T, bytes_per_token] rows, and the fp8_e4m3 -> bf16 dequantisation on the way in.
+buffer of [T, bytes_per_token] rows, and the fp8_e4m3 -> bf16 dequantization on the way in.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 BF16, FP8 = "bf16", "fp8_e4m3"
-# Tokens dequantised per numpy pass: bounds the float32 temporaries.
+# Tokens dequantized per numpy pass: bounds the float32 temporaries.
 _DEQUANT_VALUES_PER_STEP = 1 << 22
 
 
