@@ -30,17 +30,13 @@
 // no scales: the tensor cores accumulate straight into the fp32 sums, one
 // K block's group in flight while the previous stage is released.
 //
-// Measured on an H200 (bench/micro/fp8_gemm_benchmark.cc, 49,152 rows, the
-// 27B's projections): 1.05-1.20 PFLOP/s, 0.92-1.03 of cuBLASLt's
-// block-scaled GEMM, which the engine therefore keeps for the dense
-// projections. Both FP8 GEMMs are held by the GPU's 700 W cap: under them
-// its SM clock falls from 1,980 to ~1,440 MHz. A 128 x 128 tile with two
-// scratch accumulators (so a warpgroup issues block kb + 1 before promoting
-// kb) was tried and measured 0.86-0.99 of this one: it reads twice the
-// shared memory per FLOP, and power, not issue, is the limit. Grouped, at
-// the 35B-A3B shape: FP8 experts ~700 TFLOP/s, bf16 gate_up 570 and down
-// 373 (0.83 and 0.60 of cuBLASLt's dense GEMM of the same size; the
-// mma.sync kernels: 0.49, 0.44).
+// Dense, it runs a little under cuBLASLt's block-scaled GEMM at the 27B's
+// projections, which the engine therefore keeps for them; both are held by
+// the GPU's power cap, not by issue, which is why a 128 x 128 tile with two
+// scratch accumulators (issuing block kb + 1 before promoting kb) was slower:
+// it reads twice the shared memory per FLOP. The figures (dense, grouped,
+// the clocks under the cap): docs/performance.md, "Figures behind the
+// code's choices" (bench/micro/fp8_gemm_benchmark.cc).
 //
 // Edges: TMA zero-fills rows past the tensors' ends; the epilogue stores only
 // the item's rows and columns < n, and a weight half past n takes scale 0.

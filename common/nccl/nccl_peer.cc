@@ -45,8 +45,8 @@ struct NcclPeer::Impl {
   // Set-up runs on `comm`, nonblocking, so every wait in it can time out and
   // abort. Once the peers have shaken hands, transfers run on `data`, a
   // blocking child of it: a nonblocking communicator hands each send or
-  // receive to a thread it starts for the purpose, which cost ~0.2 ms per op
-  // (measured at 64 MiB on two H200s), a third of the transfer itself.
+  // receive to a thread it starts for the purpose, which cost a third of a
+  // 64 MiB transfer (docs/performance.md, "Figures behind the code's choices").
   // After the handshake a post never waits for the other side, so blocking
   // costs nothing there, and the waits for completion still poll events.
   ncclComm_t comm = nullptr;

@@ -49,11 +49,12 @@ struct CudaEngineOptions {
   bool profile = false;  // time every op family (adds syncs; benchmarks only)
   // FP8 models: the routed experts through the FP8 grouped GEMMs (the FP8
   // engine's maths, half the expert memory), or dequantized to bf16 at load
-  // for the bf16 grouped GEMMs (bf16 activations; on the H200 faster today).
+  // for the bf16 grouped GEMMs (bf16 activations; faster on the H200:
+  // docs/performance.md).
   bool fp8_expert_gemms = true;
   // FP8 models: the GEMM behind the dense FP8 projections (ChooseFp8Gemm,
-  // cuda_device.h). kAuto: cuBLASLt's block-scaled mode on sm_90 (on the H200
-  // 0.98-1.05x faster than ours at the 27B's shapes), draftfeed's portable
+  // cuda_device.h). kAuto: cuBLASLt's block-scaled mode on sm_90 (a little
+  // faster than ours at the 27B's shapes: docs/performance.md), draftfeed's portable
   // kernel (kernels/fp8_gemm_portable.cuh) on other GPUs and under
   // DRAFTFEED_PORTABLE_KERNELS; kCublasLt: cuBLASLt's, refused at creation
   // where it does not serve block scales; kDraftfeed: draftfeed's Hopper

@@ -4,10 +4,9 @@
 // layouts are kernels/fp8_gemm_operands.cuh's.
 //
 // cuBLASLt serves this as VEC128_32F scales on the activations and
-// BLK128x128_32F on the weights ("TN", bf16 D). On the H200 (cuBLAS 13.1)
-// it offers exactly one algorithm and runs at ~1.3-1.45 PFLOP/s at real
-// shapes, ~1.56x its bf16 GEMM and ~0.87x its per-tensor-scaled FP8 GEMM;
-// it refuses M not a multiple of 4 (so M is padded) and is documented for
+// BLK128x128_32F on the weights ("TN", bf16 D). It offers one algorithm
+// (its speed: docs/performance.md, "Figures behind the code's choices"),
+// refuses M not a multiple of 4 (so M is padded) and is documented for
 // sm_90 only, so creation checks that an algorithm exists and says so
 // otherwise.
 #pragma once
