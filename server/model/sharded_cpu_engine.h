@@ -39,7 +39,8 @@ class ShardedCpuEngine final : public Engine {
   int64_t max_carry_tokens() const override;
   // The ranks are CPU engines and their partials are summed in rank order.
   bool batch_invariant() const override { return true; }
-  std::string numerics() const override { return "cpu fp32"; }
+  // Partials summed over tp ranks are other bits than one rank's sums.
+  std::string numerics() const override { return "cpu fp32 tp" + std::to_string(layout().tp); }
   int64_t CarryBytes(int64_t tokens) const override;
   absl::Status ReserveCarry(int64_t tokens) override;
   void DropCarry() override;
