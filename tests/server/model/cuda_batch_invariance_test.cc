@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <span>
@@ -21,7 +23,10 @@
 
 #include "common/capture_encoding.h"
 #include "common/target_outputs.h"
+#include "common/status_macros.h"
 #include "server/model/cuda_engine.h"
+#include "server/model/sharding_plan.h"
+#include "server/model/tensor_parallel_cuda_engine.h"
 #include "server/model/model.h"
 
 namespace draftfeed {
@@ -66,25 +71,29 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   return n;
 }
 
-class CudaBatchInvariance : public ::testing::TestWithParam<Case> {};
+using MakeEngine = std::function<absl::StatusOr<std::unique_ptr<Engine>>()>;
 
-TEST_P(CudaBatchInvariance, ASequenceGetsTheSameBitsWhereverItIsPacked) {
+bool HasRoom() {
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    GTEST_SKIP() << "no CUDA device";
-  }
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) return false;
   size_t free_b = 0, total_b = 0;
   cudaMemGetInfo(&free_b, &total_b);
-  if (free_b < (size_t{120} << 30)) GTEST_SKIP() << "needs 120 GiB of GPU memory";
-  auto model = OpenModel(GetParam().model);
-  ASSERT_TRUE(model.ok()) << model.status();
-  const ModelConfig& c = (*model)->config;
+  return free_b >= (size_t{120} << 30);
+}
+
+CudaEngineOptions InvarianceOptions() {
   CudaEngineOptions opt;
   opt.max_tokens = 49152;
   opt.max_seqs = 16;
   opt.max_layers = 5;
-  opt.fp8_gemm = GetParam().fp8_gemm;
-  auto engine = CudaEngine::Create(model->get(), opt);
+  return opt;
+}
+
+// The sequence in every placement on engines `make` creates (one, then a
+// fresh one for the restart), against it alone.
+void ExpectTheSameBitsWhereverPacked(const std::string& what, const ModelConfig& c,
+                                     const MakeEngine& make) {
+  auto engine = make();
   ASSERT_TRUE(engine.ok()) << engine.status();
 
   const int32_t L = static_cast<int32_t>(c.num_layers);
@@ -100,7 +109,7 @@ TEST_P(CudaBatchInvariance, ASequenceGetsTheSameBitsWhereverItIsPacked) {
   }
   const std::vector<int32_t> seq = Tokens(kSequence, c.vocab_size, 7);
 
-  auto run = [&](CudaEngine& e, const std::vector<int32_t>& lens, int index,
+  auto run = [&](Engine& e, const std::vector<int32_t>& lens, int index,
                  std::vector<std::byte>& out) -> size_t {
     std::vector<int32_t> ids;
     size_t begin = 0;
@@ -129,7 +138,7 @@ TEST_P(CudaBatchInvariance, ASequenceGetsTheSameBitsWhereverItIsPacked) {
   run(**engine, {kSequence}, 0, alone);
 
   // Differing tokens per captured layer and in the outputs, against `alone`.
-  auto compare = [&](const char* what, const std::vector<std::byte>& got, size_t begin) {
+  auto compare = [&](const char* where, const std::vector<std::byte>& got, size_t begin) {
     std::vector<int64_t> differing(layers.size() + 1, 0);
     for (size_t t = 0; t < static_cast<size_t>(kSequence); ++t) {
       const std::byte* a = alone.data() + t * row;
@@ -145,9 +154,9 @@ TEST_P(CudaBatchInvariance, ASequenceGetsTheSameBitsWhereverItIsPacked) {
       table += " L" + std::to_string(layers[j]) + "=" + std::to_string(differing[j]);
     }
     table += " outputs=" + std::to_string(differing.back());
-    std::printf("%s, %s: differing tokens%s\n", GetParam().model, what, table.c_str());
+    std::printf("%s, %s: differing tokens%s\n", what.c_str(), where, table.c_str());
     for (size_t j = 0; j < differing.size(); ++j) {
-      EXPECT_EQ(differing[j], 0) << what << ": capture slot " << j << "\n" << table;
+      EXPECT_EQ(differing[j], 0) << where << ": capture slot " << j << "\n" << table;
     }
   };
 
@@ -160,10 +169,47 @@ TEST_P(CudaBatchInvariance, ASequenceGetsTheSameBitsWhereverItIsPacked) {
     compare(p.name, got, begin);
   }
   engine->reset();
-  auto fresh = CudaEngine::Create(model->get(), opt);
+  auto fresh = make();
   ASSERT_TRUE(fresh.ok()) << fresh.status();
   run(**fresh, {kSequence}, 0, again);
   compare("alone, new engine", again, 0);
+}
+
+class CudaBatchInvariance : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CudaBatchInvariance, ASequenceGetsTheSameBitsWhereverItIsPacked) {
+  if (!HasRoom()) GTEST_SKIP() << "needs a CUDA device with 120 GiB free";
+  auto model = OpenModel(GetParam().model);
+  ASSERT_TRUE(model.ok()) << model.status();
+  CudaEngineOptions opt = InvarianceOptions();
+  opt.fp8_gemm = GetParam().fp8_gemm;
+  ExpectTheSameBitsWhereverPacked(
+      GetParam().model, (*model)->config,
+      [&]() -> absl::StatusOr<std::unique_ptr<Engine>> {
+        DF_ASSIGN_OR_RETURN(auto e, CudaEngine::Create(model->get(), opt));
+        return std::unique_ptr<Engine>(std::move(e));
+      });
+}
+
+// Tensor parallel with both ranks on GPU 0 (the one-device kernel sums them
+// in a fixed order): invariant too, a dense and an expert-parallel MoE shape.
+TEST(CudaBatchInvarianceTensorParallel, ASequenceGetsTheSameBitsWhereverItIsPacked) {
+  if (!HasRoom()) GTEST_SKIP() << "needs a CUDA device with 120 GiB free";
+  for (const char* spec : {"random:qwen3-8b", "random:qwen3-30b-a3b"}) {
+    SCOPED_TRACE(spec);
+    auto model = OpenModel(spec);
+    ASSERT_TRUE(model.ok()) << model.status();
+    const ModelConfig& c = (*model)->config;
+    ExpectTheSameBitsWhereverPacked(
+        std::string(spec) + " tp2", c, [&]() -> absl::StatusOr<std::unique_ptr<Engine>> {
+          DF_ASSIGN_OR_RETURN(ShardingPlan plan, PlanTensorParallel(c, 2));
+          DF_ASSIGN_OR_RETURN(auto e, TensorParallelCudaEngine::Create(
+                                          model->get(), std::move(plan), {0, 0},
+                                          InvarianceOptions()));
+          EXPECT_TRUE(e->batch_invariant());
+          return std::unique_ptr<Engine>(std::move(e));
+        });
+  }
 }
 
 using Fp8Gemm = CudaEngineOptions::Fp8Gemm;
