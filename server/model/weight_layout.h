@@ -6,11 +6,13 @@
 // (and the CUDA engine uploads or fills) their weights from it, so none of
 // them can drift apart.
 //
-// Adding a block kind (an MoE MLP, say):
+// Adding a block kind (an MoE MLP, say), in short (docs/models.md, "Adding an
+// architecture or a block kind", has every step, file and test):
 //   1. a BlockKind enumerator and, if its tensors are new, LayerWeights members;
-//   2. its entry in weight_layout.cc: BlockSpecs (tensors, shapes, init) and
-//      BlockDeviceBuffers (the CUDA layout, with its index enum below);
-//   3. LayerBlocks picks it from a config feature (e.g. ArchFeatures::mlp);
+//   2. its entry in weight_layout.cc: BlockSpecs (tensors, shapes, init, the
+//      tensor-parallel cut) and BlockDeviceBuffers (the CUDA layout, with its
+//      index enum below);
+//   3. BlocksOfLayer picks it from a config feature (e.g. ArchFeatures::mlp);
 //   4. its forward in each engine (a case of the block switch) and its kernels.
 #pragma once
 
