@@ -39,6 +39,12 @@ absl::StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Create(const Model* mode
   if (options.max_tokens < 1) return absl::InvalidArgumentError("max_tokens must be >= 1");
   auto impl = std::make_unique<Impl>();
   DF_RETURN_IF_ERROR(impl->Init(model, options));
+  cudaDeviceProp prop{};
+  impl->numerics = cudaGetDeviceProperties(&prop, options.device) == cudaSuccess
+                       ? absl::StrCat("cuda ", prop.name, " sm_", prop.major, prop.minor, " ",
+                                      prop.multiProcessorCount, " SMs, FP8 GEMM ",
+                                      Fp8GemmPathName(impl->fp8_gemm_path))
+                       : absl::StrCat("cuda:", options.device);
   impl->copier = std::thread([p = impl.get()] {
     NameThisThread("df-gpu-copy");
     p->CopyLoop();
@@ -50,13 +56,7 @@ const Model& CudaEngine::model() const { return *impl_->model; }
 
 std::string CudaEngine::device_name() const { return absl::StrCat("cuda:", impl_->options.device); }
 
-std::string CudaEngine::numerics() const {
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, impl_->options.device) != cudaSuccess) return device_name();
-  return absl::StrCat("cuda ", prop.name, " sm_", prop.major, prop.minor, " ",
-                      prop.multiProcessorCount, " SMs, FP8 GEMM ",
-                      Fp8GemmPathName(impl_->fp8_gemm_path));
-}
+std::string CudaEngine::numerics() const { return impl_->numerics; }
 
 absl::Status CudaEngine::ForwardOnDevice(const ForwardInput& in) {
   impl_->TakeBuffer();

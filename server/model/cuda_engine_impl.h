@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -130,6 +131,9 @@ struct CudaEngine::Impl {
   // The dense FP8 projections' GEMM (ChooseFp8Gemm); own_fp8_gemm: one of
   // draftfeed's (Hopper or portable), not cuBLASLt's fp8_gemm.
   Fp8GemmPath fp8_gemm_path = Fp8GemmPath::kCublasLt;
+  // CudaEngine::numerics, made once at creation: GetTargetInfo asks for it
+  // per call, and the device query behind it is not free.
+  std::string numerics;
   bool own_fp8_gemm = false;
   std::vector<Layer> layers;
   bf16* embed = nullptr;

@@ -95,11 +95,10 @@ int64_t TargetService::max_sequence_tokens() const {
 // Every engine's rows ignore their batch, and all compute the same bits (a
 // batch gets one answer whichever replica runs it).
 bool TargetService::batch_invariant() const {
-  if (numerics().empty()) return false;
   for (const Engine* e : engines_) {
     if (!e->batch_invariant()) return false;
   }
-  return true;
+  return !numerics().empty();
 }
 
 std::string TargetService::numerics() const {
