@@ -489,12 +489,18 @@ void ServeUntilStopped(TargetSignals* signals, TargetService* service, grpc::Ser
       std::chrono::system_clock::now() + std::chrono::seconds(absl::GetFlag(FLAGS_drain_timeout_s));
   server->Shutdown(deadline);
   service->StopScheduler();
+  // The capture buffers' allocations: a steady stream allocates only its
+  // first few, so a count that grows with the batches means the idle cap
+  // frees what the next batch allocates again (pinned memory: both stall).
+  const HostBufferPool& pool = service->scheduler().pool();
   LogF(
       "draftfeed-target: stopped after %lld batches, %lld tokens (%lld batches skipped: "
-      "their stream was gone before they ran)",
+      "their stream was gone before they ran); %lld capture buffer allocations, peak %lld MiB",
       static_cast<long long>(service->scheduler().completed_batches()),
       static_cast<long long>(service->scheduler().completed_tokens()),
-      static_cast<long long>(service->scheduler().skipped_batches()));
+      static_cast<long long>(service->scheduler().skipped_batches()),
+      static_cast<long long>(pool.allocations()),
+      static_cast<long long>(pool.peak_total_bytes() >> 20));
   signals->Drained();  // a late signal no longer asks the service what it abandons
 }
 
