@@ -37,8 +37,7 @@ struct SwiGluScalar {
   }
 };
 
-// o / (1 + e^−g) = o·sigmoid(g) with a single rounding of the quotient.
-__device__ __forceinline__ float Gate(float o, float g) { return o / (1.0f + expf(-g)); }
+using vec::Gate;
 
 // Rows are tokens; a row's vectors run over heads, head_vecs per head.
 struct GateVec {

@@ -31,6 +31,13 @@ inline constexpr int64_t Fp8ScaleStride(int64_t k) {
   return ((k + kFp8Block - 1) / kFp8Block + 3) / 4 * 4;
 }
 
+// Where a producer also writes the quantized copy of its bf16 output for the
+// FP8 GEMM that reads it (xq and x_scale as above); q == nullptr: none.
+struct Fp8Activations {
+  uint8_t* q = nullptr;
+  float* scale = nullptr;
+};
+
 // Quantizes x[m, :] (row stride ldx, bf16) for m < M into xq/x_scale as above:
 // s = max(amax, kFp8MinAmax) / 448 per 128 group (fp32), q = e4m3(x / s)
 // (IEEE division, round to nearest even, saturating). Rows M..M_pad-1 get
@@ -43,6 +50,16 @@ cudaError_t QuantizeActivationsFp8(const bf16* x, int64_t ldx, int64_t m, int64_
 // then quantized as QuantizeActivationsFp8 does. gate_up: [M, 2F]; F % 128 == 0.
 cudaError_t SwiGluQuantizeFp8(const bf16* gate_up, int64_t m, int64_t ffn_dim, uint8_t* xq,
                               float* x_scale, cudaStream_t stream);
+
+// SigmoidGateMul (elementwise.cuh) fused with the quantization of its
+// output, the o projection's input: o is still written (the same bf16), and
+// fp8 gets o quantized as QuantizeActivationsFp8 would. heads·head_dim must
+// be a multiple of 128, head_dim and the gate strides multiples of 8, o and
+// gate 16-byte aligned.
+cudaError_t SigmoidGateMulQuantizeFp8(bf16* o, const bf16* gate, int64_t num_tokens, int64_t heads,
+                                      int64_t head_dim, int64_t gate_token_stride,
+                                      int64_t gate_head_stride, Fp8Activations fp8,
+                                      cudaStream_t stream);
 
 // Quantizes bf16 weights w[N, K] by 128x128 blocks (s = amax / 448, an
 // all-zero block s = 1; q = e4m3(w / s)): the host quantizer's rule, for the

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "kernels/fp8_quantize_group.cuh"
 #include "kernels/vec_io.cuh"
 
 namespace draftfeed::cuda {
@@ -37,14 +38,22 @@ __device__ __forceinline__ float SumSquares(const float (&v)[kVec]) {
   return ss;
 }
 
-// y = x̂·(w + w_offset) from the fp32 row values, written as 8 bf16.
+// The values a bf16 store keeps: what a quantizer reading `out` back would see.
+__device__ __forceinline__ void StoreRounded(bf16* out, float (&y)[kVec]) {
+  vec::StoreBf16x8(out, y);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) y[k] = __bfloat162float(__float2bfloat16(y[k]));
+}
+
+// y = x̂·(w + w_offset) from the fp32 row values, written as 8 bf16 (and
+// left in y as stored).
 __device__ __forceinline__ void ScaleStore(const float (&v)[kVec], float inv, const bf16* w,
-                                           float w_offset, bf16* out) {
-  float wv[kVec], y[kVec];
+                                           float w_offset, bf16* out, float (&y)[kVec]) {
+  float wv[kVec];
   vec::LoadBf16x8(w, wv);
 #pragma unroll
   for (int k = 0; k < kVec; ++k) y[k] = (v[k] * inv) * (wv[k] + w_offset);
-  vec::StoreBf16x8(out, y);
+  StoreRounded(out, y);
 }
 
 struct F32ToBf16 {
@@ -62,8 +71,8 @@ struct F32ToBf16 {
     vec::LoadF32x8(x + r * x_stride + c * kVec, it.v);
   }
   __device__ float Prepare(int64_t, int64_t, Item& it) const { return SumSquares(it.v); }
-  __device__ void Store(int64_t r, int64_t c, const Item& it, float inv) const {
-    ScaleStore(it.v, inv, w + c * kVec, w_offset, out + r * out_stride + c * kVec);
+  __device__ void Store(int64_t r, int64_t c, const Item& it, float inv, float (&y)[kVec]) const {
+    ScaleStore(it.v, inv, w + c * kVec, w_offset, out + r * out_stride + c * kVec, y);
   }
   __device__ float First(int64_t r, int64_t i) const { return x[r * x_stride + i]; }
   __device__ float Again(int64_t r, int64_t i) const { return First(r, i); }
@@ -97,8 +106,8 @@ struct AddF32ToBf16 {
     vec::StoreF32x8(residual + r * width + c * kVec, it.v);
     return SumSquares(it.v);
   }
-  __device__ void Store(int64_t r, int64_t c, const Item& it, float inv) const {
-    ScaleStore(it.v, inv, w + c * kVec, w_offset, out + r * width + c * kVec);
+  __device__ void Store(int64_t r, int64_t c, const Item& it, float inv, float (&y)[kVec]) const {
+    ScaleStore(it.v, inv, w + c * kVec, w_offset, out + r * width + c * kVec, y);
   }
   __device__ float First(int64_t r, int64_t i) const {
     const float s = residual[r * width + i] + __bfloat162float(delta[r * width + i]);
@@ -128,10 +137,10 @@ struct Bf16InPlace {
     vec::UnpackBf16x8(it.x, v);
     return SumSquares(v);
   }
-  __device__ void Store(int64_t r, int64_t c, const Item& it, float inv) const {
+  __device__ void Store(int64_t r, int64_t c, const Item& it, float inv, float (&y)[kVec]) const {
     float v[kVec];
     vec::UnpackBf16x8(it.x, v);
-    ScaleStore(v, inv, w + c * kVec, w_offset, x + r * x_stride + c * kVec);
+    ScaleStore(v, inv, w + c * kVec, w_offset, x + r * x_stride + c * kVec, y);
   }
   __device__ float First(int64_t r, int64_t i) const {
     return __bfloat162float(x[r * x_stride + i]);
@@ -163,14 +172,14 @@ struct GatedBf16 {
     vec::UnpackBf16x8(it.x, v);
     return SumSquares(v);
   }
-  __device__ void Store(int64_t r, int64_t c, const Item& it, float inv) const {
-    float v[kVec], wv[kVec], zv[kVec], y[kVec];
+  __device__ void Store(int64_t r, int64_t c, const Item& it, float inv, float (&y)[kVec]) const {
+    float v[kVec], wv[kVec], zv[kVec];
     vec::UnpackBf16x8(it.x, v);
     vec::UnpackBf16x8(it.z, zv);
     vec::LoadBf16x8(w + c * kVec, wv);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) y[k] = (wv[k] * (v[k] * inv)) * vec::Silu(zv[k]);
-    vec::StoreBf16x8(out + r * width + c * kVec, y);
+    StoreRounded(out + r * width + c * kVec, y);
   }
   __device__ float First(int64_t r, int64_t i) const { return __bfloat162float(x[r * width + i]); }
   __device__ float Again(int64_t r, int64_t i) const { return First(r, i); }
@@ -208,16 +217,43 @@ __device__ __forceinline__ float RowSum(float v, float* smem) {
   }
 }
 
+// Where a norm's output also goes quantized for the FP8 GEMM that reads it
+// (fp8_gemm_operands.cuh's layout): row r is token r, k = width wide.
+struct Fp8Sink {
+  uint8_t* q = nullptr;
+  float* scale = nullptr;
+  int64_t tokens = 0, m_pad = 0, k = 0;
+
+  struct Row {
+    uint8_t* q;
+    float* scale;  // the row's first group's
+  };
+  __device__ Row RowOf(int64_t r) const { return {q + r * k, scale + r}; }
+  // Vector c of the row (8 values) and, from the group's first vector, its scale.
+  __device__ void Put(const Row& row, int c, const uint2& bytes, float s) const {
+    *reinterpret_cast<uint2*>(row.q + c * kVec) = bytes;
+    constexpr int kGroupVecs = kFp8Block / kVec;
+    if (c % kGroupVecs == 0) row.scale[(c / kGroupVecs) * m_pad] = s;
+  }
+};
+
 // kGroup threads per row (several rows per block), or kGroup == 0: one row
 // per block. Every lane of a warp runs the same number of row iterations, so
 // the shuffles always see full warps; lanes past the last row add zeros.
-template <class Op, int kGroup, int kItems>
+// kFp8: each 128-wide group of the stored row is also quantized into `sink`.
+// A group is 16 vectors, and with 16 or more lanes a row (a multiple of 16,
+// vector c = lane + i·lanes) an aligned run of 16 lanes holds one group per
+// item (LaunchNorm takes no narrower rows fused).
+template <class Op, int kGroup, int kItems, bool kFp8>
 __global__ void __launch_bounds__(kMaxBlock)
-    NormVecKernel(Op op, int64_t rows, int vecs, float width, float eps) {
+    NormVecKernel(Op op, Fp8Sink sink, int64_t rows, int vecs, float width, float eps) {
   __shared__ float smem[33];
   const int group = kGroup > 0 ? kGroup : static_cast<int>(blockDim.x);
   const int lane = static_cast<int>(threadIdx.x) % group;
   const int rows_per_block = static_cast<int>(blockDim.x) / group;
+  if constexpr (kFp8) {
+    if (blockIdx.x == 0) fp8::ZeroPadRows(sink.q, sink.scale, sink.tokens, sink.m_pad, sink.k);
+  }
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * rows_per_block; first < rows;
        first += static_cast<int64_t>(gridDim.x) * rows_per_block) {
     const int64_t row = first + static_cast<int>(threadIdx.x) / group;
@@ -236,10 +272,21 @@ __global__ void __launch_bounds__(kMaxBlock)
     }
     ss = RowSum<kGroup>(ss, smem);
     const float inv = 1.0f / sqrtf(ss / width + eps);
+    float y[kItems][kVec] = {};
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       const int c = lane + i * group;
-      if (active && c < vecs) op.Store(row, c, items[i], inv);
+      if (active && c < vecs) op.Store(row, c, items[i], inv, y[i]);
+    }
+    static_assert(!kFp8 || kGroup == 0 || kGroup >= 16, "a group is 16 lanes' vectors");
+    if constexpr (kFp8) {
+      const Fp8Sink::Row to = sink.RowOf(active ? row : 0);
+#pragma unroll
+      for (int i = 0; i < kItems; ++i) {
+        const int c = lane + i * group;
+        const fp8::GroupScale g = fp8::ScaleOf(fp8::LanesMax<16>(fp8::AbsMax8(y[i])));
+        if (active && c < vecs) sink.Put(to, c, fp8::Quantize8(y[i], g), g.s);
+      }
     }
   }
 }
@@ -265,39 +312,53 @@ __global__ void __launch_bounds__(256)
 }
 
 template <class Op, int kGroup, int kItems>
-void LaunchVec(const Op& op, int64_t rows, int64_t vecs, int64_t width, float eps, int threads,
-               cudaStream_t stream) {
+void LaunchVec(const Op& op, const Fp8Sink& sink, int64_t rows, int64_t vecs, int64_t width,
+               float eps, int threads, cudaStream_t stream) {
   const int rows_per_block = kGroup > 0 ? threads / kGroup : 1;
   const int64_t blocks = std::min<int64_t>((rows + rows_per_block - 1) / rows_per_block, INT32_MAX);
-  NormVecKernel<Op, kGroup, kItems><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-      op, rows, static_cast<int>(vecs), static_cast<float>(width), eps);
+  if constexpr (kGroup == 0 || kGroup >= 16) {  // LaunchNorm sends no narrower row with a sink
+    if (sink.q != nullptr) {
+      NormVecKernel<Op, kGroup, kItems, true>
+          <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+              op, sink, rows, static_cast<int>(vecs), static_cast<float>(width), eps);
+      return;
+    }
+  }
+  NormVecKernel<Op, kGroup, kItems, false><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+      op, sink, rows, static_cast<int>(vecs), static_cast<float>(width), eps);
 }
 
 // vectorised: the caller checked width % 8 == 0 and the alignment of every
-// pointer and stride the Op touches.
+// pointer and stride the Op touches. With a sink the vector path must be
+// taken and width be a multiple of 128 (the callers fall back otherwise).
 template <class Op>
 cudaError_t LaunchNorm(const Op& op, bool vectorised, int64_t rows, int64_t width, float eps,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const Fp8Sink& sink = {}) {
   if (rows < 0 || width < 0) return cudaErrorInvalidValue;
   if (rows == 0 || width == 0) return cudaSuccess;
   const int64_t vecs = width / kVec;
   constexpr int kBlock = 256;  // threads of the blocks that hold several rows
+  if (sink.q != nullptr && !(vectorised && width % kFp8Block == 0 && width >= 2 * kFp8Block &&
+                             vecs <= kMaxBlock * kWideItems)) {
+    return cudaErrorInvalidValue;
+  }
   if (vectorised && vecs <= 32 * kNarrowItems) {
     // q/k heads, GDN heads: a power-of-two slice of a warp per row.
-    using Launch = void (*)(const Op&, int64_t, int64_t, int64_t, float, int, cudaStream_t);
+    using Launch =
+        void (*)(const Op&, const Fp8Sink&, int64_t, int64_t, int64_t, float, int, cudaStream_t);
     constexpr Launch kByLog2Group[] = {
         LaunchVec<Op, 1, kNarrowItems>,  LaunchVec<Op, 2, kNarrowItems>,
         LaunchVec<Op, 4, kNarrowItems>,  LaunchVec<Op, 8, kNarrowItems>,
         LaunchVec<Op, 16, kNarrowItems>, LaunchVec<Op, 32, kNarrowItems>};
     int log2_group = 0;
     while ((int64_t{kNarrowItems} << log2_group) < vecs) ++log2_group;
-    kByLog2Group[log2_group](op, rows, vecs, width, eps, kBlock, stream);
+    kByLog2Group[log2_group](op, sink, rows, vecs, width, eps, kBlock, stream);
   } else if (vectorised && vecs <= 32 * kWideItems) {
-    LaunchVec<Op, 32, kWideItems>(op, rows, vecs, width, eps, kBlock, stream);
+    LaunchVec<Op, 32, kWideItems>(op, sink, rows, vecs, width, eps, kBlock, stream);
   } else if (vectorised && vecs <= kMaxBlock * kWideItems) {
     // The hidden size: one row per block.
     const int64_t threads = (vecs + kWideItems - 1) / kWideItems;
-    LaunchVec<Op, 0, kWideItems>(op, rows, vecs, width, eps,
+    LaunchVec<Op, 0, kWideItems>(op, sink, rows, vecs, width, eps,
                                  static_cast<int>((threads + 31) / 32 * 32), stream);
   } else {
     const int threads = static_cast<int>(std::min<int64_t>(256, (width + 31) / 32 * 32));
@@ -306,6 +367,29 @@ cudaError_t LaunchNorm(const Op& op, bool vectorised, int64_t rows, int64_t widt
         <<<static_cast<unsigned>(blocks), threads, 0, stream>>>(op, rows, width, eps);
   }
   return cudaGetLastError();
+}
+
+// The fused norm where it can run (rows of at least 256, a multiple of 128:
+// 16 lanes or more a row), else the norm and then the quantizer over its
+// output (out: rows of width, `ld` apart).
+template <class Op>
+cudaError_t NormMaybeQuantized(const Op& op, bool vectorised, int64_t rows, int64_t width,
+                               float eps, const Fp8Activations& fp8, const bf16* out, int64_t ld,
+                               cudaStream_t stream) {
+  if (fp8.q == nullptr) return LaunchNorm(op, vectorised, rows, width, eps, stream);
+  if (width % kFp8Block != 0 || fp8.scale == nullptr) return cudaErrorInvalidValue;
+  if (vectorised && width >= 2 * kFp8Block && width / kVec <= kMaxBlock * kWideItems) {
+    Fp8Sink sink;
+    sink.q = fp8.q;
+    sink.scale = fp8.scale;
+    sink.tokens = rows;
+    sink.m_pad = Fp8RowsPadded(rows);
+    sink.k = width;
+    return LaunchNorm(op, vectorised, rows, width, eps, stream, sink);
+  }
+  const cudaError_t e = LaunchNorm(op, vectorised, rows, width, eps, stream);
+  if (e != cudaSuccess) return e;
+  return QuantizeActivationsFp8(out, ld, rows, width, fp8.q, fp8.scale, stream);
 }
 
 float WeightOffset(NormKind kind) { return kind == NormKind::kZeroCentred ? 1.0f : 0.0f; }
@@ -317,20 +401,21 @@ bool F32Rows(const void* p, int64_t stride) { return vec::Aligned16(p) && stride
 }  // namespace
 
 cudaError_t RmsNormF32(const float* x, int64_t x_stride, const bf16* w, int64_t rows, int64_t width,
-                       float eps, NormKind kind, bf16* out, int64_t out_stride,
-                       cudaStream_t stream) {
+                       float eps, NormKind kind, bf16* out, int64_t out_stride, cudaStream_t stream,
+                       Fp8Activations fp8) {
   const bool vectorised =
       width % kVec == 0 && F32Rows(x, x_stride) && vec::Aligned16(w) && Bf16Rows(out, out_stride);
-  return LaunchNorm(F32ToBf16{x, x_stride, w, WeightOffset(kind), out, out_stride}, vectorised,
-                    rows, width, eps, stream);
+  return NormMaybeQuantized(F32ToBf16{x, x_stride, w, WeightOffset(kind), out, out_stride},
+                            vectorised, rows, width, eps, fp8, out, out_stride, stream);
 }
 
 cudaError_t AddRmsNormF32(float* residual, const bf16* delta, const bf16* w, int64_t rows,
-                          int64_t width, float eps, NormKind kind, bf16* out, cudaStream_t stream) {
+                          int64_t width, float eps, NormKind kind, bf16* out, cudaStream_t stream,
+                          Fp8Activations fp8) {
   const bool vectorised = width % kVec == 0 && vec::Aligned16(residual) && vec::Aligned16(delta) &&
                           vec::Aligned16(w) && vec::Aligned16(out);
-  return LaunchNorm(AddF32ToBf16{residual, delta, w, WeightOffset(kind), out, width}, vectorised,
-                    rows, width, eps, stream);
+  return NormMaybeQuantized(AddF32ToBf16{residual, delta, w, WeightOffset(kind), out, width},
+                            vectorised, rows, width, eps, fp8, out, width, stream);
 }
 
 cudaError_t RmsNormBf16InPlace(bf16* x, int64_t x_stride, const bf16* w, int64_t rows,

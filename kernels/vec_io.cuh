@@ -59,6 +59,10 @@ __device__ __forceinline__ void StoreF32x8(float* p, const float (&v)[kVec]) {
 // for every x (e^−x = inf only where the quotient is −0 anyway).
 __device__ __forceinline__ float Silu(float x) { return x / (1.0f + expf(-x)); }
 
+// o / (1 + e^−g) = o·sigmoid(g) with a single rounding of the quotient (the
+// gated attention's output gate).
+__device__ __forceinline__ float Gate(float o, float g) { return o / (1.0f + expf(-g)); }
+
 // Calls f(row, col) for every row < rows and col < cols: columns across
 // threads (so a warp reads consecutive vectors of one row), rows across
 // gridDim.y with a stride loop (gridDim.y is capped at 65535).

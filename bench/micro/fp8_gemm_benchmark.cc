@@ -14,9 +14,11 @@
 
 #include "bench/micro/gpu_benchmark.h"
 #include "benchmark/benchmark.h"
+#include "kernels/elementwise.cuh"
 #include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/fp8_gemm_portable.cuh"
 #include "kernels/hopper_gemm.cuh"
+#include "kernels/rmsnorm.cuh"
 #include "server/model/cuda_fp8_gemm.h"
 #include "server/model/cuda_gemm.h"
 
@@ -164,6 +166,53 @@ void RunSwiGluQuantize(benchmark::State& state, int64_t f) {
   });
 }
 
+// The producers of FP8 GEMM inputs, each fused with the quantization of its
+// output (one pass) and unfused (the producer, then the quantizer), so the
+// pass saved is measured in the same run. Bytes are the fused pass's.
+void RunAddNormQuantize(benchmark::State& state, bool fused) {
+  const int64_t m = state.range(0), d = s27::kHidden;
+  DeviceArray<float> residual(m * d);
+  DeviceArray<bf16> delta(m * d), w(d), out(m * d);
+  DeviceArray<uint8_t> xq(m * d);
+  DeviceArray<float> xs(m * (d / 128));
+  FillRandom(residual, 5);
+  FillRandom(delta, 6);
+  FillRandom(w, 7, 0.1f);
+  const cuda::Fp8Activations fp8{xq.get(), xs.get()};
+  TimeKernel(state, {m * d * (4.0 + 2 + 4 + 2 + 1) + m * (d / 128) * 4.0, 0}, [&] {
+    if (fused) {
+      return cuda::AddRmsNormF32(residual.get(), delta.get(), w.get(), m, d, 1e-6f,
+                                 cuda::NormKind::kZeroCentred, out.get(), nullptr, fp8);
+    }
+    const cudaError_t e = cuda::AddRmsNormF32(residual.get(), delta.get(), w.get(), m, d, 1e-6f,
+                                              cuda::NormKind::kZeroCentred, out.get(), nullptr);
+    if (e != cudaSuccess) return e;
+    return cuda::QuantizeActivationsFp8(out.get(), d, m, d, xq.get(), xs.get(), nullptr);
+  });
+}
+
+void RunOutputGateQuantize(benchmark::State& state, bool fused) {
+  const int64_t m = state.range(0), heads = s27::kQHeads, hd = s27::kHeadDim;
+  const int64_t row = heads * hd;
+  DeviceArray<bf16> o(m * row), qg(m * s27::kAttnRow);
+  DeviceArray<uint8_t> xq(m * row);
+  DeviceArray<float> xs(m * (row / 128));
+  FillRandom(o, 11);
+  FillRandom(qg, 12, 1.0f, 30.0f);  // sigmoid = 1: o keeps its size over the repeats
+  const bf16* gate = qg.get() + hd;
+  const cuda::Fp8Activations fp8{xq.get(), xs.get()};
+  TimeKernel(state, {m * row * (2.0 + 2 + 2 + 1) + m * (row / 128) * 4.0, 0}, [&] {
+    if (fused) {
+      return cuda::SigmoidGateMulQuantizeFp8(o.get(), gate, m, heads, hd, s27::kAttnRow, 2 * hd,
+                                             fp8, nullptr);
+    }
+    const cudaError_t e =
+        cuda::SigmoidGateMul(o.get(), gate, m, heads, hd, s27::kAttnRow, 2 * hd, nullptr);
+    if (e != cudaSuccess) return e;
+    return cuda::QuantizeActivationsFp8(o.get(), row, m, row, xq.get(), xs.get(), nullptr);
+  });
+}
+
 #define DF_FP8_BENCHMARK(fn) DF_GPU_BENCHMARK(fn)->Arg(16384)->Arg(49152)
 // The 27B's projections: attention [q·gate; k; v], GDN [qkv] and z, the
 // MLP's [gate; up] and down, and the attention/GDN output projections.
@@ -195,6 +244,20 @@ void BM_Fp8QuantizeActivations_Hidden_Qwen36_27B(benchmark::State& s) {
 DF_FP8_BENCHMARK(BM_Fp8QuantizeActivations_Hidden_Qwen36_27B);
 void BM_SwiGluQuantizeFp8_Qwen36_27B(benchmark::State& s) { RunSwiGluQuantize(s, s27::kFfn); }
 DF_FP8_BENCHMARK(BM_SwiGluQuantizeFp8_Qwen36_27B);
+void BM_AddRmsNormQuantizeFp8_Fused_Qwen36_27B(benchmark::State& s) { RunAddNormQuantize(s, true); }
+DF_FP8_BENCHMARK(BM_AddRmsNormQuantizeFp8_Fused_Qwen36_27B);
+void BM_AddRmsNormQuantizeFp8_Unfused_Qwen36_27B(benchmark::State& s) {
+  RunAddNormQuantize(s, false);
+}
+DF_FP8_BENCHMARK(BM_AddRmsNormQuantizeFp8_Unfused_Qwen36_27B);
+void BM_OutputGateQuantizeFp8_Fused_Qwen36_27B(benchmark::State& s) {
+  RunOutputGateQuantize(s, true);
+}
+DF_FP8_BENCHMARK(BM_OutputGateQuantizeFp8_Fused_Qwen36_27B);
+void BM_OutputGateQuantizeFp8_Unfused_Qwen36_27B(benchmark::State& s) {
+  RunOutputGateQuantize(s, false);
+}
+DF_FP8_BENCHMARK(BM_OutputGateQuantizeFp8_Unfused_Qwen36_27B);
 
 }  // namespace
 }  // namespace draftfeed::bench

@@ -45,6 +45,29 @@ absl::Status CudaEngine::Impl::QuantizeForFp8(const bf16* x, int64_t T, int64_t 
   return absl::OkStatus();
 }
 
+cuda::Fp8Activations CudaEngine::Impl::Fp8InputOf(const DeviceBlock& b) const {
+  bool fp8 = false;
+  switch (b.kind) {
+    case BlockKind::kAttention:
+      fp8 = IsFp8(b, kAttnQkv);
+      break;
+    case BlockKind::kGatedDeltaNet:
+      fp8 = IsFp8(b, kGdnInQkvBA) || IsFp8(b, kGdnZ);
+      break;
+    case BlockKind::kDenseMlp:
+      fp8 = IsFp8(b, kMlpGateUp);
+      break;
+    case BlockKind::kMoeMlp:
+      fp8 = (IsFp8(b, kMoeExpertsGateUp) && IsFp8(b, kMoeExpertsDown)) ||
+            (I_shared > 0 && IsFp8(b, kMoeSharedGateUp));
+      break;
+    case BlockKind::kNorms:
+      break;
+  }
+  if (!fp8 || D > fp8_k_max) return {};
+  return {x8, x8_scale};
+}
+
 absl::Status CudaEngine::Impl::Project(const DeviceBlock& b, int i, const bf16* x, bf16* y,
                                        int64_t T, int64_t N, int64_t K) {
   if (!IsFp8(b, i)) {
@@ -75,7 +98,6 @@ absl::Status CudaEngine::Impl::Project(const DeviceBlock& b, int i, const bf16* 
 
 absl::Status CudaEngine::Impl::Block(const DeviceBlock& b, int64_t T, int32_t nseq,
                                      int32_t max_len) {
-  x8_source = nullptr;  // the block's inputs are new: nothing quantized is current
   // A tensor-parallel rank's mixer or dense MLP output is a partial sum
   // (its output projection is cut along K): summed here, before the residual
   // add. The MoE block sums its own partial (MoeMlp).
@@ -105,9 +127,8 @@ absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, in
   DF_RETURN_IF_ERROR(Project(w, kGdnZ, u, zbuf, T, Nv * dv, D));
   // Chunked prefill: sequence 0 goes on from the carried conv tail and
   // state, the last sequence's are carried on (cuda_sequence_carry.cc).
-  CarryLayer* carried = resume_now > 0 || carry_last_now
-                            ? &carry_layers[static_cast<size_t>(layer_now)]
-                            : nullptr;
+  CarryLayer* carried =
+      resume_now > 0 || carry_last_now ? &carry_layers[static_cast<size_t>(layer_now)] : nullptr;
   DF_RETURN_IF_ERROR(Timed("gdn_conv", [&] {
     return CudaStatus(
         cuda::CausalConv1dSilu(proj, p_gdn, w.bf(kGdnConv), T, C, KC, d_cu, nseq, conv_out, stream,
@@ -136,6 +157,9 @@ absl::Status CudaEngine::Impl::GatedDeltaNet(const DeviceBlock& w, int64_t T, in
   DF_RETURN_IF_ERROR(Timed("gdn_rule", [&] {
     return CudaStatus(cuda::GatedDeltaRule(g, gdn_ws, stream), "GatedDeltaRule");
   }));
+  // out_proj's FP8 operand comes from the quantizer (Project), not from this
+  // norm: fused, its 128-wide rows ran slower than the two passes
+  // (docs/performance.md, "Figures behind the code's choices").
   DF_RETURN_IF_ERROR(Timed("norm", [&] {
     return CudaStatus(
         cuda::GatedRmsNorm(core, zbuf, dv, w.bf(kGdnNorm), T * Nv, dv, eps, normed, stream),
@@ -200,11 +224,20 @@ absl::Status CudaEngine::Impl::Attention(const DeviceBlock& w, int64_t T, int32_
     }));
   }
   if (gated) {
+    // With FP8 o weights the gate also writes o_proj's quantized input.
+    const bool fp8 = IsFp8(w, kAttnO) && Hq * hd <= fp8_k_max && (Hq * hd) % cuda::kFp8Block == 0;
     DF_RETURN_IF_ERROR(Timed("elementwise", [&] {
+      if (fp8) {
+        return CudaStatus(cuda::SigmoidGateMulQuantizeFp8(core, q + hd, T, Hq, hd, p_attn,
+                                                          q_head_stride, {x8, x8_scale}, stream),
+                          "SigmoidGateMulQuantizeFp8");
+      }
       return CudaStatus(
           cuda::SigmoidGateMul(core, q + hd, T, Hq, hd, p_attn, q_head_stride, stream),
           "SigmoidGateMul");
     }));
+    NoteProduced(core, T, Hq * hd,
+                 fp8 ? cuda::Fp8Activations{x8, x8_scale} : cuda::Fp8Activations{});
   }
   return Project(w, kAttnO, core, mix, T, D, Hq * hd);
 }
@@ -265,8 +298,9 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
                       "MoePermute");
   }));
   if (IsFp8(w, kMoeExpertsGateUp) && IsFp8(w, kMoeExpertsDown)) {
-    // FP8 experts: u quantized per token (gathered by the kernel), and the
-    // SwiGLU activations re-quantized per expert-sorted row for down.
+    // FP8 experts: u quantized per token (by the norm; gathered by the
+    // kernel), and the SwiGLU activations re-quantized per expert-sorted row
+    // for down.
     DF_RETURN_IF_ERROR(QuantizeForFp8(u, T, D));
     const Fp8Weight& gu = w.fp8[kMoeExpertsGateUp];
     const Fp8Weight& dn = w.fp8[kMoeExpertsDown];
@@ -390,37 +424,46 @@ absl::Status CudaEngine::Impl::Run(const ForwardInput& in, bool sync) {
     return CudaStatus(e, "embedding");
   }));
   if (in.chunked()) DF_RETURN_IF_ERROR(UploadCarriedLayout(in));
+  // Each norm that writes u also writes the next block's FP8 operand where
+  // that block's projections of u are FP8 (Fp8InputOf), and says so.
+  cuda::Fp8Activations fp8 = Fp8InputOf(layers[0].mixer);
   DF_RETURN_IF_ERROR(Timed("norm", [&] {
     return CudaStatus(cuda::RmsNormF32(residual, D, layers[0].norms.bf(kInputNorm), T, D, eps,
-                                       norm_kind, u, D, stream),
+                                       norm_kind, u, D, stream, fp8),
                       "RmsNormF32");
   }));
+  NoteProduced(u, T, D, fp8);
   for (int64_t l = 0; l <= last; ++l) {
     const Layer& w = layers[static_cast<size_t>(l)];
     layer_now = l;
     DF_RETURN_IF_ERROR(Block(w.mixer, T, nseq, max_len));
+    fp8 = Fp8InputOf(w.mlp);
     DF_RETURN_IF_ERROR(Timed("norm", [&] {
       return CudaStatus(cuda::AddRmsNormF32(residual, mix, w.norms.bf(kPostNorm), T, D, eps,
-                                            norm_kind, u, stream),
+                                            norm_kind, u, stream, fp8),
                         "AddRmsNormF32");
     }));
+    NoteProduced(u, T, D, fp8);
     DF_RETURN_IF_ERROR(Block(w.mlp, T, nseq, max_len));
     // After the last layer run no next input is needed: the final norm, when
     // asked for, is written straight into its capture slot below.
     const bf16* next_norm =
         l + 1 < L ? layers[static_cast<size_t>(l + 1)].norms.bf(kInputNorm) : final_norm;
+    fp8 = l + 1 < L && l < last ? Fp8InputOf(layers[static_cast<size_t>(l + 1)].mixer)
+                                : cuda::Fp8Activations{};
     DF_RETURN_IF_ERROR(Timed("norm", [&]() -> absl::Status {
       if (AddsToResidual(w.mlp)) {
         if (l == last) return absl::OkStatus();
         return CudaStatus(
-            cuda::RmsNormF32(residual, D, next_norm, T, D, eps, norm_kind, u, D, stream),
+            cuda::RmsNormF32(residual, D, next_norm, T, D, eps, norm_kind, u, D, stream, fp8),
             "RmsNormF32");
       }
       return CudaStatus(l == last ? cuda::AddResidual(residual, mix, T, D, stream)
                                   : cuda::AddRmsNormF32(residual, mix, next_norm, T, D, eps,
-                                                        norm_kind, u, stream),
+                                                        norm_kind, u, stream, fp8),
                         "AddRmsNormF32");
     }));
+    NoteProduced(u, T, D, fp8);
     if (slot_of[l] >= 0 && options.rank.capture) {
       DF_RETURN_IF_ERROR(Timed("capture", [&] {
         return CudaStatus(cuda::CaptureResidual(residual, T, D, capture, K, slot_of[l], stream),

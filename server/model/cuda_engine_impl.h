@@ -88,11 +88,11 @@ struct DeviceWeightPlacement {
 
   const ModelWeights& mw;
   const std::vector<WeightSpec> specs;
-  std::vector<char*> dst;  // bf16 / fp32 places (null for FP8-kept tensors)
-  std::vector<uint8_t*> dst_q;  // FP8-kept tensors' e4m3 rows
+  std::vector<char*> dst;         // bf16 / fp32 places (null for FP8-kept tensors)
+  std::vector<uint8_t*> dst_q;    // FP8-kept tensors' e4m3 rows
   std::vector<float*> dst_scale;  // and their scale rows
   size_t embed_index = 0, norm_index = 0;
-  bool fp8_expert_gemms = false;  // routed experts stay FP8 (CudaEngineOptions)
+  bool fp8_expert_gemms = false;              // routed experts stay FP8 (CudaEngineOptions)
   std::vector<std::vector<size_t>> of_layer;  // spec indices of each layer
 };
 
@@ -232,7 +232,8 @@ struct CudaEngine::Impl {
   bool draft_built = false;
   void* gdn_ws = nullptr;
   // FP8 GEMM inputs: the activation quantized per token and 128 group, and
-  // which activation it holds (reset at each block, whose inputs are fresh).
+  // which activation it holds (set by each norm before a block: to u where
+  // the norm wrote it quantized, else to none, as the block's inputs are new).
   uint8_t* x8 = nullptr;      // [T_pad, fp8_k_max]
   float* x8_scale = nullptr;  // [fp8_k_max / 128, T_pad]
   int64_t fp8_k_max = 0;      // 0: no FP8 weights on the device
@@ -284,8 +285,8 @@ struct CudaEngine::Impl {
   // Attention of a chunked forward, q/k/v as Attention computed them (rows
   // p_attn apart): sequence 0 over its carried keys then its own, the rest
   // as usual; the last sequence's K/V into the carry.
-  absl::Status CarriedAttention(const bf16* q, int64_t q_head_stride, const bf16* k,
-                                const bf16* v, int64_t T, int32_t nseq, float scale);
+  absl::Status CarriedAttention(const bf16* q, int64_t q_head_stride, const bf16* k, const bf16* v,
+                                int64_t T, int32_t nseq, float scale);
   // The conv tail the next forward starts from: the last sequence's last
   // KC − 1 inputs of `x` (rows p_gdn apart), after the carried tail when it
   // is the resumed one.
@@ -395,6 +396,15 @@ struct CudaEngine::Impl {
   absl::Status Project(const DeviceBlock& b, int i, const bf16* x, bf16* y, int64_t T, int64_t N,
                        int64_t K);
   absl::Status QuantizeForFp8(const bf16* x, int64_t T, int64_t K);
+  // Where the norm before block b writes u quantized as well: x8, when the
+  // block's first projections of u are FP8 GEMMs; else nowhere.
+  cuda::Fp8Activations Fp8InputOf(const DeviceBlock& b) const;
+  // After a producer of x (T x K) wrote it, quantized into x8 or not.
+  void NoteProduced(const bf16* x, int64_t T, int64_t K, const cuda::Fp8Activations& fp8) {
+    x8_source = fp8.q != nullptr ? x : nullptr;
+    x8_tokens = T;
+    x8_k = K;
+  }
   // out = down(SwiGLU(proj)) for the MLP block w (dense or shared expert).
   absl::Status SwiGluDown(const DeviceBlock& w, int down, int64_t T, int64_t width, bf16* out);
   // Whether buffer i of b is used through FP8 GEMMs (Project).
