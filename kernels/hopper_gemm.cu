@@ -153,7 +153,7 @@ cudaError_t Fp8MoeGateUpSwiGlu(const uint8_t* xq, const float* x_scale, int64_t 
                                const uint8_t* gate_up, const float* gate_up_scale, int64_t hidden,
                                int64_t inter, int num_experts, const int32_t* tile_map,
                                int64_t max_tiles, const int32_t* row_token, bf16* act,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, Fp8Activations act8, int64_t act8_rows) {
   if (!ValidMoe(hidden, inter, num_experts, max_tiles) || !Aligned16(xq) || !Aligned16(gate_up) ||
       reinterpret_cast<uintptr_t>(act) % 4 != 0) {
     return cudaErrorInvalidValue;
@@ -170,6 +170,13 @@ cudaError_t Fp8MoeGateUpSwiGlu(const uint8_t* xq, const float* x_scale, int64_t 
   prm.x_scale = x_scale;
   prm.x_scale_stride = x_scale_stride;
   prm.row_token = row_token;
+  if (act8.q != nullptr) {
+    if (act8.scale == nullptr || act8_rows < 0 || inter % 128 != 0) return cudaErrorInvalidValue;
+    prm.act8 = act8.q;
+    prm.act8_scale = act8.scale;
+    prm.act8_rows = act8_rows;
+    prm.act8_rows_pad = Fp8RowsPadded(act8_rows);
+  }
   return Launch<Mode::kMoeGateUp, true>(tm_w, tm_w, tm_w, prm, stream);
 }
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/fp8_gemm_operands.cuh"
 
 namespace draftfeed::cuda {
 
@@ -39,12 +40,16 @@ cudaError_t Fp8BlockGemm(const uint8_t* xq, const float* x_scale, const uint8_t*
 // writes act = SiLU(gate)·up (fp32, one bf16 rounding) [rows, I]; down reads
 // actq [act_scale_stride rows, I] (scales [I/128][act_scale_stride], the
 // stride being the padded row count) and writes y [rows, D]. D and I
-// multiples of 128; pointers 16-byte aligned, outputs 4-byte.
+// multiples of 128; pointers 16-byte aligned, outputs 4-byte. With act8 set,
+// gate_up also writes act quantized for down (act8_rows rows, padded as
+// QuantizeActivationsFp8 pads them), bit for bit what that quantizer would
+// make of act.
 cudaError_t Fp8MoeGateUpSwiGlu(const uint8_t* xq, const float* x_scale, int64_t x_scale_stride,
                                const uint8_t* gate_up, const float* gate_up_scale, int64_t hidden,
                                int64_t inter, int num_experts, const int32_t* tile_map,
                                int64_t max_tiles, const int32_t* row_token, bf16* act,
-                               cudaStream_t stream);
+                               cudaStream_t stream, Fp8Activations act8 = {},
+                               int64_t act8_rows = 0);
 cudaError_t Fp8MoeDown(const uint8_t* actq, const float* act_scale, int64_t act_scale_stride,
                        const uint8_t* down, const float* down_scale, int64_t hidden, int64_t inter,
                        int num_experts, const int32_t* tile_map, int64_t max_tiles, bf16* y,

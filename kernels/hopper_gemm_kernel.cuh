@@ -47,6 +47,7 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/fp8_quantize_group.cuh"
 #include "kernels/tma_sm90.cuh"
 #include "kernels/vec_io.cuh"
 #include "kernels/wgmma_sm90.cuh"
@@ -105,6 +106,11 @@ struct Params {
   const float* x_scale;
   int64_t x_scale_stride;
   const int32_t* row_token;
+  // kMoeGateUp, optionally: act also quantized for the down GEMM, rows of n
+  // e4m3 with scales [n/128][act8_rows_pad] (fp8_gemm_operands.cuh's layout).
+  uint8_t* act8;
+  float* act8_scale;
+  int64_t act8_rows, act8_rows_pad;
 };
 
 // One work item: a 128-row x 256-column (gate_up: 128 gate + 128 up) tile.
@@ -347,6 +353,11 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
   // columns in each 8-column group j of a half: 8j + 2(lane % 4) and + 1.
   const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
   const int r0 = wg * 64 + warp * 16 + lane / 4;
+  if constexpr (kMode == Mode::kMoeGateUp && kFp8) {
+    if (p.act8 != nullptr && blockIdx.x == 0) {
+      fp8::ZeroPadRows(p.act8, p.act8_scale, p.act8_rows, p.act8_rows_pad, p.n, tid, kMathThreads);
+    }
+  }
   int st = 0;
   uint32_t phase = 0;
   const auto advance = [&] {
@@ -424,16 +435,43 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = r0 + 8 * r;
-      if (row >= w.rows) continue;
+      const bool stored = row < w.rows;
+      // Rows past the tile: nothing to do, except where the FP8 gate_up
+      // quantizes (its quad's shuffles want every lane).
+      if (!(kFp8 && kMode == Mode::kMoeGateUp) && !stored) continue;
       bf16* dst = p.y + static_cast<int64_t>(w.a_row + row) * p.ldy + w.out_col;
       if constexpr (kMode == Mode::kMoeGateUp) {
         // Gate in acc[0], up at the same place in acc[1]; n % 128 == 0.
+        // The tile's 128 columns of a row are one quantization group, held
+        // by the 4 lanes of a quad: its amax is 2 shuffles away.
+        __nv_bfloat162 v[16];
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const float* g = acc[0] + 4 * j + 2 * r;
           const float* u = acc[1] + 4 * j + 2 * r;
-          *reinterpret_cast<__nv_bfloat162*>(dst + col0 + 8 * j) =
-              __floats2bfloat162_rn(vec::Silu(g[0]) * u[0], vec::Silu(g[1]) * u[1]);
+          v[j] = __floats2bfloat162_rn(vec::Silu(g[0]) * u[0], vec::Silu(g[1]) * u[1]);
+          if (stored) *reinterpret_cast<__nv_bfloat162*>(dst + col0 + 8 * j) = v[j];
+        }
+        // (bf16 experts never quantize: the kernel without kFp8 has none of it.)
+        if (kFp8 && p.act8 != nullptr) {
+          float amax = 0.0f;
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const float2 f = __bfloat1622float2(v[j]);
+            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+          }
+          const fp8::GroupScale gs = fp8::ScaleOf(fp8::LanesMax<4>(amax));
+          if (stored) {
+            const int64_t at = w.a_row + row;
+            uint8_t* q = p.act8 + at * p.n + w.out_col + col0;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+              const float2 f = __bfloat1622float2(v[j]);
+              *reinterpret_cast<uint16_t*>(q + 8 * j) =
+                  fp8::PackE4m3x2(fp8::Divide(f.x, gs), fp8::Divide(f.y, gs));
+            }
+            if (lane % 4 == 0) p.act8_scale[(w.out_col / 128) * p.act8_rows_pad + at] = gs.s;
+          }
         }
       } else {
         const int cols = p.n - w.out_col;

@@ -15,6 +15,7 @@
 #pragma once
 
 #include "kernels/common.cuh"
+#include "kernels/fp8_gemm_operands.cuh"
 
 namespace draftfeed::cuda {
 
@@ -114,11 +115,15 @@ cudaError_t MoeDown(const bf16* act, const bf16* down, int64_t hidden, int64_t i
 // [I/128][act_scale_stride]); weights e4m3 [E, 2I, D] / [E, D, I] with fp32
 // block scales of row stride Fp8ScaleStride(K), experts
 // ⌈rows/128⌉·stride apart. Requires D and I multiples of kMoeFp8Block.
+// gate_up with act8 set also writes act quantized for down ([pad4(rows), I],
+// scales [I/128][pad4(rows)]): bit for bit QuantizeActivationsFp8 of act,
+// from its epilogue where the Hopper kernel runs, else by that quantizer.
 inline constexpr int kMoeFp8Block = 128;
 cudaError_t MoeGateUpSwiGluFp8(const uint8_t* xq, const float* x_scale, int64_t x_scale_stride,
                                const uint8_t* gate_up, const float* gate_up_scale, int64_t hidden,
                                int64_t inter, int num_experts, int64_t num_rows,
-                               const MoeRouting& routing, bf16* act, cudaStream_t stream);
+                               const MoeRouting& routing, bf16* act, cudaStream_t stream,
+                               Fp8Activations act8 = {});
 cudaError_t MoeDownFp8(const uint8_t* actq, const float* act_scale, int64_t act_scale_stride,
                        const uint8_t* down, const float* down_scale, int64_t hidden, int64_t inter,
                        int num_experts, int64_t num_rows, const MoeRouting& routing, bf16* y,

@@ -29,6 +29,7 @@
 // 16 gate rows and the 16 matching up rows: a thread then holds gate and up of the same output in
 // registers and writes SiLU(gate)·up directly (the [rows, 2I] product never reaches memory). Rows
 // and columns past the tile's end load zeros (cp.async zero-fill) and are not stored.
+#include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/hopper_gemm.cuh"
 #include "kernels/mma_sm80.cuh"
 #include "kernels/moe.cuh"
@@ -385,16 +386,19 @@ cudaError_t MoeDown(const bf16* act, const bf16* down, int64_t hidden, int64_t i
 cudaError_t MoeGateUpSwiGluFp8(const uint8_t* xq, const float* x_scale, int64_t x_scale_stride,
                                const uint8_t* gate_up, const float* gate_up_scale, int64_t hidden,
                                int64_t inter, int num_experts, int64_t num_rows,
-                               const MoeRouting& routing, bf16* act, cudaStream_t stream) {
+                               const MoeRouting& routing, bf16* act, cudaStream_t stream,
+                               Fp8Activations act8) {
   if (!ValidShapes(hidden, inter, num_experts, num_rows) || !ValidFp8(hidden, inter) ||
-      !Aligned16(xq) || !Aligned16(gate_up) || !Aligned16(act)) {
+      !Aligned16(xq) || !Aligned16(gate_up) || !Aligned16(act) ||
+      (act8.q != nullptr && act8.scale == nullptr)) {
     return cudaErrorInvalidValue;
   }
   if (UseHopperGemms(hidden, inter)) {
     int64_t tiles = 0;
     if (!RoutedTiles(num_rows, num_experts, routing, &tiles)) return cudaErrorInvalidValue;
     return Fp8MoeGateUpSwiGlu(xq, x_scale, x_scale_stride, gate_up, gate_up_scale, hidden, inter,
-                              num_experts, routing.tile_map, tiles, routing.row_token, act, stream);
+                              num_experts, routing.tile_map, tiles, routing.row_token, act, stream,
+                              act8, num_rows);
   }
   GemmParams p = GateUpParams(xq, hidden, gate_up, hidden, inter, routing, act);
   p.a_scale = x_scale;
@@ -402,7 +406,10 @@ cudaError_t MoeGateUpSwiGluFp8(const uint8_t* xq, const float* x_scale, int64_t 
   p.w_scale = gate_up_scale;
   p.w_scale_stride = Fp8Stride(hidden);
   p.w_scale_expert_stride = 2 * inter / kMoeFp8Block * p.w_scale_stride;
-  return Launch<Epilogue::kSwiGlu, true>(p, num_experts, num_rows, routing, stream);
+  const cudaError_t e = Launch<Epilogue::kSwiGlu, true>(p, num_experts, num_rows, routing, stream);
+  if (e != cudaSuccess || act8.q == nullptr) return e;
+  // The mma.sync path's epilogue does not quantize: the quantizer does, after it.
+  return QuantizeActivationsFp8(act, inter, num_rows, inter, act8.q, act8.scale, stream);
 }
 
 cudaError_t MoeDownFp8(const uint8_t* actq, const float* act_scale, int64_t act_scale_stride,

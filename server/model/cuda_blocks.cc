@@ -299,22 +299,17 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
   }));
   if (IsFp8(w, kMoeExpertsGateUp) && IsFp8(w, kMoeExpertsDown)) {
     // FP8 experts: u quantized per token (by the norm; gathered by the
-    // kernel), and the SwiGLU activations re-quantized per expert-sorted row
-    // for down.
+    // kernel), and the SwiGLU activations quantized per expert-sorted row
+    // for down by gate_up itself.
     DF_RETURN_IF_ERROR(QuantizeForFp8(u, T, D));
     const Fp8Weight& gu = w.fp8[kMoeExpertsGateUp];
     const Fp8Weight& dn = w.fp8[kMoeExpertsDown];
     const int64_t rows = T * k, rows_pad = cuda::Fp8RowsPadded(rows);
     DF_RETURN_IF_ERROR(Timed("expert_gemm", [&] {
-      return CudaStatus(
-          cuda::MoeGateUpSwiGluFp8(x8, x8_scale, cuda::Fp8RowsPadded(T), gu.q, gu.scale, D, I_moe,
-                                   local, rows, moe.routing, moe.act, stream),
-          "MoeGateUpSwiGluFp8");
-    }));
-    DF_RETURN_IF_ERROR(Timed("fp8_quant", [&] {
-      return CudaStatus(cuda::QuantizeActivationsFp8(moe.act, I_moe, rows, I_moe, moe_act8,
-                                                     moe_act8_scale, stream),
-                        "QuantizeActivationsFp8");
+      return CudaStatus(cuda::MoeGateUpSwiGluFp8(x8, x8_scale, cuda::Fp8RowsPadded(T), gu.q,
+                                                 gu.scale, D, I_moe, local, rows, moe.routing,
+                                                 moe.act, stream, {moe_act8, moe_act8_scale}),
+                        "MoeGateUpSwiGluFp8");
     }));
     DF_RETURN_IF_ERROR(Timed("expert_gemm", [&] {
       return CudaStatus(cuda::MoeDownFp8(moe_act8, moe_act8_scale, rows_pad, dn.q, dn.scale, D,

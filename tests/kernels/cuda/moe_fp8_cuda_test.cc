@@ -101,6 +101,20 @@ void RunFp8Experts(const Shape& s) {
   DF_CUDA_OK(MoeGateUpSwiGluFp8(xq.get(), xs.get(), t_pad, gq.get(), gs.get(), D, I, s.experts,
                                 rows, b.routing, b.act, nullptr));
   DF_CUDA_OK(QuantizeActivationsFp8(b.act, I, rows, I, aq.get(), as.get(), nullptr));
+  {
+    // gate_up quantizing its own output (the engine's path): bit for bit the
+    // quantizer's, padding rows included (the buffers start as garbage).
+    DeviceBuffer<uint8_t> aq_fused(rows_pad * I);
+    DeviceBuffer<float> as_fused(rows_pad * I / 128);
+    DF_CUDA_OK(cudaMemset(aq_fused.get(), 0xAB, aq_fused.size()));
+    DF_CUDA_OK(cudaMemset(as_fused.get(), 0x7F, as_fused.size() * 4));
+    DF_CUDA_OK(MoeGateUpSwiGluFp8(xq.get(), xs.get(), t_pad, gq.get(), gs.get(), D, I, s.experts,
+                                  rows, b.routing, b.act, nullptr,
+                                  {aq_fused.get(), as_fused.get()}));
+    DF_CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(aq_fused.Download(), aq.Download()) << "fused act quantization: e4m3 bytes";
+    EXPECT_EQ(as_fused.Download(), as.Download()) << "fused act quantization: scales";
+  }
   DF_CUDA_OK(MoeDownFp8(aq.get(), as.get(), rows_pad, dq.get(), ds.get(), D, I, s.experts, rows,
                         b.routing, b.y, nullptr));
   DF_CUDA_OK(cudaDeviceSynchronize());
