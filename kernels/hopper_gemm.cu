@@ -149,6 +149,42 @@ cudaError_t Fp8BlockGemm(const uint8_t* xq, const float* x_scale, const uint8_t*
   return Launch<Mode::kDense, true>(tm_x, tm_w, tm_s, prm, stream);
 }
 
+cudaError_t Fp8GemmSwiGluQuantize(const uint8_t* xq, const float* x_scale, const uint8_t* wq,
+                                  const float* w_scale, int64_t w_scale_stride, int64_t m,
+                                  int64_t f, int64_t k, Fp8Activations act8, cudaStream_t stream) {
+  const int64_t m_pad = Fp8RowsPadded(m);
+  if (m < 0 || f <= 0 || f % 128 != 0 || k <= 0 || k % kBK != 0 || w_scale_stride < k / kBK ||
+      m_pad >= (int64_t{1} << 31) || 2 * f >= (int64_t{1} << 31) || act8.q == nullptr ||
+      act8.scale == nullptr || !Aligned16(xq) || !Aligned16(x_scale) || !Aligned16(wq)) {
+    return cudaErrorInvalidValue;
+  }
+  if (m_pad == 0) return cudaSuccess;
+  if (!HopperGemmsAvailable()) return cudaErrorNotSupported;
+  CUtensorMap tm_x, tm_w, tm_s;
+  cudaError_t err = ActivationMaps(&tm_x, &tm_s, xq, x_scale, m_pad, k, m_pad);
+  if (err == cudaSuccess) err = OperandMap(&tm_w, wq, true, 2 * f, k);
+  if (err != cudaSuccess) return err;
+  Params prm{};
+  prm.y = nullptr;
+  prm.ldy = f;
+  prm.w_scale = w_scale;
+  prm.w_scale_stride = w_scale_stride;
+  prm.m = static_cast<int>(m_pad);
+  prm.n = static_cast<int>(f);
+  prm.m_blocks = static_cast<int>((m_pad + kBM - 1) / kBM);
+  prm.n_blocks = static_cast<int>(f / 128);
+  prm.k_blocks = static_cast<int>(k / kBK);
+  prm.n_scale_rows = static_cast<int>(2 * f / 128);
+  const int64_t tiles = static_cast<int64_t>(prm.m_blocks) * prm.n_blocks;
+  if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
+  prm.tiles = static_cast<int>(tiles);
+  prm.act8 = act8.q;
+  prm.act8_scale = act8.scale;
+  prm.act8_rows = m;
+  prm.act8_rows_pad = m_pad;
+  return Launch<Mode::kDenseGateUp, true>(tm_x, tm_w, tm_s, prm, stream);
+}
+
 cudaError_t Fp8MoeGateUpSwiGlu(const uint8_t* xq, const float* x_scale, int64_t x_scale_stride,
                                const uint8_t* gate_up, const float* gate_up_scale, int64_t hidden,
                                int64_t inter, int num_experts, const int32_t* tile_map,

@@ -32,6 +32,17 @@ cudaError_t Fp8BlockGemm(const uint8_t* xq, const float* x_scale, const uint8_t*
                          const float* w_scale, int64_t w_scale_stride, bf16* y, int64_t ldy,
                          int64_t m_pad, int64_t n, int64_t k, cudaStream_t stream);
 
+// The dense MLP's [gate; up] projection fused with SwiGLU and the down
+// projection's quantization: wq [2f, k] (gate rows, then up rows), w_scale
+// [2f / 128, w_scale_stride]; act8 gets SiLU(gate)·up of the m tokens,
+// quantized as QuantizeActivationsFp8 would ([m_pad, f] e4m3, scales
+// [f / 128, m_pad], padding rows zero), and no bf16 is written. Bit for bit
+// Fp8BlockGemm into [m_pad, 2f] then SwiGluQuantizeFp8. f a multiple of
+// 128; otherwise Fp8BlockGemm's conditions.
+cudaError_t Fp8GemmSwiGluQuantize(const uint8_t* xq, const float* x_scale, const uint8_t* wq,
+                                  const float* w_scale, int64_t w_scale_stride, int64_t m,
+                                  int64_t f, int64_t k, Fp8Activations act8, cudaStream_t stream);
+
 // The MoE experts' two FP8 GEMMs on the same kernel, over MoePermute's tile
 // map (moe.cuh: tile_map [max_tiles][4], row_token), with the operands and
 // results of moe.cuh's MoeGateUpSwiGluFp8 and MoeDownFp8, which call these

@@ -31,7 +31,9 @@
 // K block's group in flight while the previous stage is released.
 //
 // Dense, it runs a little under cuBLASLt's block-scaled GEMM at the 27B's
-// projections, which the engine therefore keeps for them; both are held by
+// projections, which the engine therefore keeps for them, except the MLPs'
+// gate_up (kDenseGateUp): there its epilogue saves the SwiGLU pass and the
+// bf16 [gate; up] round trip, more than the GEMM loses. Both are held by
 // the GPU's power cap, not by issue, which is why a 128 x 128 tile with two
 // scratch accumulators (issuing block kb + 1 before promoting kb) was slower:
 // it reads twice the shared memory per FLOP. The figures (dense, grouped,
@@ -84,7 +86,10 @@ static_assert(kLoadThreads * kLoadRegs + kMathThreads * kMathRegs <= 64 * 1024,
 // loader warpgroup with cp.async) and reads gate rows c0.. and up rows
 // I + c0.. of the expert as its two weight halves, so that a thread holds
 // gate and up of the same output and writes SiLU(gate)·up.
-enum class Mode { kDense, kMoeDown, kMoeGateUp };
+// kDenseGateUp: the dense MLP's [gate; up] projection read as kMoeGateUp
+// reads an expert's (gate rows c0.., up rows F + c0..), X by TMA as kDense
+// does, and only act8 written: SiLU(gate)·up quantized for down.
+enum class Mode { kDense, kMoeDown, kMoeGateUp, kDenseGateUp };
 
 struct Params {
   bf16* y;
@@ -106,8 +111,9 @@ struct Params {
   const float* x_scale;
   int64_t x_scale_stride;
   const int32_t* row_token;
-  // kMoeGateUp, optionally: act also quantized for the down GEMM, rows of n
-  // e4m3 with scales [n/128][act8_rows_pad] (fp8_gemm_operands.cuh's layout).
+  // kMoeGateUp, optionally, and kDenseGateUp: act also quantized for the down
+  // GEMM, act8_rows rows of n e4m3 with scales [n/128][act8_rows_pad]
+  // (fp8_gemm_operands.cuh's layout). kDenseGateUp writes no bf16 (y null).
   uint8_t* act8;
   float* act8_scale;
   int64_t act8_rows, act8_rows_pad;
@@ -137,7 +143,18 @@ template <Mode kMode>
 [[maybe_unused]] __device__ __forceinline__ Work Decode(int t, const Params& p) {
   Work w;
   const int64_t stride = p.w_scale_stride;
-  if constexpr (kMode == Mode::kDense) {
+  if constexpr (kMode == Mode::kDenseGateUp) {
+    int mb, nb;
+    TileCoords(t, p, &mb, &nb);  // n_blocks: F / 128 column tiles
+    w.valid = true;
+    w.a_row = mb * kBM;
+    w.rows = p.m - w.a_row;
+    w.b_row0 = nb * 128;
+    w.b_row1 = p.n + nb * 128;  // the up rows start at F
+    w.ws0 = p.w_scale + nb * stride;
+    w.ws1 = p.w_scale + (p.n / 128 + nb) * stride;
+    w.out_col = nb * 128;
+  } else if constexpr (kMode == Mode::kDense) {
     int mb, nb;
     TileCoords(t, p, &mb, &nb);
     w.valid = true;
@@ -353,7 +370,8 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
   // columns in each 8-column group j of a half: 8j + 2(lane % 4) and + 1.
   const int wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
   const int r0 = wg * 64 + warp * 16 + lane / 4;
-  if constexpr (kMode == Mode::kMoeGateUp && kFp8) {
+  constexpr bool kGateUp = kMode == Mode::kMoeGateUp || kMode == Mode::kDenseGateUp;
+  if constexpr (kGateUp && kFp8) {
     if (p.act8 != nullptr && blockIdx.x == 0) {
       fp8::ZeroPadRows(p.act8, p.act8_scale, p.act8_rows, p.act8_rows_pad, p.n, tid, kMathThreads);
     }
@@ -438,19 +456,29 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
       const bool stored = row < w.rows;
       // Rows past the tile: nothing to do, except where the FP8 gate_up
       // quantizes (its quad's shuffles want every lane).
-      if (!(kFp8 && kMode == Mode::kMoeGateUp) && !stored) continue;
-      bf16* dst = p.y + static_cast<int64_t>(w.a_row + row) * p.ldy + w.out_col;
-      if constexpr (kMode == Mode::kMoeGateUp) {
+      if (!(kFp8 && kGateUp) && !stored) continue;
+      bf16* dst =
+          p.y == nullptr ? nullptr : p.y + static_cast<int64_t>(w.a_row + row) * p.ldy + w.out_col;
+      if constexpr (kGateUp) {
         // Gate in acc[0], up at the same place in acc[1]; n % 128 == 0.
         // The tile's 128 columns of a row are one quantization group, held
         // by the 4 lanes of a quad: its amax is 2 shuffles away.
+        // Dense, gate and up are first rounded to bf16 as the unfused path
+        // stores them, so the result is bit for bit this kernel's dense GEMM
+        // followed by SwiGluQuantizeFp8 (the experts use the fp32 sums).
+        const auto rounded = [](float x) {
+          return kMode == Mode::kDenseGateUp ? __bfloat162float(__float2bfloat16(x)) : x;
+        };
         __nv_bfloat162 v[16];
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const float* g = acc[0] + 4 * j + 2 * r;
           const float* u = acc[1] + 4 * j + 2 * r;
-          v[j] = __floats2bfloat162_rn(vec::Silu(g[0]) * u[0], vec::Silu(g[1]) * u[1]);
-          if (stored) *reinterpret_cast<__nv_bfloat162*>(dst + col0 + 8 * j) = v[j];
+          v[j] = __floats2bfloat162_rn(vec::Silu(rounded(g[0])) * rounded(u[0]),
+                                       vec::Silu(rounded(g[1])) * rounded(u[1]));
+          if (stored && dst != nullptr) {
+            *reinterpret_cast<__nv_bfloat162*>(dst + col0 + 8 * j) = v[j];
+          }
         }
         // (bf16 experts never quantize: the kernel without kFp8 has none of it.)
         if (kFp8 && p.act8 != nullptr) {
@@ -461,8 +489,8 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
             amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
           }
           const fp8::GroupScale gs = fp8::ScaleOf(fp8::LanesMax<4>(amax));
-          if (stored) {
-            const int64_t at = w.a_row + row;
+          const int64_t at = w.a_row + row;
+          if (stored && at < p.act8_rows) {  // dense: m_pad rows, act8_rows of them tokens
             uint8_t* q = p.act8 + at * p.n + w.out_col + col0;
 #pragma unroll
             for (int j = 0; j < 16; ++j) {

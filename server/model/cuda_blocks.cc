@@ -39,9 +39,7 @@ absl::Status CudaEngine::Impl::QuantizeForFp8(const bf16* x, int64_t T, int64_t 
     return CudaStatus(cuda::QuantizeActivationsFp8(x, K, T, K, x8, x8_scale, stream),
                       "QuantizeActivationsFp8");
   }));
-  x8_source = x;
-  x8_tokens = T;
-  x8_k = K;
+  NoteProduced(x, T, K, {x8, x8_scale});
   return absl::OkStatus();
 }
 
@@ -80,16 +78,16 @@ absl::Status CudaEngine::Impl::Project(const DeviceBlock& b, int i, const bf16* 
     switch (fp8_gemm_path) {
       case Fp8GemmPath::kHopper:
         return CudaStatus(
-            cuda::Fp8BlockGemm(x8, x8_scale, w.q, w.scale, stride, y, N, m_pad, w.rows, K, stream),
+            cuda::Fp8BlockGemm(x8_q, x8_s, w.q, w.scale, stride, y, N, m_pad, w.rows, K, stream),
             "Fp8BlockGemm");
       case Fp8GemmPath::kPortable:
-        return CudaStatus(cuda::Fp8BlockGemmPortable(x8, x8_scale, w.q, w.scale, stride, y, N,
-                                                     m_pad, w.rows, K, stream),
+        return CudaStatus(cuda::Fp8BlockGemmPortable(x8_q, x8_s, w.q, w.scale, stride, y, N, m_pad,
+                                                     w.rows, K, stream),
                           "Fp8BlockGemmPortable");
       case Fp8GemmPath::kCublasLt:
         break;
     }
-    return fp8_gemm.Run(x8, x8_scale, w.q, w.scale, y, m_pad, w.rows, K, stream, N);
+    return fp8_gemm.Run(x8_q, x8_s, w.q, w.scale, y, m_pad, w.rows, K, stream, N);
   }));
   if (w.rows == N) return absl::OkStatus();
   return Timed("gemm",
@@ -252,9 +250,7 @@ absl::Status CudaEngine::Impl::SwiGluDown(const DeviceBlock& w, int down, int64_
       return CudaStatus(cuda::SwiGluQuantizeFp8(proj, T, width, x8, x8_scale, stream),
                         "SwiGluQuantizeFp8");
     }));
-    x8_source = act;  // what it quantized, as if SwiGlu had written act first
-    x8_tokens = T;
-    x8_k = width;
+    NoteProduced(act, T, width, {x8, x8_scale});  // as if SwiGlu had written act first
   } else {
     DF_RETURN_IF_ERROR(Timed("elementwise", [&] {
       return CudaStatus(cuda::SwiGlu(proj, T, width, act, stream), "SwiGlu");
@@ -265,8 +261,41 @@ absl::Status CudaEngine::Impl::SwiGluDown(const DeviceBlock& w, int down, int64_
 
 // The dense MLP: down_proj(SiLU(gate) * up), gate and up from one fused GEMM.
 absl::Status CudaEngine::Impl::DenseMlp(const DeviceBlock& w, int64_t T) {
+  DF_ASSIGN_OR_RETURN(const bool fused, FusedMlp(w, kMlpGateUp, kMlpDown, T, F, mix));
+  if (fused) return absl::OkStatus();
   DF_RETURN_IF_ERROR(Project(w, kMlpGateUp, u, proj, T, 2 * F, D));
   return SwiGluDown(w, kMlpDown, T, F, mix);
+}
+
+// gate_up's GEMM, SwiGLU and down's quantization in one kernel: no bf16
+// [gate; up] is written and read back, no SwiGLU pass. Down's operand goes
+// into act's bytes (act itself is not written), [pad4(T), width] e4m3 and
+// then its scales.
+absl::StatusOr<bool> CudaEngine::Impl::FusedMlp(const DeviceBlock& w, int gate_up, int down,
+                                                int64_t T, int64_t width, bf16* out) {
+  if (!fused_gate_up || !IsFp8(w, gate_up) || !IsFp8(w, down)) return false;
+  const Fp8Weight& gu = w.fp8[static_cast<size_t>(gate_up)];
+  if (gu.rows != 2 * width || w.fp8[static_cast<size_t>(down)].rows != D) return false;
+  const int64_t t_pad = cuda::Fp8RowsPadded(T);
+  const size_t q_bytes = static_cast<size_t>(t_pad * width);
+  const size_t s_offset = (q_bytes + 15) / 16 * 16;
+  if (width % cuda::kFp8Block != 0 ||
+      s_offset + static_cast<size_t>(t_pad * (width / cuda::kFp8Block)) * 4 > act_bytes) {
+    return false;
+  }
+  DF_RETURN_IF_ERROR(QuantizeForFp8(u, T, D));
+  const cuda::Fp8Activations act8{
+      reinterpret_cast<uint8_t*>(act),
+      reinterpret_cast<float*>(reinterpret_cast<char*>(act) + s_offset)};
+  DF_RETURN_IF_ERROR(Timed("gemm", [&] {
+    return CudaStatus(
+        cuda::Fp8GemmSwiGluQuantize(x8_q, x8_s, gu.q, gu.scale, cuda::Fp8ScaleStride(D), T, width,
+                                    D, act8, stream),
+        "Fp8GemmSwiGluQuantize");
+  }));
+  NoteProduced(act, T, width, act8);
+  DF_RETURN_IF_ERROR(Project(w, down, act, out, T, D, width));
+  return true;
 }
 
 // The mixture of experts, all on the device: router logits (cuBLASLt, bf16
@@ -306,9 +335,9 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
     const Fp8Weight& dn = w.fp8[kMoeExpertsDown];
     const int64_t rows = T * k, rows_pad = cuda::Fp8RowsPadded(rows);
     DF_RETURN_IF_ERROR(Timed("expert_gemm", [&] {
-      return CudaStatus(cuda::MoeGateUpSwiGluFp8(x8, x8_scale, cuda::Fp8RowsPadded(T), gu.q,
-                                                 gu.scale, D, I_moe, local, rows, moe.routing,
-                                                 moe.act, stream, {moe_act8, moe_act8_scale}),
+      return CudaStatus(cuda::MoeGateUpSwiGluFp8(x8_q, x8_s, cuda::Fp8RowsPadded(T), gu.q, gu.scale,
+                                                 D, I_moe, local, rows, moe.routing, moe.act,
+                                                 stream, {moe_act8, moe_act8_scale}),
                         "MoeGateUpSwiGluFp8");
     }));
     DF_RETURN_IF_ERROR(Timed("expert_gemm", [&] {
@@ -331,8 +360,12 @@ absl::Status CudaEngine::Impl::MoeMlp(const DeviceBlock& w, int64_t T) {
   if (shared) {
     // Its GEMMs and SwiGLU count under "gemm" and "elementwise" like the
     // dense MLP's (Project times them), its N = 1 gate logit under "router".
-    DF_RETURN_IF_ERROR(Project(w, kMoeSharedGateUp, u, proj, T, 2 * I_shared, D));
-    DF_RETURN_IF_ERROR(SwiGluDown(w, kMoeSharedDown, T, I_shared, mix));
+    DF_ASSIGN_OR_RETURN(const bool fused,
+                        FusedMlp(w, kMoeSharedGateUp, kMoeSharedDown, T, I_shared, mix));
+    if (!fused) {
+      DF_RETURN_IF_ERROR(Project(w, kMoeSharedGateUp, u, proj, T, 2 * I_shared, D));
+      DF_RETURN_IF_ERROR(SwiGluDown(w, kMoeSharedDown, T, I_shared, mix));
+    }
     // Its N = 1 gate logit is a row dot of our own, not a cuBLASLt GEMM,
     // whose N = 1 algorithm follows M: a token's gate (and so its state)
     // would round differently with the batch around it.

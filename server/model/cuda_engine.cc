@@ -43,7 +43,8 @@ absl::StatusOr<std::unique_ptr<CudaEngine>> CudaEngine::Create(const Model* mode
   impl->numerics = cudaGetDeviceProperties(&prop, options.device) == cudaSuccess
                        ? absl::StrCat("cuda ", prop.name, " sm_", prop.major, prop.minor, " ",
                                       prop.multiProcessorCount, " SMs, FP8 GEMM ",
-                                      Fp8GemmPathName(impl->fp8_gemm_path))
+                                      Fp8GemmPathName(impl->fp8_gemm_path),
+                                      impl->fused_gate_up ? ", FP8 gate_up fused" : "")
                        : absl::StrCat("cuda:", options.device);
   impl->copier = std::thread([p = impl.get()] {
     NameThisThread("df-gpu-copy");

@@ -135,6 +135,10 @@ struct CudaEngine::Impl {
   // per call, and the device query behind it is not free.
   std::string numerics;
   bool own_fp8_gemm = false;
+  // FP8 MLPs (dense and shared expert) run gate_up, SwiGLU and down's
+  // quantization as one kernel (FusedGateUp), writing down's operand into
+  // act's bytes; set where our Hopper kernel runs and cuBLASLt was not asked for.
+  bool fused_gate_up = false;
   std::vector<Layer> layers;
   bf16* embed = nullptr;
   bf16* final_norm = nullptr;
@@ -242,6 +246,10 @@ struct CudaEngine::Impl {
   float* moe_act8_scale = nullptr;  // [I / 128, pad4(T·k)]
   const bf16* x8_source = nullptr;
   int64_t x8_tokens = 0, x8_k = 0;
+  // Where that quantization lives: x8, or act's bytes after a fused gate_up.
+  uint8_t* x8_q = nullptr;
+  float* x8_s = nullptr;
+  size_t act_bytes = 0;
   // Counts of the FP8 weights by how they run, for the start-up line.
   int64_t fp8_gemm_buffers = 0, fp8_dequantized_buffers = 0;
   void* gemm_workspace = nullptr;
@@ -404,7 +412,13 @@ struct CudaEngine::Impl {
     x8_source = fp8.q != nullptr ? x : nullptr;
     x8_tokens = T;
     x8_k = K;
+    x8_q = fp8.q;
+    x8_s = fp8.scale;
   }
+  // The MLP down(SwiGLU(gate_up(u))) of block w as FusedGateUp and down,
+  // where fused_gate_up allows it for these weights; false: not taken.
+  absl::StatusOr<bool> FusedMlp(const DeviceBlock& w, int gate_up, int down, int64_t T,
+                                int64_t width, bf16* out);
   // out = down(SwiGLU(proj)) for the MLP block w (dense or shared expert).
   absl::Status SwiGluDown(const DeviceBlock& w, int down, int64_t T, int64_t width, bf16* out);
   // Whether buffer i of b is used through FP8 GEMMs (Project).

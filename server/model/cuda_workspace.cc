@@ -195,6 +195,7 @@ absl::Status CudaEngine::Impl::CarveWorkspace(const WorkspaceSizes& w) {
   normed = work.Take<bf16>(T * std::max(Nv * dv, Hq * hd));
   mix = work.Take<bf16>(T * D);
   act = work.Take<bf16>(T * w.ffn_cols);
+  act_bytes = static_cast<size_t>(T * w.ffn_cols * 2);
   router_logits = work.Take<bf16>(T * E);
   shared_logit = work.Take<bf16>(T);
   void* moe_base = work.Take<char>(static_cast<int64_t>(w.moe_bytes));
@@ -246,6 +247,10 @@ absl::Status CudaEngine::Impl::InitGemms(bool any_fp8) {
   // draftfeed's portable one; 'cublaslt' is refused where it cannot serve.
   DF_ASSIGN_OR_RETURN(fp8_gemm_path, ChooseFp8Gemm(options.device, options.fp8_gemm));
   own_fp8_gemm = fp8_gemm_path != Fp8GemmPath::kCublasLt;
+  // The MLPs' gate_up fused with SwiGLU and down's quantization runs on our
+  // Hopper kernel, so not where cuBLASLt's GEMM was asked for by name.
+  fused_gate_up = cuda::HopperGemmsAvailable() && fp8_gemm_path != Fp8GemmPath::kPortable &&
+                  options.fp8_gemm != CudaEngineOptions::Fp8Gemm::kCublasLt;
   return absl::OkStatus();
 }
 

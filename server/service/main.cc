@@ -174,7 +174,8 @@ ABSL_FLAG(std::string, fp8_gemm, "auto",
           "block-scaled GEMM on sm_90 (the faster on an H200), draftfeed's portable one on other "
           "GPUs (B200, RTX PRO 6000); cublaslt: cuBLASLt's (refused at start-up off sm_90); "
           "draftfeed: draftfeed's own, its Hopper kernel where it runs, else the portable one. "
-          "MoE experts use draftfeed's on Hopper either way.");
+          "MoE experts use draftfeed's on Hopper either way, and so (except under cublaslt) "
+          "does each MLP's gate_up, fused with SwiGLU and down's quantization.");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port to serve Prometheus metrics on, at /metrics over plaintext HTTP (e.g. "
           "127.0.0.1:9400; port 0 picks a free one, logged at start-up); GET only, no request "

@@ -369,6 +369,60 @@ TEST(Fp8GemmCudaTest, PortableGemmRowsAreBitIdenticalWhateverTheBatch) {
   EXPECT_GT(nonzero, small * n / 2) << "the GEMM wrote (almost) nothing";
 }
 
+// The dense MLP's fused gate_up (GEMM, SwiGLU, down's quantization in one
+// kernel) against our dense GEMM into [m_pad, 2f] bf16 and then
+// SwiGluQuantizeFp8: bit for bit, bytes, scales and padding rows (the fused
+// operand starts as garbage). Partial row tiles, one and several column tiles.
+TEST(Fp8GemmCudaTest, FusedGateUpEqualsOurGemmThenSwiGluQuantize) {
+  DF_REQUIRE_GPU();
+  if (!cuda::HopperGemmsAvailable()) GTEST_SKIP() << "draftfeed's FP8 GEMM is sm_90a code";
+  struct Shape {
+    int64_t m, f, k;
+  };
+  for (const Shape& sh :
+       {Shape{1, 128, 128}, Shape{37, 256, 384}, Shape{301, 384, 256}, Shape{260, 512, 1024}}) {
+    SCOPED_TRACE(::testing::Message() << "m " << sh.m << " f " << sh.f << " k " << sh.k);
+    const int64_t m_pad = cuda::Fp8RowsPadded(sh.m), n = 2 * sh.f, kb = sh.k / 128;
+    const int64_t stride = cuda::Fp8ScaleStride(sh.k);
+    DeviceBuffer<__nv_bfloat16> dx(ToBf16(RandomBf16Values(sh.m * sh.k, 1.0f, 21 + sh.m)));
+    DeviceBuffer<__nv_bfloat16> dw(ToBf16(RandomBf16Values(n * sh.k, 0.05f, 22)));
+    DeviceBuffer<uint8_t> xq(m_pad * sh.k), wq(n * sh.k);
+    DeviceBuffer<float> xs(m_pad * kb), ws(n / 128 * stride);
+    DF_CUDA_OK(cudaMemset(ws.get(), 0, ws.size() * 4));
+    DF_CUDA_OK(
+        cuda::QuantizeActivationsFp8(dx.get(), sh.k, sh.m, sh.k, xq.get(), xs.get(), nullptr));
+    DF_CUDA_OK(
+        cuda::QuantizeWeightBlocksFp8(dw.get(), n, sh.k, wq.get(), ws.get(), stride, nullptr));
+    DeviceBuffer<__nv_bfloat16> gate_up(m_pad * n);
+    DeviceBuffer<uint8_t> q_want(m_pad * sh.f), q_got(m_pad * sh.f);
+    DeviceBuffer<float> s_want(m_pad * sh.f / 128), s_got(m_pad * sh.f / 128);
+    DF_CUDA_OK(cuda::Fp8BlockGemm(xq.get(), xs.get(), wq.get(), ws.get(), stride, gate_up.get(), n,
+                                  m_pad, n, sh.k, nullptr));
+    DF_CUDA_OK(
+        cuda::SwiGluQuantizeFp8(gate_up.get(), sh.m, sh.f, q_want.get(), s_want.get(), nullptr));
+    DF_CUDA_OK(cudaMemset(q_got.get(), 0xAB, q_got.size()));
+    DF_CUDA_OK(cudaMemset(s_got.get(), 0x7F, s_got.size() * 4));
+    DF_CUDA_OK(cuda::Fp8GemmSwiGluQuantize(xq.get(), xs.get(), wq.get(), ws.get(), stride, sh.m,
+                                           sh.f, sh.k, {q_got.get(), s_got.get()}, nullptr));
+    DF_CUDA_OK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> qw = q_want.Download(), qg = q_got.Download();
+    int64_t nonzero = 0;
+    for (uint8_t b : qw) nonzero += (b & 0x7F) != 0;
+    EXPECT_GT(nonzero, sh.m * sh.f / 2) << "the reference wrote (almost) nothing";
+    EXPECT_EQ(qg, qw) << "e4m3 bytes";
+    EXPECT_EQ(s_got.Download(), s_want.Download()) << "scales";
+  }
+  DeviceBuffer<uint8_t> q(256 * 256);
+  DeviceBuffer<float> sc(64);
+  // f not a multiple of 128, no operand to write.
+  EXPECT_EQ(cuda::Fp8GemmSwiGluQuantize(q.get(), sc.get(), q.get(), sc.get(), 4, 4, 100, 128,
+                                        {q.get(), sc.get()}, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::Fp8GemmSwiGluQuantize(q.get(), sc.get(), q.get(), sc.get(), 4, 4, 128, 128, {},
+                                        nullptr),
+            cudaErrorInvalidValue);
+}
+
 // Both of our GEMMs refuse, before any device work, what their contract excludes.
 TEST(Fp8GemmCudaTest, OurGemmsRefuseShapesTheyCannotTake) {
   DF_REQUIRE_GPU();
