@@ -84,6 +84,27 @@ cudaError_t ActivationMaps(CUtensorMap* x, CUtensorMap* s, const uint8_t* xq, co
                  false);
 }
 
+// The dense forms' parameters: m_pad rows in 128-row blocks times n_blocks
+// column tiles over K = k, n output columns, n_scale_rows weight-scale rows.
+// False when the tiles overflow an int.
+bool DenseGrid(bf16* y, int64_t ldy, const float* w_scale, int64_t w_scale_stride, int64_t m_pad,
+               int64_t n, int64_t n_blocks, int64_t k, int64_t n_scale_rows, Params* prm) {
+  prm->y = y;
+  prm->ldy = ldy;
+  prm->w_scale = w_scale;
+  prm->w_scale_stride = w_scale_stride;
+  prm->m = static_cast<int>(m_pad);
+  prm->n = static_cast<int>(n);
+  prm->m_blocks = static_cast<int>((m_pad + kBM - 1) / kBM);
+  prm->n_blocks = static_cast<int>(n_blocks);
+  prm->k_blocks = static_cast<int>(k / kBK);
+  prm->n_scale_rows = static_cast<int>(n_scale_rows);
+  const int64_t tiles = static_cast<int64_t>(prm->m_blocks) * prm->n_blocks;
+  if (tiles >= (int64_t{1} << 31)) return false;
+  prm->tiles = static_cast<int>(tiles);
+  return true;
+}
+
 bool ValidMoe(int64_t hidden, int64_t inter, int num_experts, int64_t max_tiles) {
   return hidden > 0 && inter > 0 && hidden % 128 == 0 && inter % 128 == 0 && num_experts >= 1 &&
          max_tiles >= 0 && num_experts * 2 * std::max(hidden, inter) < (int64_t{1} << 31) &&
@@ -133,19 +154,10 @@ cudaError_t Fp8BlockGemm(const uint8_t* xq, const float* x_scale, const uint8_t*
   if (err == cudaSuccess) err = OperandMap(&tm_w, wq, true, n, k);
   if (err != cudaSuccess) return err;
   Params prm{};
-  prm.y = y;
-  prm.ldy = ldy;
-  prm.w_scale = w_scale;
-  prm.w_scale_stride = w_scale_stride;
-  prm.m = static_cast<int>(m_pad);
-  prm.n = static_cast<int>(n);
-  prm.m_blocks = static_cast<int>((m_pad + kBM - 1) / kBM);
-  prm.n_blocks = static_cast<int>((n + kBN - 1) / kBN);
-  prm.k_blocks = static_cast<int>(k / kBK);
-  prm.n_scale_rows = static_cast<int>((n + 127) / 128);
-  const int64_t tiles = static_cast<int64_t>(prm.m_blocks) * prm.n_blocks;
-  if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
-  prm.tiles = static_cast<int>(tiles);
+  if (!DenseGrid(y, ldy, w_scale, w_scale_stride, m_pad, n, (n + kBN - 1) / kBN, k,
+                 (n + 127) / 128, &prm)) {
+    return cudaErrorInvalidValue;
+  }
   return Launch<Mode::kDense, true>(tm_x, tm_w, tm_s, prm, stream);
 }
 
@@ -165,19 +177,9 @@ cudaError_t Fp8GemmSwiGluQuantize(const uint8_t* xq, const float* x_scale, const
   if (err == cudaSuccess) err = OperandMap(&tm_w, wq, true, 2 * f, k);
   if (err != cudaSuccess) return err;
   Params prm{};
-  prm.y = nullptr;
-  prm.ldy = f;
-  prm.w_scale = w_scale;
-  prm.w_scale_stride = w_scale_stride;
-  prm.m = static_cast<int>(m_pad);
-  prm.n = static_cast<int>(f);
-  prm.m_blocks = static_cast<int>((m_pad + kBM - 1) / kBM);
-  prm.n_blocks = static_cast<int>(f / 128);
-  prm.k_blocks = static_cast<int>(k / kBK);
-  prm.n_scale_rows = static_cast<int>(2 * f / 128);
-  const int64_t tiles = static_cast<int64_t>(prm.m_blocks) * prm.n_blocks;
-  if (tiles >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
-  prm.tiles = static_cast<int>(tiles);
+  if (!DenseGrid(nullptr, f, w_scale, w_scale_stride, m_pad, f, f / 128, k, 2 * f / 128, &prm)) {
+    return cudaErrorInvalidValue;
+  }
   prm.act8 = act8.q;
   prm.act8_scale = act8.scale;
   prm.act8_rows = m;
