@@ -33,7 +33,8 @@
 // This file holds the scan kernel and the family's launchers; the prep kernel
 // is gdn_prep.cu, and what both share (the chunk constants, the workspace one
 // writes and the other reads, GdnParams, the ldmatrix lane maps) is
-// gdn_chunked.cuh.#include "kernels/gdn.cuh"
+// gdn_chunked.cuh.
+#include "kernels/gdn.cuh"
 
 #include <cstring>
 #include <type_traits>
