@@ -1,4 +1,5 @@
-// Gated DeltaNet prefill (conv and delta rule) at the Qwen3.6-27B shape, in GB/s and TFLOP/s.
+// Gated DeltaNet prefill (conv and delta rule) at the Qwen3.6-27B shape, in GB/s and TFLOP/s,
+// and the delta rule at the Qwen3.6-35B-A3B shape (32 value heads, 16 key heads, 128 × 128).
 //
 // Inputs sit where the engine keeps them: the conv reads q | k | v from the
 // projection row (kGdnRow elements, b and a after them), the rule reads the
@@ -48,34 +49,38 @@ void BM_CausalConv1dSilu_Mixed16384(benchmark::State& state) {
 }
 DF_GPU_BENCHMARK(BM_CausalConv1dSilu_Mixed16384);
 
-void RunDeltaRule(benchmark::State& state, const std::vector<int32_t>& lens) {
+// value_heads: 48 for the 27B, 32 for the 35B-A3B (both have 16 key heads of 128).
+void RunDeltaRule(benchmark::State& state, const std::vector<int32_t>& lens,
+                  int64_t value_heads = kValueHeads) {
   const std::vector<int32_t> cu = Offsets(lens);
   const int64_t t = cu.back();
-  DeviceArray<bf16> qkv(t * kConvChannels), proj(t * kGdnRow), out(t * kValueHeads * kValueDim);
+  const int64_t conv_channels = 2 * kKeyHeads * kKeyDim + value_heads * kValueDim;
+  const int64_t gdn_row = conv_channels + 2 * value_heads;
+  DeviceArray<bf16> qkv(t * conv_channels), proj(t * gdn_row), out(t * value_heads * kValueDim);
   DeviceArray<int32_t> d_cu(cu);
   // A = exp(A_log) across the released init range [0.01, 16], as the
   // correctness test spans it: some heads forget within a token, some
   // remember across many chunks.
-  std::vector<float> a_log(kValueHeads);
-  for (int64_t h = 0; h < kValueHeads; ++h) {
-    a_log[h] = static_cast<float>(std::log(0.01) + std::log(1600.0) * h / (kValueHeads - 1));
+  std::vector<float> a_log(value_heads);
+  for (int64_t h = 0; h < value_heads; ++h) {
+    a_log[h] = static_cast<float>(std::log(0.01) + std::log(1600.0) * h / (value_heads - 1));
   }
-  DeviceArray<float> d_a_log(a_log), dt_bias(kValueHeads);
+  DeviceArray<float> d_a_log(a_log), dt_bias(value_heads);
   FillRandom(qkv, 1);
   FillRandom(proj, 2);
   FillRandom(dt_bias, 3);
 
   cuda::GdnArgs g;
   g.qkv = qkv.get();
-  g.qkv_stride = kConvChannels;
-  g.b = proj.get() + kConvChannels;
-  g.a = proj.get() + kConvChannels + kValueHeads;
-  g.ab_stride = kGdnRow;
+  g.qkv_stride = conv_channels;
+  g.b = proj.get() + conv_channels;
+  g.a = proj.get() + conv_channels + value_heads;
+  g.ab_stride = gdn_row;
   g.a_log = d_a_log.get();
   g.dt_bias = dt_bias.get();
   g.num_tokens = t;
   g.num_k_heads = kKeyHeads;
-  g.num_v_heads = kValueHeads;
+  g.num_v_heads = value_heads;
   g.key_dim = kKeyDim;
   g.value_dim = kValueDim;
   g.cu_seqlens = d_cu.get();
@@ -85,8 +90,8 @@ void RunDeltaRule(benchmark::State& state, const std::vector<int32_t>& lens) {
 
   Work work;
   work.bytes = static_cast<double>(t) *
-               (kConvChannels + 2 * kValueHeads + kValueHeads * kValueDim) * sizeof(bf16);
-  work.flops = 6.0 * t * kValueHeads * kKeyDim * kValueDim;
+               (conv_channels + 2 * value_heads + value_heads * kValueDim) * sizeof(bf16);
+  work.flops = 6.0 * t * value_heads * kKeyDim * kValueDim;
   TimeKernel(state, work, [&] { return cuda::GatedDeltaRule(g, workspace.get(), nullptr); });
 }
 
@@ -102,6 +107,19 @@ void BM_GatedDeltaRule_Mixed16384(benchmark::State& state) {
   RunDeltaRule(state, {8192, 4096, 2048, 1024, 512, 512});
 }
 DF_GPU_BENCHMARK(BM_GatedDeltaRule_Mixed16384);
+
+// The 35B-A3B's linear-attention layers: 32 value heads.
+constexpr int64_t k35bValueHeads = 32;
+
+void BM_GatedDeltaRule_35b_1x8192(benchmark::State& state) {
+  RunDeltaRule(state, {8192}, k35bValueHeads);
+}
+DF_GPU_BENCHMARK(BM_GatedDeltaRule_35b_1x8192);
+
+void BM_GatedDeltaRule_35b_Mixed16384(benchmark::State& state) {
+  RunDeltaRule(state, {8192, 4096, 2048, 1024, 512, 512}, k35bValueHeads);
+}
+DF_GPU_BENCHMARK(BM_GatedDeltaRule_35b_Mixed16384);
 
 }  // namespace
 }  // namespace draftfeed::bench

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The chunked gated delta rule on one H200. Build and bundle here first, in an
+# sm_90a tree:
+#   cmake -S . -B build-h200 -G Ninja -DCMAKE_BUILD_TYPE=Release -DDRAFTFEED_CUDA_ARCHS=90a-real
+#   cmake --build build-h200 --target draftfeed-bench-kernels gdn_cuda_test gdn_carry_cuda_test \
+#     kernel_paths_cuda_test kernel_batch_invariance_cuda_test
+#   bash scripts/make-bundle.sh .bundle build-h200/bin/... ; tar -cJf .bundle.tar.xz .bundle
+# then on the GPU machine, from the repository root (carrying .bundle.tar.xz):
+#   PART=tests bash bench/run_gdn_gpu.sh     # the GDN correctness suites
+#   PART=kernels bash bench/run_gdn_gpu.sh   # the rule's benchmarks, before and after
+#   PART=ncu bash bench/run_gdn_gpu.sh       # per-kernel time and stall reasons (Nsight Compute)
+# draftfeed-bench-kernels-before in the bundle is the same benchmark built
+# from the code before the change; the two run alternately.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[[ -d .bundle ]] || tar -xJf .bundle.tar.xz
+export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0 DRAFTFEED_SOURCE_DIR=$PWD
+part=",${PART:-tests},"
+out=${OUT:-/tmp}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+if [[ $part == *,tests,* ]]; then
+  for t in ${TESTS:-gdn_cuda_test gdn_carry_cuda_test kernel_paths_cuda_test}; do
+    [[ -x .bundle/bin/$t ]] || continue
+    echo "== $t"
+    timeout 300 .bundle/bin/$t 2>&1 |
+      grep -E "^\[  PASSED|^\[  FAILED|^\[  SKIPPED|Failure\$|rror:|Expected|Which is|max " |
+      head -40
+  done
+  if [[ -x .bundle/bin/kernel_batch_invariance_cuda_test ]]; then
+    echo "== kernel_batch_invariance_cuda_test *Gdn*:*DeltaRule*"
+    timeout 300 .bundle/bin/kernel_batch_invariance_cuda_test --gtest_filter='*Gdn*:*DeltaRule*' 2>&1 |
+      grep -E "^\[  PASSED|^\[  FAILED|Failure\$|differ" | head -20
+  fi
+fi
+if [[ $part == *,kernels,* ]]; then
+  filter=${KFILTER:-'GatedDeltaRule'}
+  for round in 1 2 3; do
+    for b in .bundle/bin/draftfeed-bench-kernels-before .bundle/bin/draftfeed-bench-kernels; do
+      [[ -x $b ]] || continue
+      echo "== ${b##*/} (round $round)"
+      $b --benchmark_filter="$filter" --benchmark_min_time=0.2 2>&1 | grep -E "^BM_|rror"
+    done
+  done
+fi
+if [[ $part == *,ncu,* ]]; then
+  for f in ${NCU_BENCHES:-BM_GatedDeltaRule_1x8192 BM_GatedDeltaRule_Mixed16384}; do
+    echo "== ncu $f"
+    timeout 240 ncu --clock-control none -k regex:Gdn -c 2 --section SpeedOfLight \
+      --section LaunchStats --section Occupancy --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
+      -o "$out/$f" -f .bundle/bin/draftfeed-bench-kernels --benchmark_filter="^$f\$" \
+      --benchmark_min_time=0.01 > /dev/null 2>&1
+    ncu -i "$out/$f.ncu-rep" --print-summary none 2>&1 |
+      grep -E "Gdn|Duration|Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Stall|Issued Warp|Eligible|Active Warps Per|L2 Hit|Mem Busy|Max Bandwidth|Executed Ipc A|Warp Cycles Per Issued|Dynamic Shared|Waves" |
+      tee "$out/$f.txt"
+  done
+fi
