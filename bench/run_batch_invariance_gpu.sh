@@ -12,11 +12,8 @@
 # FILTER narrows the engine suite (a gtest filter, e.g. '*27b_fp8*').
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[[ -d .bundle ]] || tar -xJf .bundle.tar.xz
-export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0 DRAFTFEED_SOURCE_DIR=$PWD
+source bench/gpu_bundle.sh
 part=",${PART:-gemms},"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 summary() {
   grep -E "^\[  PASSED|^\[  FAILED|^\[  SKIPPED|^\[       OK|Failure\$|differ|rror:" || true
 }

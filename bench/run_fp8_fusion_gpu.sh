@@ -13,11 +13,8 @@
 # the same benches built from the code before the change, run alternately.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[[ -d .bundle ]] || tar -xJf .bundle.tar.xz
-export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0 DRAFTFEED_SOURCE_DIR=$PWD
+source bench/gpu_bundle.sh
 part=",${PART:-tests},"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 summary() {
   grep -E "^\[  PASSED|^\[  FAILED|^\[  SKIPPED|Failure\$|differ|rror:|got |Expected|Which is" |
     head -40 || true
@@ -37,14 +34,7 @@ if [[ $part == *,tests,* ]]; then
     summary
 fi
 if [[ $part == *,kernels,* ]]; then
-  filter=${KFILTER:-'Quantize|SwiGlu|BM_AddRmsNormF32|BM_GatedRmsNorm|BM_SigmoidGateMul|BM_DeviceCopy'}
-  for round in 1 2; do
-    for b in .bundle/bin/draftfeed-bench-kernels-before .bundle/bin/draftfeed-bench-kernels; do
-      [[ -x $b ]] || continue
-      echo "== ${b##*/} (round $round)"
-      $b --benchmark_filter="$filter" --benchmark_min_time=0.2 2>&1 | grep -E "^BM_|rror"
-    done
-  done
+  before_and_after draftfeed-bench-kernels "${KFILTER:-Quantize|SwiGlu|BM_AddRmsNormF32|BM_GatedRmsNorm|BM_SigmoidGateMul|BM_DeviceCopy}" 2
 fi
 if [[ $part == *,speed,* ]]; then
   for m in ${MODELS:-random:qwen3.6-27b-fp8 random:qwen3.6-35b-a3b-fp8 random:qwen3-30b-a3b-fp8}; do

@@ -13,12 +13,9 @@
 # from the code before the change; the two run alternately.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[[ -d .bundle ]] || tar -xJf .bundle.tar.xz
-export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0 DRAFTFEED_SOURCE_DIR=$PWD
+source bench/gpu_bundle.sh
 part=",${PART:-tests},"
 out=${OUT:-/tmp}
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 if [[ $part == *,tests,* ]]; then
   for t in ${TESTS:-gdn_cuda_test gdn_carry_cuda_test kernel_paths_cuda_test}; do
     [[ -x .bundle/bin/$t ]] || continue
@@ -34,14 +31,7 @@ if [[ $part == *,tests,* ]]; then
   fi
 fi
 if [[ $part == *,kernels,* ]]; then
-  filter=${KFILTER:-'GatedDeltaRule'}
-  for round in 1 2 3; do
-    for b in .bundle/bin/draftfeed-bench-kernels-before .bundle/bin/draftfeed-bench-kernels; do
-      [[ -x $b ]] || continue
-      echo "== ${b##*/} (round $round)"
-      $b --benchmark_filter="$filter" --benchmark_min_time=0.2 2>&1 | grep -E "^BM_|rror"
-    done
-  done
+  before_and_after draftfeed-bench-kernels "${KFILTER:-GatedDeltaRule}" 3
 fi
 if [[ $part == *,ncu,* ]]; then
   for f in ${NCU_BENCHES:-BM_GatedDeltaRule_1x8192 BM_GatedDeltaRule_Mixed16384}; do

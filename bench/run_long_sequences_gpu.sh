@@ -12,11 +12,8 @@
 #   PART=speed35 bash bench/run_long_sequences_gpu.sh    # Qwen3.6-35B-A3B shape, 128K
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[[ -d .bundle ]] || tar -xJf .bundle.tar.xz
-export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0 DRAFTFEED_SOURCE_DIR=$PWD
+source bench/gpu_bundle.sh
 part=",${PART:-tests},"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 summary() { grep -E "^\[  PASSED|^\[  FAILED|^\[  SKIPPED|Failure\$|Expected|Which is|values differ|vs CPU|error while loading|rror:" || true; }
 bench=.bundle/bin/draftfeed-bench
 if [[ $part == *,tests,* ]]; then

@@ -1,0 +1,22 @@
+# Sourced by the bench/run_*_gpu.sh scripts on the GPU machine: from the
+# repository root, unpack the bundle they carry (.bundle.tar.xz, made by
+# scripts/make-bundle.sh), put its libraries first, keep NVLink multicast off,
+# name the GPU, and time builds of the code before and after side by side.
+[[ -d .bundle ]] || tar -xJf .bundle.tar.xz
+export LD_LIBRARY_PATH=$PWD/.bundle/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0 DRAFTFEED_SOURCE_DIR=$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+
+# before_and_after BENCH FILTER ROUNDS: .bundle/bin/BENCH-before (the code
+# before the change, where bundled) and BENCH alternately, ROUNDS times, over
+# the Google Benchmark FILTER; prints the result rows.
+before_and_after() {
+  local bench=$1 filter=$2 rounds=$3 round b
+  for round in $(seq "$rounds"); do
+    for b in ".bundle/bin/$bench-before" ".bundle/bin/$bench"; do
+      [[ -x $b ]] || continue
+      echo "== ${b##*/} (round $round)"
+      "$b" --benchmark_filter="$filter" --benchmark_min_time=0.2 2>&1 | grep -E "^BM_|rror"
+    done
+  done
+}
