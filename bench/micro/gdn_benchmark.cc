@@ -89,8 +89,7 @@ void RunDeltaRule(benchmark::State& state, const std::vector<int32_t>& lens,
   DeviceArray<unsigned char> workspace(static_cast<int64_t>(cuda::GdnWorkspaceBytes(g)));
 
   Work work;
-  work.bytes = static_cast<double>(t) *
-               (conv_channels + 2 * value_heads + value_heads * kValueDim) * sizeof(bf16);
+  work.bytes = static_cast<double>(t) * (gdn_row + value_heads * kValueDim) * sizeof(bf16);
   work.flops = 6.0 * t * value_heads * kKeyDim * kValueDim;
   TimeKernel(state, work, [&] { return cuda::GatedDeltaRule(g, workspace.get(), nullptr); });
 }
