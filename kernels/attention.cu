@@ -73,15 +73,10 @@ struct Params {
 };
 
 // ---------------------------------------------------------------------------
-// Shared-memory tiles. A [rows × HD] bf16 tile is cut into HD/64 column
-// chunks, each a [rows][128 B] slab on a 1024-byte boundary; the 16-byte unit
-// u of row r sits at unit u ^ (r % 8). This is what TMA writes with
-// CU_TENSOR_MAP_SWIZZLE_128B and a 64-column box, and what wgmma reads with
-// the 128B-swizzle descriptor mode.
-template <int kRows>
-__device__ __forceinline__ uint32_t SwizzledOffset(int row, int col) {
-  return (col >> 6) * (kRows * 128) + row * 128 + ((((col >> 3) & 7) ^ (row & 7)) << 4);
-}
+// Shared-memory tiles: [rows × HD] bf16 in the 128-byte-swizzled layout
+// (sm90::SwizzledOffset), which TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and
+// a 64-column box.
+using sm90::SwizzledOffset;
 
 template <int HD, int BN, int BM>
 constexpr int SmemBytes() {
@@ -100,18 +95,7 @@ __device__ __forceinline__ void TmaLoad(uint32_t dst, const CUtensorMap& map, in
   sm90::TmaLoad3d(dst, map, col, head, token, bar);
 }
 
-template <int N>
-__device__ __forceinline__ void FenceRegs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-template <int N>
-__device__ __forceinline__ void FenceRegs(uint32_t (&r)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(r[i][k])::"memory");
-}
+using sm90::FenceRegs;
 
 __device__ __forceinline__ float Exp2(float x) {
   float y;
@@ -193,12 +177,10 @@ struct WgmmaCore {
   static __device__ __forceinline__ void Wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
   }
-  // Shared-memory matrix descriptor, 128B swizzle. K-major operands (Q, K)
-  // step 8-row groups by sbo = 1024 and ignore lbo; the N-major V steps 8-key
-  // groups by sbo = 1024 and 64-column chunks by lbo.
+  // K-major operands (Q, K) step 8-row groups by sbo = 1024 and ignore lbo;
+  // the N-major V steps 8-key groups by sbo = 1024 and 64-column chunks by lbo.
   static __device__ __forceinline__ uint64_t Desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-    return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
-           static_cast<uint64_t>(sbo >> 4) << 32 | 1ull << 62;
+    return sm90::SmemDesc128B(addr, lbo, sbo);
   }
   // Hides a value from loop-invariant code motion, so it is rebuilt each
   // tile instead of held in registers across the main loop.
@@ -406,13 +388,7 @@ __global__ void __launch_bounds__(Layout<kTryWgmma && kArchWgmma>::kThreads, 1)
     // P as the A operand of m16n8k16 / wgmma: per 16 keys, rows g | g+8 ×
     // keys 2t | 2t+8.
     uint32_t p_next[BN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      p_next[kk][0] = PackBf16(s[8 * kk + 0], s[8 * kk + 1]);
-      p_next[kk][1] = PackBf16(s[8 * kk + 2], s[8 * kk + 3]);
-      p_next[kk][2] = PackBf16(s[8 * kk + 4], s[8 * kk + 5]);
-      p_next[kk][3] = PackBf16(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    sm80::AccumulatorToA(s, p_next);
 
     Core::WaitPV(o, p);
     if (!kFirst) MbarArrive(v_empty((j - 1) & 1));

@@ -30,10 +30,11 @@
 // alone would overflow. Padded rows of a sequence's last chunk are
 // zero-filled, which equals HF's zero padding.
 //
-// This file holds the scan kernel and the family's launchers; the prep kernel
-// is gdn_prep.cu, and what both share (the chunk constants, the workspace one
-// writes and the other reads, GdnParams, the ldmatrix lane maps) is
-// gdn_chunked.cuh.
+// This file holds the mma.sync scan kernel and the family's launchers; the
+// prep kernel is gdn_prep.cu; the scan on wgmma (sm_90a, dk = 128, the same
+// products in the same order, so the same bits) is gdn_scan_wgmma.cu; what
+// they share (the chunk constants, the workspace prep writes and the scans
+// read, GdnParams, the ldmatrix lane maps) is gdn_chunked.cuh.
 #include "kernels/gdn.cuh"
 
 #include <cstring>
@@ -67,6 +68,7 @@ using gdn_chunked::Mma;
 using gdn_chunked::NumSlots;
 using gdn_chunked::PackBf16;
 using gdn_chunked::SmemAddr;
+using gdn_chunked::StoreStagedOutput;
 using gdn_chunked::UnpackBf16;
 using gdn_chunked::WorkspaceLayout;
 
@@ -318,15 +320,7 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv, kStages>::kThreads, 1)
       __syncwarp();
       const int64_t t0 = seq_begin + static_cast<int64_t>(c) * kChunk;
       const int n = static_cast<int>(min(static_cast<int64_t>(kChunk), seq_end - t0));
-#pragma unroll
-      for (int it = 0; it < kChunk / 16; ++it) {
-        const int r = 16 * it + (lane >> 1), half = lane & 1;
-        if (r < n) {
-          const uint4 v = *reinterpret_cast<const uint4*>(s_o + r * L::kOLd + 8 * half);
-          *reinterpret_cast<uint4*>(p.out + ((t0 + r) * p.num_v_heads + head) * kDv + slice0 + d0 +
-                                    8 * half) = v;
-        }
-      }
+      StoreStagedOutput(s_o, L::kOLd, p.out, t0, n, p.num_v_heads, head, kDv, slice0 + d0);
       __syncwarp();
     }
     __syncthreads();  // this stage is refilled two chunks on (one stage: now)
@@ -352,16 +346,23 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv, kStages>::kThreads, 1)
 template <int kDk, int kDv>
 constexpr bool kHasOneStageScan = ScanSmem<kDk, kDv, 2>::kBytes > kSm120SmemPerBlock;
 
-// Two stages where they fit in the device's shared memory, else one.
+// The wgmma scan where it takes the dims and the binary and mode allow it;
+// else the mma.sync scan, two stages where they fit in the device's shared
+// memory, one where not.
 template <int kDk, int kDv>
-cudaError_t ScanStages(int* stages) {
+cudaError_t ScanPath(GdnScanPath* path) {
+  if constexpr (kDk == 128 && kDv % 64 == 0) {
+    if (gdn_chunked::WgmmaScanAvailable()) {
+      *path = {true, gdn_chunked::kWgmmaScanStages};
+      return cudaSuccess;
+    }
+  }
   int limit = 0;
   const cudaError_t err = SmemPerBlockLimit(&limit);
   if (err != cudaSuccess) return err;
-  *stages =
-      ScanSmem<kDk, kDv, 2>::kBytes <= static_cast<size_t>(limit) || !kHasOneStageScan<kDk, kDv>
-          ? 2
-          : 1;
+  const bool two =
+      ScanSmem<kDk, kDv, 2>::kBytes <= static_cast<size_t>(limit) || !kHasOneStageScan<kDk, kDv>;
+  *path = {false, two ? 2 : 1};
   return cudaSuccess;
 }
 
@@ -380,12 +381,15 @@ cudaError_t LaunchScan(const GdnParams& p, cudaStream_t stream) {
 
 template <int kDk, int kDv>
 cudaError_t LaunchGdn(const GdnParams& p, int64_t num_slots, cudaStream_t stream) {
-  int stages = 2;
-  cudaError_t err = ScanStages<kDk, kDv>(&stages);
+  GdnScanPath path;
+  cudaError_t err = ScanPath<kDk, kDv>(&path);
   if (err != cudaSuccess) return err;
   if ((err = LaunchPrep<kDk, kDv>(p, num_slots, stream)) != cudaSuccess) return err;
+  if constexpr (kDk == 128 && kDv % 64 == 0) {
+    if (path.wgmma) return gdn_chunked::LaunchWgmmaScan<kDv>(p, stream);
+  }
   if constexpr (kHasOneStageScan<kDk, kDv>) {
-    if (stages == 1) return LaunchScan<kDk, kDv, 1>(p, stream);
+    if (path.stages == 1) return LaunchScan<kDk, kDv, 1>(p, stream);
   }
   return LaunchScan<kDk, kDv, 2>(p, stream);
 }
@@ -428,9 +432,9 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 size_t GdnWorkspaceBytes(const GdnArgs& args) { return Layout(args).total; }
 
-cudaError_t GdnScanStages(int64_t key_dim, int64_t value_dim, int* stages) {
+cudaError_t ChooseGdnScanPath(int64_t key_dim, int64_t value_dim, GdnScanPath* path) {
   return WithHeadDims(key_dim, value_dim, [&](auto dk, auto dv) {
-    return ScanStages<decltype(dk)::value, decltype(dv)::value>(stages);
+    return ScanPath<decltype(dk)::value, decltype(dv)::value>(path);
   });
 }
 

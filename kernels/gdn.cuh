@@ -63,10 +63,16 @@ struct GdnArgs {
 size_t GdnWorkspaceBytes(const GdnArgs& args);
 cudaError_t GatedDeltaRule(const GdnArgs& args, void* workspace, cudaStream_t stream);
 
-// Chunk buffers of the scan GatedDeltaRule runs at (key_dim, value_dim) on the
-// current device: 2 (loads overlap the products), or 1 where two are more
-// shared memory than the device has (kernels/kernel_paths.cuh);
+// The scan GatedDeltaRule runs at (key_dim, value_dim) on the current device:
+// wgmma (sm_90a code, key dim 128, value dims a multiple of 64, Hopper's own
+// kernels allowed: kernels/kernel_paths.cuh) with three chunk buffers; else
+// mma.sync with two (loads overlap the products), or one where two are more
+// shared memory than the device has. Every path gives the same bits.
 // cudaErrorInvalidValue for dims the kernels do not take.
-cudaError_t GdnScanStages(int64_t key_dim, int64_t value_dim, int* stages);
+struct GdnScanPath {
+  bool wgmma = false;
+  int stages = 0;
+};
+cudaError_t ChooseGdnScanPath(int64_t key_dim, int64_t value_dim, GdnScanPath* path);
 
 }  // namespace draftfeed::cuda

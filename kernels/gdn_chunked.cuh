@@ -1,7 +1,7 @@
 // Internal to the chunked gated delta rule (gdn_prep.cu writes the chunk
 // workspace, gdn.cu's scan reads it): the chunk constants, the workspace
 // layout, the kernels' parameters, the PTX helpers both kernels use, and the
-// prep kernel's launcher. Not part of the kernels' interface (gdn.cuh).
+// launchers of the prep kernel and the wgmma scan. Not part of the kernels' interface (gdn.cuh).
 #pragma once
 
 #include <cstring>
@@ -54,6 +54,24 @@ __device__ __forceinline__ int LdsmBNRow(int lane) { return (lane & 7) + (lane >
 __device__ __forceinline__ int LdsmBNCol(int lane) { return ((lane >> 3) & 1) * 8; }
 __device__ __forceinline__ int LdsmBTRow(int lane) { return (lane & 7) + ((lane >> 3) & 1) * 8; }
 __device__ __forceinline__ int LdsmBTCol(int lane) { return (lane >> 4) * 8; }
+
+// A warp's chunk output, staged in shared memory as [64 tokens][16 value dims]
+// (row pitch ld), to out [token][head][dv] at columns col0..col0+15 of rows
+// t0.. : 16-byte stores of whole 32-byte row pieces; rows n.. (past the
+// sequence end) are not written. Both scans end a chunk with it.
+__device__ __forceinline__ void StoreStagedOutput(const bf16* s_o, int ld, bf16* out, int64_t t0,
+                                                  int n, int num_v_heads, int head, int dv,
+                                                  int col0) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int it = 0; it < kChunk / 16; ++it) {
+    const int r = 16 * it + (lane >> 1), half = lane & 1;
+    if (r < n) {
+      const uint4 v = *reinterpret_cast<const uint4*>(s_o + r * ld + 8 * half);
+      *reinterpret_cast<uint4*>(out + ((t0 + r) * num_v_heads + head) * dv + col0 + 8 * half) = v;
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------
 // Gated delta rule: workspace.
@@ -117,5 +135,13 @@ struct GdnParams {
 // norms, Gram matrices, 𝒯 and the U, W, M and row factors of every chunk.
 template <int kDk, int kDv>
 cudaError_t LaunchPrep(const GdnParams& p, int64_t num_slots, cudaStream_t stream);
+
+// Kernel 2 on wgmma (gdn_scan_wgmma.cu), for key dim 128 and value dims a
+// multiple of 64: available where the loaded binary is sm_90a SASS and the
+// portable-kernel mode allows Hopper's own kernels.
+bool WgmmaScanAvailable();
+inline constexpr int kWgmmaScanStages = 3;
+template <int kDv>
+cudaError_t LaunchWgmmaScan(const GdnParams& p, cudaStream_t stream);
 
 }  // namespace draftfeed::cuda::gdn_chunked

@@ -3,10 +3,10 @@
 // The kernels are built as sm_90a, sm_100a and sm_120a SASS plus compute_90
 // PTX (CMake's DRAFTFEED_CUDA_ARCHS). Two things differ between those GPUs
 // that the kernels care about:
-// - wgmma and setmaxnreg exist on sm_90a only. Attention runs its wgmma
-//   kernel where the loaded binary is sm_90a SASS (its kernel's block size
-//   says so) and its mma.sync kernel everywhere else: sm_100, sm_120, and any
-//   GPU that JIT-compiles the PTX.
+// - wgmma and setmaxnreg exist on sm_90a only. Attention and the GDN scan
+//   (at key dim 128) run their wgmma kernels where the loaded binary is
+//   sm_90a SASS (the kernel's block size says so) and their mma.sync kernels
+//   everywhere else: sm_100, sm_120, and any GPU that JIT-compiles the PTX.
 // - Shared memory a block may opt into: 227 KB on sm_90 and sm_100, 99 KB on
 //   sm_120. Attention at head dim 256 and the GDN scan read the device's
 //   limit and take a smaller KV tile or one pipeline stage where theirs does

@@ -107,4 +107,19 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   return u;
 }
 
+// K k-steps of bf16 A operand (m16n8k16, or wgmma's per-warp rows) from a
+// flat fp32 accumulator of 2K n8-tiles, 4 floats each: k-step k packs n-tiles
+// 2k and 2k+1, so a product's output over 16K columns feeds the next product
+// as its 16K-deep input without leaving registers.
+template <int K>
+__device__ __forceinline__ void AccumulatorToA(const float* acc, uint32_t (&a)[K][4]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    a[k][0] = PackBf16(acc[8 * k + 0], acc[8 * k + 1]);
+    a[k][1] = PackBf16(acc[8 * k + 2], acc[8 * k + 3]);
+    a[k][2] = PackBf16(acc[8 * k + 4], acc[8 * k + 5]);
+    a[k][3] = PackBf16(acc[8 * k + 6], acc[8 * k + 7]);
+  }
+}
+
 }  // namespace draftfeed::cuda::sm80

@@ -1,7 +1,9 @@
 // wgmma.mma_async instruction wrappers (sm_90a), fp32 accumulators. bf16
 // inputs, m64nNk16: SS takes A and B as shared-memory descriptors, RS takes A
-// from registers (the accumulator layout of a previous product); the N the
-// attention kernels use: 80 and 128 (S = Q·Kᵀ), 128 and 256 (O += P·V). e4m3
+// from registers (the accumulator layout of a previous product). kTransB = 1
+// reads an N-major B (stored [k][n]), 0 a K-major one (stored [n][k]). The N
+// the attention kernels use: 80 and 128 (S = Q·Kᵀ), 128 and 256 (O += P·V);
+// the GDN scan's: 64 and 128, both majors (gdn_scan_wgmma.cu). e4m3
 // inputs, m64n128k32 SS: the FP8 block-scaled GEMM's. kScaleD = 0 overwrites
 // D, 1 accumulates. Internal to kernels/: device helpers only, no launchers;
 // callers fence, commit and wait themselves.
@@ -20,8 +22,63 @@ inline constexpr bool kArchWgmma = true;
 inline constexpr bool kArchWgmma = false;
 #endif
 
+// The 128-byte-swizzled layout wgmma reads with its 128B-swizzle descriptor
+// mode (and TMA writes with CU_TENSOR_MAP_SWIZZLE_128B and a 64-column box):
+// a [rows × cols] bf16 tile is cut into cols/64 column chunks, each a
+// [rows][128 B] slab on a 1024-byte boundary; the 16-byte unit u of row r
+// sits at unit u ^ (r % 8). The byte offset of element (row, col).
+template <int kRows>
+__device__ __forceinline__ uint32_t SwizzledOffset(int row, int col) {
+  return (col >> 6) * (kRows * 128) + row * 128 + ((((col >> 3) & 7) ^ (row & 7)) << 4);
+}
+
+// Shared-memory matrix descriptor of a tile in that layout: K-major operands
+// step 8-row groups by sbo = 1024 (lbo unused); N-major ones step 8-row (k)
+// groups by sbo = 1024 and 64-column chunks by lbo.
+__device__ __forceinline__ uint64_t SmemDesc128B(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | static_cast<uint64_t>(lbo >> 4) << 16 |
+         static_cast<uint64_t>(sbo >> 4) << 32 | 1ull << 62;
+}
+
+// Empty asm that reads and redefines registers: placed after a
+// wgmma.wait_group, it keeps the compiler from reading an accumulator before
+// the wait; before a wgmma.fence, from writing an operand after it.
+template <int N>
+__device__ __forceinline__ void FenceRegs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void FenceRegs(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) asm volatile("" : "+r"(r[i][k])::"memory");
+}
+
 template <int N>
 struct Wgmma;
+
+template <>
+struct Wgmma<64> {
+  template <int kScaleD, int kTransB>
+  static __device__ __forceinline__ void RS(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kScaleD), "n"(kTransB));
+  }
+};
 
 template <>
 struct Wgmma<80> {
@@ -73,7 +130,7 @@ struct Wgmma<128> {
           "+f"(d[63])
         : "l"(a), "l"(b), "n"(kScaleD));
   }
-  template <int kScaleD>
+  template <int kScaleD, int kTransB = 1>
   static __device__ __forceinline__ void RS(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
     asm volatile(
         "{\n.reg .pred p;\n"
@@ -85,7 +142,7 @@ struct Wgmma<128> {
         "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
         "%60, %61, %62, %63"
-        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
           "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
@@ -96,7 +153,7 @@ struct Wgmma<128> {
           "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
           "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kScaleD));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kScaleD), "n"(kTransB));
   }
 };
 

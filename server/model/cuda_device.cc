@@ -142,10 +142,11 @@ absl::Status CheckCudaDevice(int device, const ModelConfig& config) {
                     attention.kv_tile, "-key tiles");
   }
   if (config.features.linear_attention) {
-    int stages = 0;
-    if (cuda::GdnScanStages(config.linear_key_head_dim, config.linear_value_head_dim, &stages) ==
+    cuda::GdnScanPath scan;
+    if (cuda::ChooseGdnScanPath(config.linear_key_head_dim, config.linear_value_head_dim, &scan) ==
         cudaSuccess) {
-      absl::StrAppend(&line, "; GDN scan ", stages, stages == 1 ? " stage" : " stages");
+      absl::StrAppend(&line, "; GDN scan ", scan.wgmma ? "wgmma " : "mma.sync ", scan.stages,
+                      scan.stages == 1 ? " stage" : " stages");
     }
   }
   std::fprintf(stderr, "%s\n", line.c_str());

@@ -142,13 +142,19 @@ TEST(KernelBatchInvarianceCudaTest, GatedDeltaRuleRowsDoNotDependOnTheBatch) {
     ASSERT_EQ(FillLogUniformF32(a_log.get(), s.nv, 8, 1.0f, 16.0f, nullptr), cudaSuccess);
     ASSERT_EQ(FillRandomF32(dt_bias.get(), s.nv, 9, 1.0f, 0.0f, nullptr), cudaSuccess);
     DeviceBuffer<bf16> out(bi::kMaxTokens * s.nv * s.dv);
+    GdnScanPath auto_path;
     for (PortableKernels mode : {PortableKernels::kAuto, PortableKernels::kSm120}) {
       ScopedPortableKernels scoped(mode);
-      int stages = 0;
-      ASSERT_EQ(GdnScanStages(s.dk, s.dv, &stages), cudaSuccess);
-      if (mode != PortableKernels::kAuto && stages == 2) continue;  // the same scan as auto's
+      GdnScanPath path;
+      ASSERT_EQ(ChooseGdnScanPath(s.dk, s.dv, &path), cudaSuccess);
+      if (mode == PortableKernels::kAuto) {
+        auto_path = path;
+      } else if (path.wgmma == auto_path.wgmma && path.stages == auto_path.stages) {
+        continue;  // the same scan as auto's
+      }
       bi::ExpectRowsDoNotDependOnTheBatch(
-          std::string(s.name) + ", gated delta rule, " + std::to_string(stages) + "-stage scan",
+          std::string(s.name) + ", gated delta rule, " + (path.wgmma ? "wgmma " : "mma.sync ") +
+              std::to_string(path.stages) + "-stage scan",
           // qkv after the conv; a | b (the in_proj_ba rows).
           {{c}, {2 * s.nv}}, [&](const bi::Batch& b, const std::vector<void*>& in) {
             GdnArgs a;

@@ -3,7 +3,7 @@
 // sm_120 GPU's (no wgmma, 99 KB of shared memory a block) are forced in
 // process, so a Hopper proves the Blackwell paths. Checks which variant each
 // mode picks, attention's result in each against the fp32 CPU reference, and
-// that the GDN scan's one-stage pipeline gives the two-stage one's bits.
+// that the GDN scan gives the same bits on every path (wgmma, two stages, one).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -111,22 +112,29 @@ TEST(KernelPathsTest, EachModeTakesItsGpusVariants) {
         EXPECT_EQ(path.kv_tile, hd == 256 ? 32 : 64) << "hd " << hd;
       }
     }
-    // Two stages of the dk = dv = 128 scan need 151 KB.
-    int stages = 0;
-    DF_CUDA_OK(GdnScanStages(128, 128, &stages));
-    if (smem >= 200 * 1024) {
-      EXPECT_EQ(stages, 2);
+    // The GDN scan at dk = dv = 128: wgmma (three stages) where attention
+    // takes wgmma too; else mma.sync, whose two stages need 151 KB.
+    GdnScanPath scan;
+    DF_CUDA_OK(ChooseGdnScanPath(128, 128, &scan));
+    const bool wgmma = m == PortableKernels::kAuto && ComputeMajor() == 9;
+    EXPECT_EQ(scan.wgmma, wgmma);
+    if (wgmma) {
+      EXPECT_EQ(scan.stages, 3);
+    }
+    if (!wgmma && smem >= 200 * 1024) {
+      EXPECT_EQ(scan.stages, 2);
     }
     if (smem <= kSm120SmemPerBlock) {
-      EXPECT_EQ(stages, 1);
+      EXPECT_EQ(scan.stages, 1);
     }
-    DF_CUDA_OK(GdnScanStages(32, 32, &stages));  // fits two stages on every GPU
-    EXPECT_EQ(stages, 2);
+    DF_CUDA_OK(ChooseGdnScanPath(32, 32, &scan));  // mma.sync, two stages on every GPU
+    EXPECT_FALSE(scan.wgmma);
+    EXPECT_EQ(scan.stages, 2);
   }
   AttentionPath path;
   EXPECT_EQ(ChooseAttentionPath(64, &path), cudaErrorInvalidValue);
-  int stages = 0;
-  EXPECT_EQ(GdnScanStages(128, 96, &stages), cudaErrorInvalidValue);
+  GdnScanPath scan;
+  EXPECT_EQ(ChooseGdnScanPath(128, 96, &scan), cudaErrorInvalidValue);
 }
 
 // Attention at head dims 128 and 256 (the Qwen3.5-27B head shape) in every
@@ -196,10 +204,11 @@ TEST(KernelPathsTest, AttentionMatchesTheReferenceInEveryMode) {
 }
 
 // The GDN rule at the Qwen3.5 head dims (dk = dv = 128) with sequences that
-// end inside, on and past chunk boundaries: the one-stage scan (sm120) must
-// give exactly the two-stage scan's bits (the same products in the same
-// order; only when the next chunk is loaded differs).
-TEST(KernelPathsTest, GdnScanStagesGiveTheSameBits) {
+// end inside, on and past chunk boundaries: every scan this GPU can run
+// (wgmma on Hopper, the two-stage mma.sync scan (sm100) and the one-stage one
+// (sm120)) must give the same bits: the same products in the same order; only
+// the instructions and when the next chunk is loaded differ.
+TEST(KernelPathsTest, GdnScanPathsGiveTheSameBits) {
   DF_REQUIRE_GPU();
   const std::vector<int32_t> lens = {1, 63, 64, 65, 200, 517};
   const std::vector<int32_t> cu = Offsets(lens);
@@ -235,26 +244,29 @@ TEST(KernelPathsTest, GdnScanStagesGiveTheSameBits) {
   DeviceBuffer<unsigned char> ws(GdnWorkspaceBytes(args));
 
   std::vector<std::vector<bf16>> outs;
-  std::vector<int> stage_counts;
-  for (PortableKernels m : {PortableKernels::kAuto, PortableKernels::kSm120}) {
+  std::vector<std::string> names;
+  for (PortableKernels m : kModes) {
     ScopedPortableKernels mode(m);
-    int stages = 0;
-    DF_CUDA_OK(GdnScanStages(dk, dv, &stages));
-    stage_counts.push_back(stages);
+    GdnScanPath path;
+    DF_CUDA_OK(ChooseGdnScanPath(dk, dv, &path));
+    names.push_back(std::string(path.wgmma ? "wgmma " : "mma.sync ") + std::to_string(path.stages) +
+                    "-stage");
     DF_CUDA_OK(cudaMemset(d_out.get(), 0xff, T * nv * dv * sizeof(bf16)));  // NaN poison
     DF_CUDA_OK(GatedDeltaRule(args, ws.get(), nullptr));
     DF_CUDA_OK(cudaDeviceSynchronize());
     outs.push_back(d_out.Download());
   }
-  EXPECT_EQ(stage_counts[1], 1);
+  EXPECT_EQ(names.back(), "mma.sync 1-stage");
   const std::vector<float> first = ToF32(outs[0]);
   for (int64_t i = 0; i < T * nv * dv; ++i) {
     ASSERT_TRUE(std::isfinite(first[i])) << "unwritten at " << i;
   }
-  ASSERT_EQ(std::memcmp(outs[0].data(), outs[1].data(), outs[0].size() * sizeof(bf16)), 0)
-      << stage_counts[0] << "-stage and 1-stage scans differ";
-  std::printf("GDN scan: %d stages and 1 stage, identical bits over %lld tokens\n", stage_counts[0],
-              static_cast<long long>(T));
+  for (size_t m = 1; m < outs.size(); ++m) {
+    ASSERT_EQ(std::memcmp(outs[0].data(), outs[m].data(), outs[0].size() * sizeof(bf16)), 0)
+        << names[0] << " and " << names[m] << " scans differ";
+    std::printf("GDN scan: %s and %s, identical bits over %lld tokens\n", names[0].c_str(),
+                names[m].c_str(), static_cast<long long>(T));
+  }
 }
 
 }  // namespace
