@@ -38,49 +38,80 @@ struct PrepSmem {
   static constexpr size_t kBytes = kVec + size_t{kNumVecs} * kChunk * sizeof(float);
 };
 
-// out [64][kDim] = (𝒯·diag(col))·B for the calling warp's 16 rows, B [64][kDim]
-// bf16 in shared memory with row pitch ld. Only k-steps ks ≤ warp are
-// non-zero (𝒯 is lower triangular). 𝒯·diag(col) is split into bf16 hi + lo,
-// so with B exact in bf16 the products keep about fp32 accuracy.
+// out [64][kDim] = (𝒯·diag(col))·B, B [64][kDim] bf16 in shared memory with
+// row pitch ld. 𝒯 is lower triangular, so row block rb (16 rows) has k-steps
+// ks ≤ rb only: work 1, 2, 3, 4 for the four blocks. Warp w takes row blocks
+// w and 3 − w (five k-steps either way) over half the columns (warps 0 and 1
+// the first half, 3 and 2 the second), so the warps finish together; at
+// kDim = 16 (one column block) warp w takes row block w. Each output keeps
+// its sum order (ks ascending, hi before lo), so the split changes no bit.
+// 𝒯·diag(col) is split into bf16 hi + lo, so with B exact in bf16 the
+// products keep about fp32 accuracy.
 template <int kDim>
 __device__ __forceinline__ void TriangularProduct(const float* s_t, int t_ld, const float* col,
                                                   const bf16* s_b, int ld, bf16* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, q4 = lane & 3, row0 = 16 * warp;
-  uint32_t a_hi[4][4], a_lo[4][4];
+  const int g = lane >> 2, q4 = lane & 3;
+  constexpr bool kPaired = kDim >= 32;
+  constexpr int kPpPerWarp = kPaired ? kDim / 32 : kDim / 16;
+  const int pp0 = kPaired && warp >= 2 ? kDim / 32 : 0;
+  const int rb0 = warp, rb1 = 3 - warp;
+  // The warp's (row block, k-step) pairs as slots: block rb0's k-steps 0..rb0,
+  // then (paired) block rb1's 0..rb1: five slots, or rb0 + 1 of four unpaired.
+  // Slot indices stay compile-time so the fragments stay in registers.
+  constexpr int kSlots = kPaired ? 5 : 4;
+  const auto slot_block = [&](int sl) { return sl <= rb0 ? 0 : 1; };
+  const auto slot_ks = [&](int sl) { return sl <= rb0 ? sl : sl - rb0 - 1; };
+  const auto slot_used = [&](int sl) { return kPaired || sl <= rb0; };
+  uint32_t a_hi[kSlots][4], a_lo[kSlots][4];
 #pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    if (ks <= warp) {
+  for (int sl = 0; sl < kSlots; ++sl) {
+    if (slot_used(sl)) {
+      const int rb = slot_block(sl) == 0 ? rb0 : rb1, ks = slot_ks(sl);
 #pragma unroll
       for (int reg = 0; reg < 4; ++reg) {
-        const int r = row0 + g + 8 * (reg & 1);
+        const int r = 16 * rb + g + 8 * (reg & 1);
         const int s = 16 * ks + 2 * q4 + 8 * (reg >> 1);
-        SplitBf16(s_t[r * t_ld + s] * col[s], s_t[r * t_ld + s + 1] * col[s + 1], a_hi[ks][reg],
-                  a_lo[ks][reg]);
+        SplitBf16(s_t[r * t_ld + s] * col[s], s_t[r * t_ld + s + 1] * col[s + 1], a_hi[sl][reg],
+                  a_lo[sl][reg]);
       }
     }
   }
 #pragma unroll
-  for (int pp = 0; pp < kDim / 16; ++pp) {
-    float acc[2][4] = {};
+  for (int pi = 0; pi < kPpPerWarp; ++pi) {
+    const int pp = pp0 + pi;
+    float acc0[2][4] = {}, acc1[2][4] = {};
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      if (ks <= warp) {
+    for (int sl = 0; sl < kSlots; ++sl) {
+      if (slot_used(sl)) {
         uint32_t b[4];
-        LdMatrixX4Trans(b, s_b + (16 * ks + LdsmBTRow(lane)) * ld + 16 * pp + LdsmBTCol(lane));
-        Mma(acc[0], a_hi[ks], b[0], b[1]);
-        Mma(acc[0], a_lo[ks], b[0], b[1]);
-        Mma(acc[1], a_hi[ks], b[2], b[3]);
-        Mma(acc[1], a_lo[ks], b[2], b[3]);
+        LdMatrixX4Trans(
+            b, s_b + (16 * slot_ks(sl) + LdsmBTRow(lane)) * ld + 16 * pp + LdsmBTCol(lane));
+        if (slot_block(sl) == 0) {
+          Mma(acc0[0], a_hi[sl], b[0], b[1]);
+          Mma(acc0[0], a_lo[sl], b[0], b[1]);
+          Mma(acc0[1], a_hi[sl], b[2], b[3]);
+          Mma(acc0[1], a_lo[sl], b[2], b[3]);
+        } else {
+          Mma(acc1[0], a_hi[sl], b[0], b[1]);
+          Mma(acc1[0], a_lo[sl], b[0], b[1]);
+          Mma(acc1[1], a_hi[sl], b[2], b[3]);
+          Mma(acc1[1], a_lo[sl], b[2], b[3]);
+        }
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int col0 = 16 * pp + 8 * nt + 2 * q4;
-      *reinterpret_cast<uint32_t*>(out + (row0 + g) * kDim + col0) =
-          PackBf16(acc[nt][0], acc[nt][1]);
-      *reinterpret_cast<uint32_t*>(out + (row0 + g + 8) * kDim + col0) =
-          PackBf16(acc[nt][2], acc[nt][3]);
+    for (int bi = 0; bi < (kPaired ? 2 : 1); ++bi) {
+      const int row0 = 16 * (bi == 0 ? rb0 : rb1);
+      const float(&acc)[2][4] = bi == 0 ? acc0 : acc1;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int col0 = 16 * pp + 8 * nt + 2 * q4;
+        *reinterpret_cast<uint32_t*>(out + (row0 + g) * kDim + col0) =
+            PackBf16(acc[nt][0], acc[nt][1]);
+        *reinterpret_cast<uint32_t*>(out + (row0 + g + 8) * kDim + col0) =
+            PackBf16(acc[nt][2], acc[nt][3]);
+      }
     }
   }
 }
