@@ -167,15 +167,11 @@ using sm90::Wgmma;
 
 template <int HD, int BN, int BM>
 struct WgmmaCore {
-  static __device__ __forceinline__ void Fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-  }
-  static __device__ __forceinline__ void Commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  }
+  static __device__ __forceinline__ void Fence() { sm90::WgmmaFence(); }
+  static __device__ __forceinline__ void Commit() { sm90::WgmmaCommit(); }
   template <int kPending>
   static __device__ __forceinline__ void Wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+    sm90::WgmmaWait<kPending>();
   }
   // K-major operands (Q, K) step 8-row groups by sbo = 1024 and ignore lbo;
   // the N-major V steps 8-key groups by sbo = 1024 and 64-column chunks by lbo.

@@ -68,6 +68,7 @@ using gdn_chunked::Mma;
 using gdn_chunked::NumSlots;
 using gdn_chunked::PackBf16;
 using gdn_chunked::SmemAddr;
+using gdn_chunked::StateOffset;
 using gdn_chunked::StoreStagedOutput;
 using gdn_chunked::UnpackBf16;
 using gdn_chunked::WorkspaceLayout;
@@ -163,11 +164,9 @@ __global__ void __launch_bounds__(ScanSmem<kDk, kDv, kStages>::kThreads, 1)
   }
   const int d0 = 16 * warp;  // within the slice
   bf16* s_o = reinterpret_cast<bf16*>(smem + L::kO) + warp * kChunk * L::kOLd;
-  // This thread's state elements in GdnArgs' [Nv][dk][dv] layout: element e
-  // of n-tile nt is S[head][8nt + 2q + (e & 1)][slice0 + d0 + g + 8(e >> 1)].
+  // This thread's state elements in GdnArgs' [Nv][dk][dv] layout.
   const auto state_index = [&](int nt, int e) {
-    return (static_cast<int64_t>(head) * kDk + 8 * nt + 2 * q4 + (e & 1)) * kDv + slice0 + d0 + g +
-           8 * (e >> 1);
+    return StateOffset(head, kDk, kDv, slice0 + d0, nt, e);
   };
   if (seq == 0 && p.initial_state != nullptr) {
 #pragma unroll
@@ -351,7 +350,7 @@ constexpr bool kHasOneStageScan = ScanSmem<kDk, kDv, 2>::kBytes > kSm120SmemPerB
 // memory, one where not.
 template <int kDk, int kDv>
 cudaError_t ScanPath(GdnScanPath* path) {
-  if constexpr (kDk == 128 && kDv % 64 == 0) {
+  if constexpr (gdn_chunked::kHasWgmmaScan<kDk, kDv>) {
     if (gdn_chunked::WgmmaScanAvailable()) {
       *path = {true, gdn_chunked::kWgmmaScanStages};
       return cudaSuccess;
@@ -385,7 +384,7 @@ cudaError_t LaunchGdn(const GdnParams& p, int64_t num_slots, cudaStream_t stream
   cudaError_t err = ScanPath<kDk, kDv>(&path);
   if (err != cudaSuccess) return err;
   if ((err = LaunchPrep<kDk, kDv>(p, num_slots, stream)) != cudaSuccess) return err;
-  if constexpr (kDk == 128 && kDv % 64 == 0) {
+  if constexpr (gdn_chunked::kHasWgmmaScan<kDk, kDv>) {
     if (path.wgmma) return gdn_chunked::LaunchWgmmaScan<kDv>(p, stream);
   }
   if constexpr (kHasOneStageScan<kDk, kDv>) {

@@ -1,7 +1,8 @@
 // Internal to the chunked gated delta rule (gdn_prep.cu writes the chunk
-// workspace, gdn.cu's scan reads it): the chunk constants, the workspace
-// layout, the kernels' parameters, the PTX helpers both kernels use, and the
-// launchers of the prep kernel and the wgmma scan. Not part of the kernels' interface (gdn.cuh).
+// workspace; the scans, gdn.cu's and gdn_scan_wgmma.cu's, read it): the chunk
+// constants, the workspace layout, the kernels' parameters, the helpers the
+// kernels share, and the launchers of the prep kernel and the wgmma scan. Not
+// part of the kernels' interface (gdn.cuh).
 #pragma once
 
 #include <cstring>
@@ -73,6 +74,16 @@ __device__ __forceinline__ void StoreStagedOutput(const bf16* s_o, int ld, bf16*
   }
 }
 
+// Where a scan thread's state element lives in GdnArgs' [Nv][dk][dv] state:
+// element e of accumulator n-tile nt (key dims 8nt + 2q + (e & 1), value dim
+// col0 + g + 8(e >> 1), q = lane % 4, g = lane / 4) of head `head`. Both scans
+// keep Sᵀ in this mma fragment layout.
+__device__ __forceinline__ int64_t StateOffset(int head, int dk, int dv, int col0, int nt, int e) {
+  const int lane = threadIdx.x & 31;
+  return (static_cast<int64_t>(head) * dk + 8 * nt + 2 * (lane & 3) + (e & 1)) * dv + col0 +
+         (lane >> 2) + 8 * (e >> 1);
+}
+
 // ---------------------------------------------------------------------------
 // Gated delta rule: workspace.
 
@@ -139,6 +150,8 @@ cudaError_t LaunchPrep(const GdnParams& p, int64_t num_slots, cudaStream_t strea
 // Kernel 2 on wgmma (gdn_scan_wgmma.cu), for key dim 128 and value dims a
 // multiple of 64: available where the loaded binary is sm_90a SASS and the
 // portable-kernel mode allows Hopper's own kernels.
+template <int kDk, int kDv>
+inline constexpr bool kHasWgmmaScan = kDk == 128 && kDv % 64 == 0;
 bool WgmmaScanAvailable();
 inline constexpr int kWgmmaScanStages = 3;
 template <int kDv>

@@ -31,6 +31,9 @@ using sm90::kArchWgmma;
 using sm90::SmemDesc128B;
 using sm90::SwizzledOffset;
 using sm90::Wgmma;
+using sm90::WgmmaCommit;
+using sm90::WgmmaFence;
+using sm90::WgmmaWait;
 
 constexpr int kDk = 128;
 constexpr int kSlice = 64;  // state (value) columns per block: one warpgroup's m64
@@ -64,13 +67,6 @@ __device__ __forceinline__ void StMatrixX4Trans(uint32_t addr, uint32_t r0, uint
       : "memory");
 }
 
-__device__ __forceinline__ void WgFence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void WgCommit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-
 template <int kDv>
 __global__ void __launch_bounds__(kArchWgmma ? kThreads : 32, 1) GdnScanWgmmaKernel(GdnParams p) {
   if constexpr (kArchWgmma) {
@@ -82,7 +78,7 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 32, 1) GdnScanWgmmaKer
         (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
     const uint32_t smem_addr = SmemAddr(smem);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, q4 = lane & 3;
+    const int q4 = lane & 3;
     const int seq = blockIdx.x, head = blockIdx.y;
     const int slice0 = blockIdx.z * kSlice;
     const int kh = head / (p.num_v_heads / p.num_k_heads);
@@ -141,8 +137,7 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 32, 1) GdnScanWgmmaKer
     const int d0 = 16 * warp;
     bf16* s_o = reinterpret_cast<bf16*>(smem + L::kO) + warp * kChunk * L::kOLd;
     const auto state_index = [&](int nt, int e) {
-      return (static_cast<int64_t>(head) * kDk + 8 * nt + 2 * q4 + (e & 1)) * kDv + slice0 + d0 +
-             g + 8 * (e >> 1);
+      return StateOffset(head, kDk, kDv, slice0 + d0, nt, e);
     };
     if (seq == 0 && p.initial_state != nullptr) {
 #pragma unroll
@@ -182,7 +177,7 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 32, 1) GdnScanWgmmaKer
       // state update can be issued while the second still runs.
       float vw[32], o[32];
       FenceRegs(sa);
-      WgFence();
+      WgmmaFence();
       {
         const uint64_t bw = SmemDesc128B(st_addr + L::kWq, 16, 1024);
         const uint64_t bq = bw + ((kChunk * 128) >> 4);  // rows 64–127
@@ -191,15 +186,15 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 32, 1) GdnScanWgmmaKer
         for (int ks = 1; ks < kDk / 16; ++ks) {
           Wgmma<64>::RS<1, 0>(vw, sa[ks], bw + (((ks / 4) * (128 * 128) + (ks % 4) * 32) >> 4));
         }
-        WgCommit();
+        WgmmaCommit();
         Wgmma<64>::RS<0, 0>(o, sa[0], bq);
 #pragma unroll
         for (int ks = 1; ks < kDk / 16; ++ks) {
           Wgmma<64>::RS<1, 0>(o, sa[ks], bq + (((ks / 4) * (128 * 128) + (ks % 4) * 32) >> 4));
         }
-        WgCommit();
+        WgmmaCommit();
       }
-      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+      WgmmaWait<1>();
       FenceRegs(vw);
 
       // V_newᵀ = Uᵀ − Sᵀ·Wᵀ, Uᵀ in accumulator layout from transposed 8×8 loads.
@@ -244,7 +239,7 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 32, 1) GdnScanWgmmaKer
       // Sᵀ += (V_newᵀ·diag(kf))·k, queued behind Sᵀ·qᵀ.
       FenceRegs(st_acc);
       FenceRegs(vk);
-      WgFence();
+      WgmmaFence();
       {
         const uint64_t bk = SmemDesc128B(st_addr + L::kK, kChunk * 128, 1024);
 #pragma unroll
@@ -252,8 +247,8 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 32, 1) GdnScanWgmmaKer
           Wgmma<128>::RS<1, 1>(st_acc, vk[ks], bk + ((ks * 16 * 128) >> 4));
         }
       }
-      WgCommit();
-      asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // Sᵀ·qᵀ done
+      WgmmaCommit();
+      WgmmaWait<1>();  // Sᵀ·qᵀ done
       FenceRegs(o);
       FenceRegs(sa);
 
@@ -268,14 +263,14 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 32, 1) GdnScanWgmmaKer
       }
       FenceRegs(o);
       FenceRegs(va);
-      WgFence();
+      WgmmaFence();
       {
         const uint64_t bm = SmemDesc128B(st_addr + L::kM, 16, 1024);
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) Wgmma<64>::RS<1, 0>(o, va[ks], bm + ((ks * 32) >> 4));
       }
-      WgCommit();
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      WgmmaCommit();
+      WgmmaWait<0>();
       FenceRegs(st_acc);
       FenceRegs(o);
       FenceRegs(vk);
@@ -326,7 +321,7 @@ bool WgmmaScanAvailable() {
 
 template <int kDv>
 cudaError_t LaunchWgmmaScan(const GdnParams& p, cudaStream_t stream) {
-  static_assert(kDv % kSlice == 0, "the wgmma scan takes 64 state columns a block");
+  static_assert(kHasWgmmaScan<kDk, kDv>, "the wgmma scan takes dk = 128, 64 state columns a block");
   using L = WgmmaScanSmem;
   const auto kernel = GdnScanWgmmaKernel<kDv>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -404,11 +404,11 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
         for (int h = 0; h < 2; ++h) {
           float part[64];
           FenceRegs(part);  // nothing may touch part between the fence and the products
-          asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+          sm90::WgmmaFence();
           IssueBlock<true, 0>(part, a_smem + st * kABytes + wg * 64 * 128,
                               b_smem + st * kBBytes + h * kBHalfBytes);
-          asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-          asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+          sm90::WgmmaCommit();
+          sm90::WgmmaWait<0>();
           FenceRegs(part);
           const float sw = h == 0 ? sw0 : sw1;
           const float s0 = sx0 * sw, s1 = sx1 * sw;
@@ -425,13 +425,13 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
       FenceRegs(acc[1]);
       const auto issue = [&] {
         sm90::MbarWait(full(st), phase);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        sm90::WgmmaFence();
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           IssueBlock<false, 1>(acc[h], a_smem + st * kABytes + wg * 64 * 128,
                                b_smem + st * kBBytes + h * kBHalfBytes);
         }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        sm90::WgmmaCommit();
         const int issued = st;
         advance();
         return issued;
@@ -439,11 +439,11 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
       int prev = issue();
       for (int kb = 1; kb < p.k_blocks; ++kb) {
         const int cur = issue();
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        sm90::WgmmaWait<1>();
         sm90::MbarArrive(empty(prev));
         prev = cur;
       }
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      sm90::WgmmaWait<0>();
       FenceRegs(acc[0]);
       FenceRegs(acc[1]);
       sm90::MbarArrive(empty(prev));

@@ -40,6 +40,21 @@ __device__ __forceinline__ uint64_t SmemDesc128B(uint32_t addr, uint32_t lbo, ui
          static_cast<uint64_t>(sbo >> 4) << 32 | 1ull << 62;
 }
 
+// The warpgroup's wgmma ordering: fence before the first wgmma that reads
+// registers or shared memory written since; commit the issued wgmmas as one
+// group; wait until at most kPending groups are still running (groups finish
+// in commit order).
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
 // Empty asm that reads and redefines registers: placed after a
 // wgmma.wait_group, it keeps the compiler from reading an accumulator before
 // the wait; before a wgmma.fence, from writing an operand after it.
