@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <vector>
 
 #include "bench/micro/gpu_benchmark.h"
@@ -92,6 +93,20 @@ void RunDeltaRule(benchmark::State& state, const std::vector<int32_t>& lens,
   work.bytes = static_cast<double>(t) * (gdn_row + value_heads * kValueDim) * sizeof(bf16);
   work.flops = 6.0 * t * value_heads * kKeyDim * kValueDim;
   TimeKernel(state, work, [&] { return cuda::GatedDeltaRule(g, workspace.get(), nullptr); });
+  // The output's FNV-1a hash, so that builds of two versions of the rule can
+  // be compared bit for bit from their benchmark rows (the inputs are seeded).
+  std::vector<uint16_t> host(static_cast<size_t>(out.size()));
+  if (out.get() != nullptr &&
+      cudaMemcpy(host.data(), out.get(), out.bytes(), cudaMemcpyDeviceToHost) == cudaSuccess) {
+    uint32_t h = 2166136261u;
+    for (const uint16_t v : host) {
+      h = (h ^ (v & 0xffu)) * 16777619u;
+      h = (h ^ (v >> 8)) * 16777619u;
+    }
+    char label[24];
+    std::snprintf(label, sizeof(label), "out_fnv=%08x", h);
+    state.SetLabel(label);
+  }
 }
 
 void BM_GatedDeltaRule_1x8192(benchmark::State& state) { RunDeltaRule(state, {8192}); }
