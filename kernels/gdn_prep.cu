@@ -19,20 +19,24 @@ template <int kDk, int kDv>
 struct PrepSmem {
   static constexpr int kQkLd = kDk + 8;  // bf16 row pitch: +16 B keeps ldmatrix conflict-free
   static constexpr int kVLd = kDv + 8;
-  static constexpr int kFLd = kChunk + 1;  // fp32 row pitch of A and 𝒯
+  static constexpr int kFLd = kChunk + 1;  // fp32 row pitch of A
+  // 𝒯's pitch, 8 mod 32: the products' fragment reads (rows g, g + 8 and
+  // column pairs 2q) are 64-bit and conflict-free within each half-warp.
+  static constexpr int kTLd = kChunk + 8;
   static constexpr size_t kQBytes = size_t{kChunk} * kQkLd * sizeof(bf16);
   static constexpr size_t kVBytes = size_t{kChunk} * kVLd * sizeof(bf16);
   static constexpr size_t kFBytes = size_t{kChunk} * kFLd * sizeof(float);
-  // Lifetimes: q until the Gram products, then 𝒯 takes its place where it
-  // fits; A until 𝒯 is done, then v (loaded only then) takes its place. This
-  // keeps the 27B shape at 53 KB, four blocks per SM.
-  static constexpr bool kTInQ = kQBytes >= kFBytes;
+  static constexpr size_t kTBytes = size_t{kChunk} * kTLd * sizeof(float);
+  // Lifetimes: q until the Gram products, then 𝒯 takes its place (the
+  // region is sized for both); A until 𝒯 is done, then v (loaded only then)
+  // takes its place. This keeps the 27B shape at 54 KB, four blocks per SM.
+  static constexpr size_t kQRegion = kQBytes > kTBytes ? kQBytes : kTBytes;
   static constexpr size_t kAvBytes = kFBytes > kVBytes ? kFBytes : kVBytes;
   static constexpr size_t kQ = 0;
-  static constexpr size_t kK = kQ + kQBytes;
+  static constexpr size_t kT = kQ;
+  static constexpr size_t kK = kQ + kQRegion;
   static constexpr size_t kAv = kK + kQBytes;
-  static constexpr size_t kT = kTInQ ? kQ : kAv + kAvBytes;
-  static constexpr size_t kVec = kTInQ ? kAv + kAvBytes : kT + kFBytes;
+  static constexpr size_t kVec = kAv + kAvBytes;
   // Per-row vectors: g→γ, β, ‖q‖⁻¹, ‖k‖⁻¹, U's and W's column factors.
   static constexpr int kNumVecs = 6;
   static constexpr size_t kBytes = kVec + size_t{kNumVecs} * kChunk * sizeof(float);
@@ -72,8 +76,9 @@ __device__ __forceinline__ void TriangularProduct(const float* s_t, int t_ld, co
       for (int reg = 0; reg < 4; ++reg) {
         const int r = 16 * rb + g + 8 * (reg & 1);
         const int s = 16 * ks + 2 * q4 + 8 * (reg >> 1);
-        SplitBf16(s_t[r * t_ld + s] * col[s], s_t[r * t_ld + s + 1] * col[s + 1], a_hi[sl][reg],
-                  a_lo[sl][reg]);
+        const float2 t = *reinterpret_cast<const float2*>(s_t + r * t_ld + s);
+        const float2 c = *reinterpret_cast<const float2*>(col + s);
+        SplitBf16(t.x * c.x, t.y * c.y, a_hi[sl][reg], a_lo[sl][reg]);
       }
     }
   }
@@ -281,7 +286,7 @@ __global__ void __launch_bounds__(kPrepThreads, 4) GdnPrepKernel(GdnParams p) {
       }
     }
   }
-  __syncthreads();  // A complete; q is dead from here (𝒯 may overwrite it)
+  __syncthreads();  // A complete; q is dead from here (𝒯 takes its place)
 
   // 𝒯 = (I + A)⁻¹. Diagonal 16×16 blocks by forward substitution, one warp
   // each: lane owns column c = lane % 16 (both half-warps compute it).
@@ -298,7 +303,7 @@ __global__ void __launch_bounds__(kPrepThreads, 4) GdnPrepKernel(GdnParams p) {
     }
     if (lane < 16) {
 #pragma unroll
-      for (int r = 0; r < 16; ++r) s_t[(b0 + r) * L::kFLd + b0 + c] = x[r];
+      for (int r = 0; r < 16; ++r) s_t[(b0 + r) * L::kTLd + b0 + c] = x[r];
     }
   }
   __syncthreads();
@@ -307,10 +312,6 @@ __global__ void __launch_bounds__(kPrepThreads, 4) GdnPrepKernel(GdnParams p) {
   // Everything a warp reads besides the diagonal blocks it wrote itself, so
   // only warp barriers are needed. R_ij is staged in 𝒯_ij's own place. Lane
   // owns row ρ = lane / 2 and 8 columns from c0 = 8·(lane % 2).
-  // compute-sanitizer racecheck reports hazards here: with the odd fp32
-  // pitch the compiler widens the 8-float row reads to aligned pairs that
-  // touch the float just left of the lane's run, in another warp's block;
-  // that value is discarded.
   {
     const int rho = lane >> 1, c0 = 8 * (lane & 1), j = warp;
 #pragma unroll 1
@@ -323,12 +324,12 @@ __global__ void __launch_bounds__(kPrepThreads, 4) GdnPrepKernel(GdnParams p) {
 #pragma unroll
         for (int m = 0; m < 16; ++m) {
           const float av = s_a[(16 * i + rho) * L::kFLd + 16 * k + m];
-          const float* trow = s_t + (16 * k + m) * L::kFLd + 16 * j + c0;
+          const float* trow = s_t + (16 * k + m) * L::kTLd + 16 * j + c0;
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[e] += av * trow[e];
         }
       }
-      float* dst = s_t + (16 * i + rho) * L::kFLd + 16 * j + c0;
+      float* dst = s_t + (16 * i + rho) * L::kTLd + 16 * j + c0;
 #pragma unroll
       for (int e = 0; e < 8; ++e) dst[e] = acc[e];
       __syncwarp();
@@ -336,8 +337,8 @@ __global__ void __launch_bounds__(kPrepThreads, 4) GdnPrepKernel(GdnParams p) {
       for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
 #pragma unroll
       for (int m = 0; m < 16; ++m) {
-        const float tv = s_t[(16 * i + rho) * L::kFLd + 16 * i + m];
-        const float* rrow = s_t + (16 * i + m) * L::kFLd + 16 * j + c0;
+        const float tv = s_t[(16 * i + rho) * L::kTLd + 16 * i + m];
+        const float* rrow = s_t + (16 * i + m) * L::kTLd + 16 * j + c0;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] += tv * rrow[e];
       }
@@ -365,10 +366,10 @@ __global__ void __launch_bounds__(kPrepThreads, 4) GdnPrepKernel(GdnParams p) {
   // U = 𝒯·diag(β)·V and W = 𝒯·diag(β‖k‖⁻¹e^γ)·K.
   // W first, while v streams in.
   const int64_t item = slot * p.num_v_heads + head;
-  TriangularProduct<kDk>(s_t, L::kFLd, s_colw, s_k, L::kQkLd, p.ws.w + item * kChunk * kDk);
+  TriangularProduct<kDk>(s_t, L::kTLd, s_colw, s_k, L::kQkLd, p.ws.w + item * kChunk * kDk);
   CpAsyncWait<0>();
   __syncthreads();
-  TriangularProduct<kDv>(s_t, L::kFLd, s_colu, s_v, L::kVLd, p.ws.u + item * kChunk * kDv);
+  TriangularProduct<kDv>(s_t, L::kTLd, s_colu, s_v, L::kVLd, p.ws.u + item * kChunk * kDv);
 }
 
 }  // namespace
