@@ -6,11 +6,17 @@ keeps released buffers and hands them out again, so steady streaming allocates n
 A buffer goes back when nothing uses it any more: the array handed out is made from an owner
 object's __array_interface__, so every numpy view, DLPack export and torch tensor made from it
 keeps the owner alive through its base chain, and the owner's __del__ returns the memory.
+
+That __del__ runs wherever the last reference dies, and a buffer held by a reference cycle (an
+exception's traceback whose frames hold a result, say) dies in the cyclic GC, which runs in
+whichever thread allocates next: possibly inside this pool's own critical section, in the very
+thread that holds its lock. So a release never waits for the lock (see BufferPool._release).
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
 from typing import List
 
@@ -58,11 +64,14 @@ class BufferPool:
         self._idle_bytes = 0
         self._max_idle = max(0, int(max_idle_bytes))
         self._keep = keep
+        # Slabs released while the lock was taken, filed by its next holder (_release).
+        self._returned: "collections.deque[np.ndarray]" = collections.deque()
         self.allocations = 0
 
     def acquire(self, n: int) -> np.ndarray:
         """A writable uint8 array of n bytes, uninitialised."""
         with self._mu:
+            self._file_returned_locked()
             sizes = [s.size for s in self._idle]
             i = bisect.bisect_left(sizes, n)
             slab = None
@@ -77,12 +86,31 @@ class BufferPool:
         return np.asarray(_Owner(slab, n, self))
 
     def _release(self, slab: np.ndarray) -> None:
-        with self._mu:
+        # Called by _Owner.__del__, so possibly by the cyclic GC in the middle of acquire() or
+        # of another release in this same thread, with _mu held: waiting for _mu there would
+        # deadlock that thread for good (threading.Lock is not reentrant), and the feed's
+        # reader calls acquire() under the feed's lock, so every feed thread then blocks behind
+        # it and next() never returns (a CI run hung so, the target idle). Nor may a nested
+        # release edit _idle while the interrupted holder is part-way through it (its sizes
+        # list would no longer match). So the slab is only queued, which never blocks
+        # (deque.append is atomic), and filed now if the lock is free, else by the lock's next
+        # holder (the next acquire or release).
+        self._returned.append(slab)
+        if self._mu.acquire(blocking=False):
+            try:
+                self._file_returned_locked()
+            finally:
+                self._mu.release()
+
+    def _file_returned_locked(self) -> None:
+        """Files the queued released slabs among the idle ones, then applies the idle cap."""
+        while self._returned:
+            slab = self._returned.popleft()
             sizes = [s.size for s in self._idle]
             self._idle.insert(bisect.bisect_right(sizes, slab.size), slab)
             self._order.append(id(slab))
             self._idle_bytes += slab.size
-            while self._idle_bytes > self._max_idle and len(self._idle) > self._keep:
-                oldest = self._order.pop(0)
-                j = next(k for k, s in enumerate(self._idle) if id(s) == oldest)
-                self._idle_bytes -= self._idle.pop(j).size
+        while self._idle_bytes > self._max_idle and len(self._idle) > self._keep:
+            oldest = self._order.pop(0)
+            j = next(k for k, s in enumerate(self._idle) if id(s) == oldest)
+            self._idle_bytes -= self._idle.pop(j).size
