@@ -41,6 +41,7 @@ TESTS=(
   libgtest-dev libgmock-dev libbenchmark-dev  # ctest suites, bench/micro
   clang libclang-rt-14-dev                    # scripts/run_fuzzers.sh: libFuzzer, ASan, UBSan
   python3-pytest python3-grpcio python3-protobuf python3-tqdm  # pytest; the pure-Python client
+  python3-pytest-timeout                      # run_tests.sh: a hung test fails, not stalls
   python3-venv python3-pip python3-setuptools python3-wheel    # tests/install: pip into a venv
   openssl                                     # test_security.py makes its certificates
   python3-yaml slurm-wlm munge                # tests/deploy: the manifests, a local Slurm

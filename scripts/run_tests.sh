@@ -12,11 +12,18 @@ bash scripts/install-deps.sh --for-tests
 # job configured first has them off.
 bash scripts/build.sh -DDRAFTFEED_BUILD_TESTS=ON -DDRAFTFEED_BUILD_BENCH=ON
 ctest --test-dir build --output-on-failure -j"$(nproc)"
-DRAFTFEED_BUILD_DIR="$PWD/build" PYTHONPATH=build/python /usr/bin/python3 -m pytest -q tests
+# A hung test fails the run instead of stalling it (pytest-timeout, python3-pytest-timeout): past
+# 300 s (the slowest test takes a fraction of that) it prints every thread's stack and ends
+# pytest. The thread method, not SIGALRM: a hung test's threads can hold locks that its teardown
+# (the feed's close) then waits on, so failing just the test would hang again right after.
+PYTEST_TIMEOUT=(--timeout=300 --timeout-method=thread)
+DRAFTFEED_BUILD_DIR="$PWD/build" PYTHONPATH=build/python /usr/bin/python3 -m pytest -q \
+  "${PYTEST_TIMEOUT[@]}" tests
 # The client API's tests again on the pure-Python client (pip grpcio + protobuf), as a trainer
 # image without the compiled module runs them.
 DRAFTFEED_TRANSPORT=grpcio DRAFTFEED_BUILD_DIR="$PWD/build" PYTHONPATH=build/python \
-  /usr/bin/python3 -m pytest -q tests/client/python tests/server/service/test_security.py
+  /usr/bin/python3 -m pytest -q "${PYTEST_TIMEOUT[@]}" tests/client/python \
+  tests/server/service/test_security.py
 bash scripts/run_micro_benchmarks.sh > build/micro_benchmarks.log 2>&1 ||
   { cat build/micro_benchmarks.log; exit 1; }
 echo "micro-benchmarks: every program ran (log: build/micro_benchmarks.log)"

@@ -13,8 +13,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "install-deps.sh"
 # What only the tests, fuzzers, Slurm checks, metrics lint and plots use.
 TEST_ONLY = {"libgtest-dev", "libgmock-dev", "libbenchmark-dev", "clang", "libclang-rt-14-dev",
-             "python3-pytest", "slurm-wlm", "munge", "python3-yaml", "python3-matplotlib",
-             "prometheus", "python3-venv", "python3-pip", "python3-torch"}
+             "python3-pytest", "python3-pytest-timeout", "slurm-wlm", "munge", "python3-yaml",
+             "python3-matplotlib", "prometheus", "python3-venv", "python3-pip", "python3-torch"}
 # What building the target and the Python module and running the synthetic trainer need.
 MAIN_NEEDS = {"build-essential", "cmake", "libgrpc++-dev", "protobuf-compiler-grpc",
               "libabsl-dev", "libcpp-httplib-dev", "pybind11-dev", "python3-dev",
