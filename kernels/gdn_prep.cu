@@ -308,43 +308,69 @@ __global__ void __launch_bounds__(kPrepThreads, 4) GdnPrepKernel(GdnParams p) {
   }
   __syncthreads();
   // Off-diagonal blocks, block column j by warp j, top to bottom:
-  //   𝒯_ij = −𝒯_ii R_ij,  R_ij = Σ_{k=j}^{i−1} A_ik 𝒯_kj.
-  // Everything a warp reads besides the diagonal blocks it wrote itself, so
-  // only warp barriers are needed. R_ij is staged in 𝒯_ij's own place. Lane
-  // owns row ρ = lane / 2 and 8 columns from c0 = 8·(lane % 2).
+  //   𝒯_ij = −𝒯_ii R_ij,  R_ij = Σ_{k=j}^{i−1} A_ik 𝒯_kj,
+  // as 16×16×16 tensor-core products on fp32 operands split into bf16
+  // hi + lo, summed as hi·hi + hi·lo + lo·hi: about 2^-16 relative, finer than
+  // the bf16 U and W that 𝒯 feeds. As scalar FMAs from shared memory these
+  // blocks were prep's largest consumer of shared-memory bandwidth. Everything
+  // a warp reads besides the diagonal blocks it wrote itself, so only warp
+  // barriers are needed. R_ij is staged in 𝒯_ij's own place.
   {
-    const int rho = lane >> 1, c0 = 8 * (lane & 1), j = warp;
-#pragma unroll 1
-    for (int i = j + 1; i < 4; ++i) {
-      float acc[8];
+    const int j = warp;
+    // A operand: the 16×16 fp32 block at `blk` (pitch ld), split.
+    const auto load_a = [&](const float* blk, int ld, uint32_t(&hi)[4], uint32_t(&lo)[4]) {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-#pragma unroll 1
-      for (int k = j; k < i; ++k) {
+      for (int reg = 0; reg < 4; ++reg) {
+        const int r = g + 8 * (reg & 1), c = 2 * q4 + 8 * (reg >> 1);
+        SplitBf16(blk[r * ld + c], blk[r * ld + c + 1], hi[reg], lo[reg]);
+      }
+    };
+    // R += A·B over one k block, B the 16×16 fp32 block at `blk` (pitch
+    // kTLd), both n-tiles of 8 columns.
+    const auto mma3 = [&](float(&acc)[2][4], const uint32_t(&ah)[4], const uint32_t(&al)[4],
+                          const float* blk) {
 #pragma unroll
-        for (int m = 0; m < 16; ++m) {
-          const float av = s_a[(16 * i + rho) * L::kFLd + 16 * k + m];
-          const float* trow = s_t + (16 * k + m) * L::kTLd + 16 * j + c0;
+      for (int nt = 0; nt < 2; ++nt) {
+        uint32_t bh[2], bl[2];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] += av * trow[e];
+        for (int h = 0; h < 2; ++h) {
+          const int k = 2 * q4 + 8 * h, n = 8 * nt + g;
+          SplitBf16(blk[k * L::kTLd + n], blk[(k + 1) * L::kTLd + n], bh[h], bl[h]);
+        }
+        Mma(acc[nt], al, bh[0], bh[1]);
+        Mma(acc[nt], ah, bl[0], bl[1]);
+        Mma(acc[nt], ah, bh[0], bh[1]);
+      }
+    };
+    // The accumulator's 16×16 block to `blk` (pitch kTLd), times `sign`.
+    const auto store = [&](float* blk, const float(&acc)[2][4], float sign) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          *reinterpret_cast<float2*>(blk + (g + 8 * half) * L::kTLd + 8 * nt + 2 * q4) =
+              make_float2(sign * acc[nt][2 * half], sign * acc[nt][2 * half + 1]);
         }
       }
-      float* dst = s_t + (16 * i + rho) * L::kTLd + 16 * j + c0;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dst[e] = acc[e];
-      __syncwarp();
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-#pragma unroll
-      for (int m = 0; m < 16; ++m) {
-        const float tv = s_t[(16 * i + rho) * L::kTLd + 16 * i + m];
-        const float* rrow = s_t + (16 * i + m) * L::kTLd + 16 * j + c0;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] += tv * rrow[e];
+    };
+#pragma unroll 1
+    for (int i = j + 1; i < 4; ++i) {
+      float acc[2][4] = {};
+#pragma unroll 1
+      for (int k = j; k < i; ++k) {
+        uint32_t ah[4], al[4];
+        load_a(s_a + 16 * i * L::kFLd + 16 * k, L::kFLd, ah, al);
+        mma3(acc, ah, al, s_t + 16 * k * L::kTLd + 16 * j);
       }
+      float* dst = s_t + 16 * i * L::kTLd + 16 * j;
+      store(dst, acc, 1.0f);
       __syncwarp();
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dst[e] = -acc[e];
+      float acc2[2][4] = {};
+      uint32_t th[4], tl[4];
+      load_a(s_t + 16 * i * L::kTLd + 16 * i, L::kTLd, th, tl);
+      mma3(acc2, th, tl, dst);
+      __syncwarp();
+      store(dst, acc2, -1.0f);
       __syncwarp();
     }
   }
