@@ -15,6 +15,8 @@
 
 #include "bench/micro/gpu_benchmark.h"
 #include "benchmark/benchmark.h"
+#include "kernels/checksum.cuh"
+#include "kernels/checksum_terms.h"
 #include "kernels/gdn.cuh"
 
 namespace draftfeed::bench {
@@ -93,18 +95,17 @@ void RunDeltaRule(benchmark::State& state, const std::vector<int32_t>& lens,
   work.bytes = static_cast<double>(t) * (gdn_row + value_heads * kValueDim) * sizeof(bf16);
   work.flops = 6.0 * t * value_heads * kKeyDim * kValueDim;
   TimeKernel(state, work, [&] { return cuda::GatedDeltaRule(g, workspace.get(), nullptr); });
-  // The output's FNV-1a hash, so that builds of two versions of the rule can
-  // be compared bit for bit from their benchmark rows (the inputs are seeded).
-  std::vector<uint16_t> host(static_cast<size_t>(out.size()));
-  if (out.get() != nullptr &&
-      cudaMemcpy(host.data(), out.get(), out.bytes(), cudaMemcpyDeviceToHost) == cudaSuccess) {
-    uint32_t h = 2166136261u;
-    for (const uint16_t v : host) {
-      h = (h ^ (v & 0xffu)) * 16777619u;
-      h = (h ^ (v >> 8)) * 16777619u;
-    }
-    char label[24];
-    std::snprintf(label, sizeof(label), "out_fnv=%08x", h);
+  // The output's payload checksum (the protocol's, kernels/checksum.cuh, on
+  // the GPU), so that builds of two versions of the rule can be compared bit
+  // for bit from their benchmark rows (the inputs are seeded).
+  DeviceArray<unsigned long long> scratch(v1::kChecksumLanes);
+  uint64_t lanes[v1::kChecksumLanes], sum = 0;
+  if (out.get() != nullptr && scratch.get() != nullptr &&
+      cuda::PayloadChecksum(out.get(), out.bytes(), scratch.get(), lanes, &sum, nullptr) ==
+          cudaSuccess) {
+    char label[40];
+    std::snprintf(label, sizeof(label), "out_checksum=%016llx",
+                  static_cast<unsigned long long>(sum));
     state.SetLabel(label);
   }
 }
