@@ -65,6 +65,7 @@ cudaError_t Launch(const CUtensorMap& tm_x, const CUtensorMap& tm_w, const CUten
   }
   if (err != cudaSuccess) return err;
   const int grid = static_cast<int>(std::min<int64_t>(prm.tiles, sms));
+  prm.y_vec16 = reinterpret_cast<uintptr_t>(prm.y) % 16 == 0 && prm.ldy % 8 == 0;
   HopperGemmKernel<kMode, kFp8><<<grid, kThreads, kSmemBytes, stream>>>(tm_x, tm_w, tm_s, prm);
   return cudaGetLastError();
 }

@@ -30,13 +30,17 @@
 // no scales: the tensor cores accumulate straight into the fp32 sums, one
 // K block's group in flight while the previous stage is released.
 //
-// Dense, it runs a little under cuBLASLt's block-scaled GEMM at the 27B's
-// projections, which the engine therefore keeps for them, except the MLPs'
-// gate_up (kDenseGateUp): there its epilogue saves the SwiGLU pass and the
-// bf16 [gate; up] round trip, more than the GEMM loses. Both are held by
-// the GPU's power cap, not by issue, which is why a 128 x 128 tile with two
-// scratch accumulators (issuing block kb + 1 before promoting kb) was slower:
-// it reads twice the shared memory per FLOP. The figures (dense, grouped,
+// The plain forms' epilogue stages each warp's outputs in shared memory and
+// writes whole 128-byte lines; stored straight from the accumulators (16
+// bytes of a row per quad, 8 rows an instruction) it held the K = 512 MoE
+// down GEMM to 0.75 of its speed now and the dense GEMM under cuBLASLt's.
+// Dense, it now runs 1.04-1.09x cuBLASLt's block-scaled GEMM at the 27B's
+// projections, so the engine takes it for them on Hopper; the MLPs' gate_up
+// (kDenseGateUp) also saves the SwiGLU pass and the bf16 [gate; up] round
+// trip in its epilogue. Both GEMMs are held by the GPU's power cap, not by
+// issue, which is why a 128 x 128 tile with two scratch accumulators
+// (issuing block kb + 1 before promoting kb) was slower: it reads twice the
+// shared memory per FLOP. The figures (dense, grouped,
 // the clocks under the cap): docs/performance.md, "Figures behind the
 // code's choices" (bench/micro/fp8_gemm_benchmark.cc).
 //
@@ -71,8 +75,15 @@ constexpr uint32_t kABytes = kBM * kBK, kBHalfBytes = 128 * kBK, kBBytes = 2 * k
 constexpr int kScaleBox = kBM + 8;
 constexpr uint32_t kScaleBytes = 640;
 static_assert(kScaleBox * 4 <= kScaleBytes && kScaleBytes % 128 == 0, "scale slot");
-// Stages, 2·kStages mbarriers, slack to align the base to 1024 (128B swizzle).
-constexpr int kSmemBytes = kStages * (kABytes + kBBytes + kScaleBytes) + 2 * kStages * 8 + 1024;
+// The epilogue stages a warp's outputs 16 rows x 64 columns (128 bytes a
+// row) at a time, so that its global stores are whole 128-byte lines.
+constexpr int kEpiWarpBytes = 16 * 128;
+constexpr uint32_t kBarBytes = 128;  // 2·kStages mbarriers, padded
+static_assert(2 * kStages * 8 <= kBarBytes, "mbarrier slot");
+// Stages, mbarriers, the 8 math warps' epilogue blocks, slack to align the
+// base to 1024 (128B swizzle).
+constexpr int kSmemBytes = kStages * (kABytes + kBBytes + kScaleBytes) + kBarBytes +
+                           (kMathThreads / 32) * kEpiWarpBytes + 1024;
 static_assert(kSmemBytes <= 227 * 1024, "fits the opt-in shared memory of sm_90");
 // The loader warpgroup gives registers to the math ones (setmaxnreg).
 constexpr int kLoadRegs = 56, kMathRegs = 224;
@@ -94,6 +105,7 @@ enum class Mode { kDense, kMoeDown, kMoeGateUp, kDenseGateUp };
 struct Params {
   bf16* y;
   int64_t ldy;
+  bool y_vec16;  // y and ldy let every row take 16-byte stores (else 4-byte ones)
   const float* w_scale;
   int64_t w_scale_stride;
   int m;  // dense: rows (m_pad)
@@ -262,6 +274,7 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
   const uint32_t b_smem = base + kStages * kABytes;
   const uint32_t s_smem = b_smem + kStages * kBBytes;
   const uint32_t bars = s_smem + kStages * kScaleBytes;
+  const uint32_t epi_smem = bars + kBarBytes;
   const auto full = [&](int st) { return bars + 8 * st; };
   const auto empty = [&](int st) { return bars + 8 * (kStages + st); };
   const float* s_scales = reinterpret_cast<const float*>(smem_raw + (s_smem - raw));
@@ -448,18 +461,18 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
       FenceRegs(acc[1]);
       sm90::MbarArrive(empty(prev));
     }
-    // Epilogue: bf16 pairs straight from the accumulator layout.
-    const int col0 = 2 * (lane % 4);
+    if constexpr (kGateUp) {
+      // Epilogue: bf16 pairs straight from the accumulator layout.
+      const int col0 = 2 * (lane % 4);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = r0 + 8 * r;
-      const bool stored = row < w.rows;
-      // Rows past the tile: nothing to do, except where the FP8 gate_up
-      // quantizes (its quad's shuffles want every lane).
-      if (!(kFp8 && kGateUp) && !stored) continue;
-      bf16* dst =
-          p.y == nullptr ? nullptr : p.y + static_cast<int64_t>(w.a_row + row) * p.ldy + w.out_col;
-      if constexpr (kGateUp) {
+      for (int r = 0; r < 2; ++r) {
+        const int row = r0 + 8 * r;
+        // Rows past the tile are not stored, but where the FP8 gate_up
+        // quantizes they take part (its quad's shuffles want every lane).
+        const bool stored = row < w.rows;
+        if (!kFp8 && !stored) continue;
+        bf16* dst = p.y == nullptr ? nullptr
+                                   : p.y + static_cast<int64_t>(w.a_row + row) * p.ldy + w.out_col;
         // Gate in acc[0], up at the same place in acc[1]; n % 128 == 0.
         // The tile's 128 columns of a row are one quantization group, held
         // by the 4 lanes of a quad: its amax is 2 shuffles away.
@@ -501,16 +514,50 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
             if (lane % 4 == 0) p.act8_scale[(w.out_col / 128) * p.act8_rows_pad + at] = gs.s;
           }
         }
-      } else {
-        const int cols = p.n - w.out_col;
+      }
+    } else {
+      // Direct stores from the accumulator layout write 16 of each 32-byte
+      // sector, 8 rows an instruction. Instead each warp stages a 16 x 64
+      // block in shared memory (16-byte units XOR-swizzled by row, so both
+      // the 4-byte writes and the 16-byte reads are free of bank conflicts)
+      // and writes it back as 4 whole rows of 128 bytes an instruction.
+      // The same bf16 roundings of the same sums: the bits do not change.
+      uint8_t* stage = smem_raw + (epi_smem - raw) + (tid / 32) * kEpiWarpBytes;
+      const int cols = p.n - w.out_col;
+      const int warp_row = wg * 64 + warp * 16;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
+      for (int c = 0; c < 4; ++c) {
+        const int h = c / 2, c_col = 128 * h + 64 * (c % 2);
+        if (c_col >= cols) break;
+        __syncwarp();  // the previous block's reads are done
 #pragma unroll
-          for (int j = 0; j < 16; ++j) {
-            const int col = col0 + 128 * h + 8 * j;
-            if (col < cols) {
-              *reinterpret_cast<__nv_bfloat162*>(dst + col) =
-                  __floats2bfloat162_rn(acc[h][4 * j + 2 * r], acc[h][4 * j + 2 * r + 1]);
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            const int j = 8 * (c % 2) + u;
+            *reinterpret_cast<__nv_bfloat162*>(stage + (lane / 4 + 8 * r) * 128 +
+                                               ((u ^ (lane / 4)) << 4) + (lane % 4) * 4) =
+                __floats2bfloat162_rn(acc[h][4 * j + 2 * r], acc[h][4 * j + 2 * r + 1]);
+          }
+        }
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int lr = lane / 8 + 4 * i, u = lane % 8;
+          const int col = c_col + 8 * u;  // cols % 16 == 0: a unit is all in or all out
+          if (warp_row + lr < w.rows && col < cols) {
+            const uint4 v =
+                *reinterpret_cast<const uint4*>(stage + lr * 128 + ((u ^ (lr % 8)) << 4));
+            bf16* dst =
+                p.y + static_cast<int64_t>(w.a_row + warp_row + lr) * p.ldy + w.out_col + col;
+            if (p.y_vec16) {
+              *reinterpret_cast<uint4*>(dst) = v;
+            } else {
+              uint32_t* d4 = reinterpret_cast<uint32_t*>(dst);
+              d4[0] = v.x;
+              d4[1] = v.y;
+              d4[2] = v.z;
+              d4[3] = v.w;
             }
           }
         }
