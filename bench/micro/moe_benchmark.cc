@@ -3,7 +3,7 @@
 // and 49,152 tokens: the grouped expert GEMMs in TFLOP/s beside cuBLASLt's
 // dense GEMM of the same M, N, K (every row through one weight matrix, the
 // ceiling a grouped GEMM approaches), and routing, permutation and combine
-// times.
+// times. The Fp8 forms time the FP8 experts' GEMMs on the same problem.
 //
 // Routing is realistically uneven (bench/micro/moe_layer.h); each GEMM
 // benchmark reports the hottest expert's load over the mean (hot_vs_mean)
@@ -24,19 +24,23 @@ namespace {
 
 using cuda::bf16;
 
-void RunGateUp(benchmark::State& state, const MoeShape& s) {
+// fp8: the FP8 experts' GEMMs (e4m3 operands, 128-block scales) on the same
+// problem, the same FLOPs.
+void RunGateUp(benchmark::State& state, const MoeShape& s, bool fp8 = false) {
   MoeLayer layer(s, state.range(0));
+  if (fp8) NoteSetup(layer.PrepareFp8());
   Work work;
   work.flops = 2.0 * layer.rows() * 2 * s.inter * s.hidden;
-  TimeKernel(state, work, [&] { return layer.GateUp(); });
+  TimeKernel(state, work, [&] { return fp8 ? layer.GateUpFp8() : layer.GateUp(); });
   layer.Report(state);
 }
 
-void RunDown(benchmark::State& state, const MoeShape& s) {
+void RunDown(benchmark::State& state, const MoeShape& s, bool fp8 = false) {
   MoeLayer layer(s, state.range(0));
+  if (fp8) NoteSetup(layer.PrepareFp8());
   Work work;
   work.flops = 2.0 * layer.rows() * s.hidden * s.inter;
-  TimeKernel(state, work, [&] { return layer.Down(); });
+  TimeKernel(state, work, [&] { return fp8 ? layer.DownFp8() : layer.Down(); });
   layer.Report(state);
 }
 
@@ -80,6 +84,12 @@ void BM_MoeGateUpSwiGlu_Qwen36_35B_A3B(benchmark::State& s) { RunGateUp(s, kQwen
 DF_MOE_BENCHMARK(BM_MoeGateUpSwiGlu_Qwen36_35B_A3B);
 void BM_MoeDown_Qwen36_35B_A3B(benchmark::State& s) { RunDown(s, kQwen36_35B_A3B); }
 DF_MOE_BENCHMARK(BM_MoeDown_Qwen36_35B_A3B);
+void BM_MoeGateUpSwiGluFp8_Qwen36_35B_A3B(benchmark::State& s) {
+  RunGateUp(s, kQwen36_35B_A3B, true);
+}
+DF_MOE_BENCHMARK(BM_MoeGateUpSwiGluFp8_Qwen36_35B_A3B);
+void BM_MoeDownFp8_Qwen36_35B_A3B(benchmark::State& s) { RunDown(s, kQwen36_35B_A3B, true); }
+DF_MOE_BENCHMARK(BM_MoeDownFp8_Qwen36_35B_A3B);
 void BM_MoeTopK_Qwen36_35B_A3B(benchmark::State& s) { RunRoute(s, kQwen36_35B_A3B); }
 DF_MOE_BENCHMARK(BM_MoeTopK_Qwen36_35B_A3B);
 void BM_MoePermute_Qwen36_35B_A3B(benchmark::State& s) { RunPermute(s, kQwen36_35B_A3B); }
@@ -101,6 +111,12 @@ void BM_MoeGateUpSwiGlu_Qwen3_30B_A3B(benchmark::State& s) { RunGateUp(s, kQwen3
 DF_MOE_BENCHMARK(BM_MoeGateUpSwiGlu_Qwen3_30B_A3B);
 void BM_MoeDown_Qwen3_30B_A3B(benchmark::State& s) { RunDown(s, kQwen3_30B_A3B); }
 DF_MOE_BENCHMARK(BM_MoeDown_Qwen3_30B_A3B);
+void BM_MoeGateUpSwiGluFp8_Qwen3_30B_A3B(benchmark::State& s) {
+  RunGateUp(s, kQwen3_30B_A3B, true);
+}
+DF_MOE_BENCHMARK(BM_MoeGateUpSwiGluFp8_Qwen3_30B_A3B);
+void BM_MoeDownFp8_Qwen3_30B_A3B(benchmark::State& s) { RunDown(s, kQwen3_30B_A3B, true); }
+DF_MOE_BENCHMARK(BM_MoeDownFp8_Qwen3_30B_A3B);
 void BM_DenseCeilingGateUp_Qwen3_30B_A3B(benchmark::State& s) {
   const MoeShape& m = kQwen3_30B_A3B;
   RunDenseCeiling(s, s.range(0) * m.top_k, 2 * m.inter, m.hidden);

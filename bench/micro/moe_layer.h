@@ -16,11 +16,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <vector>
 
 #include "bench/micro/gpu_benchmark.h"
 #include "benchmark/benchmark.h"
+#include "kernels/fp8_gemm_operands.cuh"
 #include "kernels/moe.cuh"
 
 namespace draftfeed::bench {
@@ -115,6 +117,45 @@ class MoeLayer {
     return cuda::MoeDown(b_.act, down_.get(), s_.hidden, s_.inter, s_.experts, rows(), b_.routing,
                          b_.y, nullptr);
   }
+  // The FP8 experts (--fp8_experts fp8): the same weights quantized in
+  // 128 x 128 blocks (each expert's rows a whole number of blocks, so the
+  // stacked matrix quantized at once is every expert's layout), x and the
+  // SwiGLU activations per token and 128 group, as the engine's producers
+  // write them. Built on first use.
+  cudaError_t PrepareFp8() {
+    if (fp8_ != nullptr) return fp8_->status;
+    const int64_t d = s_.hidden, i = s_.inter, e = s_.experts;
+    fp8_ = std::make_unique<Fp8State>(s_, tokens_, rows());
+    Fp8State& f = *fp8_;
+    cudaError_t err =
+        cuda::QuantizeActivationsFp8(x_.get(), d, tokens_, d, f.xq.get(), f.xs.get(), nullptr);
+    if (err == cudaSuccess) {
+      err = cuda::QuantizeWeightBlocksFp8(gate_up_.get(), e * 2 * i, d, f.gate_upq.get(),
+                                          f.gate_ups.get(), cuda::Fp8ScaleStride(d), nullptr);
+    }
+    if (err == cudaSuccess) {
+      err = cuda::QuantizeWeightBlocksFp8(down_.get(), e * d, i, f.downq.get(), f.downs.get(),
+                                          cuda::Fp8ScaleStride(i), nullptr);
+    }
+    if (err == cudaSuccess) err = GateUpFp8();
+    if (err == cudaSuccess) err = cudaDeviceSynchronize();
+    f.status = err;
+    return err;
+  }
+  // After PrepareFp8() returned cudaSuccess.
+  cudaError_t GateUpFp8() const {
+    const Fp8State& f = *fp8_;
+    return cuda::MoeGateUpSwiGluFp8(f.xq.get(), f.xs.get(), cuda::Fp8RowsPadded(tokens_),
+                                    f.gate_upq.get(), f.gate_ups.get(), s_.hidden, s_.inter,
+                                    s_.experts, rows(), b_.routing, b_.act, nullptr,
+                                    {f.actq.get(), f.acts.get()});
+  }
+  cudaError_t DownFp8() const {
+    const Fp8State& f = *fp8_;
+    return cuda::MoeDownFp8(f.actq.get(), f.acts.get(), cuda::Fp8RowsPadded(rows()), f.downq.get(),
+                            f.downs.get(), s_.hidden, s_.inter, s_.experts, rows(), b_.routing,
+                            b_.y, nullptr);
+  }
   cudaError_t Combine() const {
     return cuda::MoeCombine(b_.y, b_.routing.pair_row, b_.weights, tokens_, s_.top_k, s_.hidden,
                             nullptr, 0, nullptr, 0, residual_.get(), nullptr);
@@ -126,6 +167,22 @@ class MoeLayer {
   DeviceArray<cuda::bf16> x_, gate_up_, down_, logits_;
   DeviceArray<float> residual_;
   DeviceArray<char> workspace_;
+  // The FP8 operands: e4m3 codes and their scales (fp8_gemm_operands.cuh).
+  struct Fp8State {
+    Fp8State(const MoeShape& s, int64_t tokens, int64_t rows)
+        : xq(tokens * s.hidden),
+          xs(s.hidden / 128 * cuda::Fp8RowsPadded(tokens)),
+          gate_upq(int64_t{s.experts} * 2 * s.inter * s.hidden),
+          gate_ups(int64_t{s.experts} * 2 * s.inter / 128 * cuda::Fp8ScaleStride(s.hidden)),
+          downq(int64_t{s.experts} * s.hidden * s.inter),
+          downs(int64_t{s.experts} * s.hidden / 128 * cuda::Fp8ScaleStride(s.inter)),
+          actq(cuda::Fp8RowsPadded(rows) * s.inter),
+          acts(s.inter / 128 * cuda::Fp8RowsPadded(rows)) {}
+    DeviceArray<uint8_t> xq, gate_upq, downq, actq;
+    DeviceArray<float> xs, gate_ups, downs, acts;
+    cudaError_t status = cudaSuccess;
+  };
+  std::unique_ptr<Fp8State> fp8_;
   cuda::MoeBuffers b_;
   double hot_vs_mean_ = 0, cold_vs_mean_ = 0;
 };
