@@ -168,7 +168,8 @@ cudaError_t Fp8GemmSwiGluQuantize(const uint8_t* xq, const float* x_scale, const
   const int64_t m_pad = Fp8RowsPadded(m);
   if (m < 0 || f <= 0 || f % 128 != 0 || k <= 0 || k % kBK != 0 || w_scale_stride < k / kBK ||
       m_pad >= (int64_t{1} << 31) || 2 * f >= (int64_t{1} << 31) || act8.q == nullptr ||
-      act8.scale == nullptr || !Aligned16(xq) || !Aligned16(x_scale) || !Aligned16(wq)) {
+      act8.scale == nullptr || !Aligned16(xq) || !Aligned16(x_scale) || !Aligned16(wq) ||
+      !Aligned16(act8.q)) {
     return cudaErrorInvalidValue;
   }
   if (m_pad == 0) return cudaSuccess;
@@ -202,15 +203,18 @@ cudaError_t Fp8MoeGateUpSwiGlu(const uint8_t* xq, const float* x_scale, int64_t 
   CUtensorMap tm_w;
   const cudaError_t err = OperandMap(&tm_w, gate_up, true, num_experts * 2 * inter, hidden);
   if (err != cudaSuccess) return err;
-  Params prm =
-      MoeParams(Mode::kMoeGateUp, act, hidden, inter, 1, gate_up_scale, tile_map, max_tiles);
+  // With act8 the bf16 activations are not written: down reads act8 only.
+  Params prm = MoeParams(Mode::kMoeGateUp, act8.q != nullptr ? nullptr : act, hidden, inter, 1,
+                         gate_up_scale, tile_map, max_tiles);
   prm.x = xq;
   prm.x_row_bytes = hidden;
   prm.x_scale = x_scale;
   prm.x_scale_stride = x_scale_stride;
   prm.row_token = row_token;
   if (act8.q != nullptr) {
-    if (act8.scale == nullptr || act8_rows < 0 || inter % 128 != 0) return cudaErrorInvalidValue;
+    if (act8.scale == nullptr || act8_rows < 0 || inter % 128 != 0 || !Aligned16(act8.q)) {
+      return cudaErrorInvalidValue;
+    }
     prm.act8 = act8.q;
     prm.act8_scale = act8.scale;
     prm.act8_rows = act8_rows;

@@ -34,7 +34,7 @@ cudaError_t Fp8BlockGemm(const uint8_t* xq, const float* x_scale, const uint8_t*
 
 // The dense MLP's [gate; up] projection fused with SwiGLU and the down
 // projection's quantization: wq [2f, k] (gate rows, then up rows), w_scale
-// [2f / 128, w_scale_stride]; act8 gets SiLU(gate)·up of the m tokens,
+// [2f / 128, w_scale_stride]; act8 (16-byte aligned) gets SiLU(gate)·up of the m tokens,
 // quantized as QuantizeActivationsFp8 would ([m_pad, f] e4m3, scales
 // [f / 128, m_pad], padding rows zero), and no bf16 is written. Bit for bit
 // Fp8BlockGemm into [m_pad, 2f] then SwiGluQuantizeFp8. f a multiple of
@@ -51,10 +51,10 @@ cudaError_t Fp8GemmSwiGluQuantize(const uint8_t* xq, const float* x_scale, const
 // writes act = SiLU(gate)·up (fp32, one bf16 rounding) [rows, I]; down reads
 // actq [act_scale_stride rows, I] (scales [I/128][act_scale_stride], the
 // stride being the padded row count) and writes y [rows, D]. D and I
-// multiples of 128; pointers 16-byte aligned, outputs 4-byte. With act8 set,
-// gate_up also writes act quantized for down (act8_rows rows, padded as
-// QuantizeActivationsFp8 pads them), bit for bit what that quantizer would
-// make of act.
+// multiples of 128; pointers 16-byte aligned, outputs 4-byte. With act8 set
+// (16-byte aligned), gate_up writes act quantized for down instead (act8_rows
+// rows, padded as QuantizeActivationsFp8 pads them), bit for bit what that
+// quantizer would make of act, and leaves act unwritten.
 cudaError_t Fp8MoeGateUpSwiGlu(const uint8_t* xq, const float* x_scale, int64_t x_scale_stride,
                                const uint8_t* gate_up, const float* gate_up_scale, int64_t hidden,
                                int64_t inter, int num_experts, const int32_t* tile_map,

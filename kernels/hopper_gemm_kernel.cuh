@@ -30,10 +30,11 @@
 // no scales: the tensor cores accumulate straight into the fp32 sums, one
 // K block's group in flight while the previous stage is released.
 //
-// The plain forms' epilogue stages each warp's outputs in shared memory and
-// writes whole 128-byte lines; stored straight from the accumulators (16
-// bytes of a row per quad, 8 rows an instruction) it held the K = 512 MoE
-// down GEMM to 0.75 of its speed now and the dense GEMM under cuBLASLt's.
+// The epilogues stage each warp's outputs in shared memory and write whole
+// 128-byte lines; stored straight from the accumulators (16 bytes of a row
+// per quad, 8 rows an instruction) they held the K = 512 MoE down GEMM to
+// 0.75 of its speed now, the dense GEMM under cuBLASLt's, and the FP8
+// experts' gate_up (8 bytes of each row) 3-5% under.
 // Dense, it now runs 1.04-1.09x cuBLASLt's block-scaled GEMM at the 27B's
 // projections, so the engine takes it for them on Hopper; the MLPs' gate_up
 // (kDenseGateUp) also saves the SwiGLU pass and the bf16 [gate; up] round
@@ -461,106 +462,149 @@ __global__ void __launch_bounds__(kArchWgmma ? kThreads : 128, 1)
       FenceRegs(acc[1]);
       sm90::MbarArrive(empty(prev));
     }
-    if constexpr (kGateUp) {
-      // Epilogue: bf16 pairs straight from the accumulator layout.
-      const int col0 = 2 * (lane % 4);
+    // Epilogues stage each warp's outputs in shared memory (stored straight
+    // from the accumulator layout, an instruction writes 16 or 8 bytes of
+    // each of 8 rows, half or a quarter of a 32-byte sector) and write them
+    // back as whole 128-byte rows: 16-byte units XOR-swizzled by row, so
+    // both the writes and the 16-byte reads are free of bank conflicts.
+    // The same roundings of the same sums: the bits do not change.
+    uint8_t* stage = smem_raw + (epi_smem - raw) + (tid / 32) * kEpiWarpBytes;
+    const int warp_row = wg * 64 + warp * 16;  // the warp's first row in the tile
+    // Staged unit u (16 bytes) of the warp's row lr, read back by lane.
+    const auto staged = [&](int lr, int u) {
+      return *reinterpret_cast<const uint4*>(stage + lr * 128 + ((u ^ (lr % 8)) << 4));
+    };
+    // bf16 block c (columns 64c.. of the tile's) from the accumulator-layout
+    // pairs pair(r, j) (rows lane/4 + 8r, columns 8j + 2(lane % 4)), written
+    // to dst_row(lr) + 8u for the rows keep(lr) and the units below units.
+    const auto store_bf16_block = [&](int c, auto pair, auto keep, auto dst_row, int units) {
+      __syncwarp();  // the previous block's reads are done
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = r0 + 8 * r;
-        // Rows past the tile are not stored, but where the FP8 gate_up
-        // quantizes they take part (its quad's shuffles want every lane).
-        const bool stored = row < w.rows;
-        if (!kFp8 && !stored) continue;
-        bf16* dst = p.y == nullptr ? nullptr
-                                   : p.y + static_cast<int64_t>(w.a_row + row) * p.ldy + w.out_col;
-        // Gate in acc[0], up at the same place in acc[1]; n % 128 == 0.
-        // The tile's 128 columns of a row are one quantization group, held
-        // by the 4 lanes of a quad: its amax is 2 shuffles away.
-        // Dense, gate and up are first rounded to bf16 as the unfused path
-        // stores them, so the result is bit for bit this kernel's dense GEMM
-        // followed by SwiGluQuantizeFp8 (the experts use the fp32 sums).
-        const auto rounded = [](float x) {
-          return kMode == Mode::kDenseGateUp ? __bfloat162float(__float2bfloat16(x)) : x;
-        };
-        __nv_bfloat162 v[16];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          *reinterpret_cast<__nv_bfloat162*>(stage + (lane / 4 + 8 * r) * 128 +
+                                             ((u ^ (lane / 4)) << 4) + (lane % 4) * 4) =
+              pair(r, 8 * c + u);
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int lr = lane / 8 + 4 * i, u = lane % 8;
+        if (keep(lr) && u < units) {
+          const uint4 v = staged(lr, u);
+          bf16* dst = dst_row(lr) + 8 * u;
+          if (p.y_vec16) {
+            *reinterpret_cast<uint4*>(dst) = v;
+          } else {
+            uint32_t* d4 = reinterpret_cast<uint32_t*>(dst);
+            d4[0] = v.x;
+            d4[1] = v.y;
+            d4[2] = v.z;
+            d4[3] = v.w;
+          }
+        }
+      }
+    };
+    if constexpr (kGateUp) {
+      // Gate in acc[0], up at the same place in acc[1]; n % 128 == 0.
+      // The tile's 128 columns of a row are one quantization group, held by
+      // the 4 lanes of a quad: its amax is 2 shuffles away. Rows past the
+      // tile are computed too (the shuffles want every lane), not stored.
+      // Dense, gate and up are first rounded to bf16 as the unfused path
+      // stores them, so the result is bit for bit this kernel's dense GEMM
+      // followed by SwiGluQuantizeFp8 (the experts use the fp32 sums).
+      const auto rounded = [](float x) {
+        return kMode == Mode::kDenseGateUp ? __bfloat162float(__float2bfloat16(x)) : x;
+      };
+      __nv_bfloat162 v[2][16];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const float* g = acc[0] + 4 * j + 2 * r;
           const float* u = acc[1] + 4 * j + 2 * r;
-          v[j] = __floats2bfloat162_rn(vec::Silu(rounded(g[0])) * rounded(u[0]),
-                                       vec::Silu(rounded(g[1])) * rounded(u[1]));
-          if (stored && dst != nullptr) {
-            *reinterpret_cast<__nv_bfloat162*>(dst + col0 + 8 * j) = v[j];
-          }
+          v[r][j] = __floats2bfloat162_rn(vec::Silu(rounded(g[0])) * rounded(u[0]),
+                                          vec::Silu(rounded(g[1])) * rounded(u[1]));
         }
-        // (bf16 experts never quantize: the kernel without kFp8 has none of it.)
-        if (kFp8 && p.act8 != nullptr) {
+      }
+      if (p.y != nullptr) {
+        const auto keep = [&](int lr) { return warp_row + lr < w.rows; };
+        const auto dst_row = [&](int lr) {
+          return p.y + static_cast<int64_t>(w.a_row + warp_row + lr) * p.ldy + w.out_col;
+        };
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          store_bf16_block(
+              c, [&](int r, int j) { return v[r][j]; }, keep,
+              [&](int lr) { return dst_row(lr) + 64 * c; }, 8);
+        }
+      }
+      // (bf16 experts never quantize: the kernel without kFp8 has none of it.)
+      if (kFp8 && p.act8 != nullptr) {
+        // The 16 rows' 128 e4m3 codes are one staged block: code pair j of
+        // row lr at byte 8j + 2(lane % 4), in unit j / 2.
+        fp8::GroupScale gs[2];
+        __syncwarp();
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
           float amax = 0.0f;
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
-            const float2 f = __bfloat1622float2(v[j]);
+            const float2 f = __bfloat1622float2(v[r][j]);
             amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
           }
-          const fp8::GroupScale gs = fp8::ScaleOf(fp8::LanesMax<4>(amax));
-          const int64_t at = w.a_row + row;
-          if (stored && at < p.act8_rows) {  // dense: m_pad rows, act8_rows of them tokens
-            uint8_t* q = p.act8 + at * p.n + w.out_col + col0;
+          gs[r] = fp8::ScaleOf(fp8::LanesMax<4>(amax));
+          const int lr = lane / 4 + 8 * r;
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-              const float2 f = __bfloat1622float2(v[j]);
-              *reinterpret_cast<uint16_t*>(q + 8 * j) =
-                  fp8::PackE4m3x2(fp8::Divide(f.x, gs), fp8::Divide(f.y, gs));
-            }
-            if (lane % 4 == 0) p.act8_scale[(w.out_col / 128) * p.act8_rows_pad + at] = gs.s;
+          for (int j = 0; j < 16; ++j) {
+            const float2 f = __bfloat1622float2(v[r][j]);
+            *reinterpret_cast<uint16_t*>(stage + lr * 128 + (((j / 2) ^ (lr % 8)) << 4) +
+                                         (j % 2) * 8 + (lane % 4) * 2) =
+                fp8::PackE4m3x2(fp8::Divide(f.x, gs[r]), fp8::Divide(f.y, gs[r]));
+          }
+        }
+        __syncwarp();
+        // Dense: m_pad rows in the tiles, act8_rows of them tokens.
+        const auto kept = [&](int lr) {
+          const int64_t at = w.a_row + warp_row + lr;
+          return warp_row + lr < w.rows && at < p.act8_rows;
+        };
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int lr = lane / 8 + 4 * i, u = lane % 8;
+          if (kept(lr)) {
+            *reinterpret_cast<uint4*>(p.act8 + (w.a_row + warp_row + lr) * p.n + w.out_col +
+                                      16 * u) = staged(lr, u);
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int lr = lane / 4 + 8 * r;
+          if (lane % 4 == 0 && kept(lr)) {
+            p.act8_scale[(w.out_col / 128) * p.act8_rows_pad + w.a_row + warp_row + lr] = gs[r].s;
           }
         }
       }
     } else {
-      // Direct stores from the accumulator layout write 16 of each 32-byte
-      // sector, 8 rows an instruction. Instead each warp stages a 16 x 64
-      // block in shared memory (16-byte units XOR-swizzled by row, so both
-      // the 4-byte writes and the 16-byte reads are free of bank conflicts)
-      // and writes it back as 4 whole rows of 128 bytes an instruction.
-      // The same bf16 roundings of the same sums: the bits do not change.
-      uint8_t* stage = smem_raw + (epi_smem - raw) + (tid / 32) * kEpiWarpBytes;
-      const int cols = p.n - w.out_col;
-      const int warp_row = wg * 64 + warp * 16;
+      const int cols = p.n - w.out_col;  // cols % 16 == 0: a unit is all in or all out
+      const auto keep = [&](int lr) { return warp_row + lr < w.rows; };
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int h = c / 2, c_col = 128 * h + 64 * (c % 2);
         if (c_col >= cols) break;
-        __syncwarp();  // the previous block's reads are done
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-#pragma unroll
-          for (int u = 0; u < 8; ++u) {
-            const int j = 8 * (c % 2) + u;
-            *reinterpret_cast<__nv_bfloat162*>(stage + (lane / 4 + 8 * r) * 128 +
-                                               ((u ^ (lane / 4)) << 4) + (lane % 4) * 4) =
-                __floats2bfloat162_rn(acc[h][4 * j + 2 * r], acc[h][4 * j + 2 * r + 1]);
-          }
-        }
-        __syncwarp();
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int lr = lane / 8 + 4 * i, u = lane % 8;
-          const int col = c_col + 8 * u;  // cols % 16 == 0: a unit is all in or all out
-          if (warp_row + lr < w.rows && col < cols) {
-            const uint4 v =
-                *reinterpret_cast<const uint4*>(stage + lr * 128 + ((u ^ (lr % 8)) << 4));
-            bf16* dst =
-                p.y + static_cast<int64_t>(w.a_row + warp_row + lr) * p.ldy + w.out_col + col;
-            if (p.y_vec16) {
-              *reinterpret_cast<uint4*>(dst) = v;
-            } else {
-              uint32_t* d4 = reinterpret_cast<uint32_t*>(dst);
-              d4[0] = v.x;
-              d4[1] = v.y;
-              d4[2] = v.z;
-              d4[3] = v.w;
-            }
-          }
-        }
+        store_bf16_block(
+            c % 2,
+            [&](int r, int j) {
+              return __floats2bfloat162_rn(acc[h][4 * j + 2 * r], acc[h][4 * j + 2 * r + 1]);
+            },
+            keep,
+            [&](int lr) {
+              return p.y + static_cast<int64_t>(w.a_row + warp_row + lr) * p.ldy + w.out_col +
+                     c_col;
+            },
+            min(8, (cols - c_col) / 8));
       }
     }
   }

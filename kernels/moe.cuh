@@ -115,9 +115,11 @@ cudaError_t MoeDown(const bf16* act, const bf16* down, int64_t hidden, int64_t i
 // [I/128][act_scale_stride]); weights e4m3 [E, 2I, D] / [E, D, I] with fp32
 // block scales of row stride Fp8ScaleStride(K), experts
 // ⌈rows/128⌉·stride apart. Requires D and I multiples of kMoeFp8Block.
-// gate_up with act8 set also writes act quantized for down ([pad4(rows), I],
-// scales [I/128][pad4(rows)]): bit for bit QuantizeActivationsFp8 of act,
-// from its epilogue where the Hopper kernel runs, else by that quantizer.
+// gate_up with act8 set (16-byte aligned) also writes act quantized for down
+// ([pad4(rows), I], scales [I/128][pad4(rows)]): bit for bit
+// QuantizeActivationsFp8 of act, from its epilogue where the Hopper kernel
+// runs (which then leaves act itself unwritten: down reads act8 only), else
+// by that quantizer from act.
 inline constexpr int kMoeFp8Block = 128;
 cudaError_t MoeGateUpSwiGluFp8(const uint8_t* xq, const float* x_scale, int64_t x_scale_stride,
                                const uint8_t* gate_up, const float* gate_up_scale, int64_t hidden,

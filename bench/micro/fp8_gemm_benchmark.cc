@@ -82,6 +82,23 @@ void RunOwnBlockScaled(benchmark::State& state, int64_t n, int64_t k, OwnGemm ge
   });
 }
 
+// The dense MLP's gate_up on our Hopper GEMM with SwiGLU and down's
+// quantization in its epilogue (Fp8GemmSwiGluQuantize, the engine's path on
+// Hopper): the GEMM's FLOPs, beside the plain GEMM of the same shape and the
+// SwiGLU pass it saves.
+void RunOwnGateUpSwiGluQuantize(benchmark::State& state, int64_t f, int64_t k) {
+  const int64_t m = state.range(0);
+  Operands o(m, 2 * f, k);
+  DeviceArray<uint8_t> act8(m * f);
+  DeviceArray<float> act8_scale(m * (f / 128));
+  if (!cuda::HopperGemmsAvailable()) NoteSetup(cudaErrorNotSupported);
+  TimeKernel(state, {0, 2.0 * m * 2 * f * k}, [&] {
+    return cuda::Fp8GemmSwiGluQuantize(o.xq.get(), o.xs.get(), o.wq.get(), o.ws.get(),
+                                       cuda::Fp8ScaleStride(k), m, f, k,
+                                       {act8.get(), act8_scale.get()}, nullptr);
+  });
+}
+
 void RunBf16(benchmark::State& state, int64_t n, int64_t k) {
   const int64_t m = state.range(0);
   Operands o(m, n, k);
@@ -238,6 +255,10 @@ DF_FP8_SHAPE(AttnQkv_Qwen36_27B, s27::kAttnRow, s27::kHidden);
 DF_FP8_SHAPE(GdnQkv_Qwen36_27B, s27::kConvChannels, s27::kHidden);
 DF_FP8_SHAPE(GdnOut_Qwen36_27B, s27::kHidden, s27::kValueHeads* s27::kValueDim);
 
+void BM_Fp8OwnGateUpSwiGluQuantize_Qwen36_27B(benchmark::State& s) {
+  RunOwnGateUpSwiGluQuantize(s, s27::kFfn, s27::kHidden);
+}
+DF_FP8_BENCHMARK(BM_Fp8OwnGateUpSwiGluQuantize_Qwen36_27B);
 void BM_Fp8QuantizeActivations_Hidden_Qwen36_27B(benchmark::State& s) {
   RunQuantize(s, s27::kHidden);
 }
