@@ -52,8 +52,8 @@ ABSL_FLAG(uint64_t, seed, 0, "Sequence-length and token seed.");
 ABSL_FLAG(bool, fp8_expert_gemms, true,
           "FP8 MoE models: FP8 grouped expert GEMMs (else experts dequantized to bf16).");
 ABSL_FLAG(std::string, fp8_gemm, "auto",
-          "FP8 models' dense projections: auto or cublaslt (cuBLASLt's block-scaled GEMM), or "
-          "draftfeed (draftfeed's Hopper FP8 GEMM).");
+          "FP8 models' dense projections: auto (as draftfeed-target's --fp8_gemm: draftfeed's "
+          "Hopper FP8 GEMM where it runs), draftfeed, or cublaslt (cuBLASLt's block-scaled GEMM).");
 ABSL_FLAG(int32_t, draft_vocab, 0,
           "Target outputs: draft-vocabulary probabilities over this many ids (the most "
           "frequent-looking: a seeded sample of the vocabulary); 0: none.");

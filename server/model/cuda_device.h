@@ -41,8 +41,9 @@ const char* Fp8GemmPathName(Fp8GemmPath path);
 // 'cublaslt' where cuBLASLt does not serve these scales (Fp8GemmChoice).
 absl::StatusOr<Fp8GemmPath> ChooseFp8Gemm(int device, CudaEngineOptions::Fp8Gemm asked);
 
-// The rule, apart so that it is tested without a GPU. auto: cuBLASLt's on
-// sm_90 outside the portable-kernel mode, else the portable one; draftfeed:
+// The rule, apart so that it is tested without a GPU. auto: the Hopper one
+// where it runs, else cuBLASLt's on sm_90 outside the portable-kernel mode,
+// else the portable one; draftfeed:
 // the Hopper one where it runs (`hopper_runs`: cuda::HopperGemmsAvailable()),
 // else the portable one; cublaslt: cuBLASLt's on sm_90 outside the portable
 // mode, refused elsewhere (as the GPU the mode stands for would refuse it).

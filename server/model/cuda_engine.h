@@ -53,10 +53,11 @@ struct CudaEngineOptions {
   // docs/performance.md).
   bool fp8_expert_gemms = true;
   // FP8 models: the GEMM behind the dense FP8 projections (ChooseFp8Gemm,
-  // cuda_device.h). kAuto: cuBLASLt's block-scaled mode on sm_90 (a little
-  // faster than ours at the 27B's shapes: docs/performance.md), draftfeed's portable
-  // kernel (kernels/fp8_gemm_portable.cuh) on other GPUs and under
-  // DRAFTFEED_PORTABLE_KERNELS; kCublasLt: cuBLASLt's, refused at creation
+  // cuda_device.h). kAuto: draftfeed's Hopper kernel (kernels/hopper_gemm.cuh)
+  // where it runs (a little faster than cuBLASLt's at the 27B's shapes:
+  // docs/performance.md), else cuBLASLt's block-scaled mode on sm_90, and
+  // draftfeed's portable kernel (kernels/fp8_gemm_portable.cuh) on other GPUs
+  // and under DRAFTFEED_PORTABLE_KERNELS; kCublasLt: cuBLASLt's, refused at creation
   // where it does not serve block scales; kDraftfeed: draftfeed's Hopper
   // kernel (kernels/hopper_gemm.cuh) where it runs, else the portable one.
   // The MoE experts take the Hopper kernel wherever it runs, whatever this says.

@@ -64,7 +64,7 @@ struct Case {
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   std::string n = info.param.model;
-  if (info.param.fp8_gemm == CudaEngineOptions::Fp8Gemm::kDraftfeed) n += "_own_fp8_gemm";
+  if (info.param.fp8_gemm == CudaEngineOptions::Fp8Gemm::kCublasLt) n += "_cublaslt_fp8_gemm";
   for (char& ch : n) {
     if (ch == '-' || ch == ':' || ch == '.') ch = '_';
   }
@@ -216,7 +216,7 @@ using Fp8Gemm = CudaEngineOptions::Fp8Gemm;
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBatchInvariance,
                          ::testing::Values(Case{"random:qwen3.6-27b"},
                                            Case{"random:qwen3.6-27b-fp8"},
-                                           Case{"random:qwen3.6-27b-fp8", Fp8Gemm::kDraftfeed},
+                                           Case{"random:qwen3.6-27b-fp8", Fp8Gemm::kCublasLt},
                                            Case{"random:qwen3.6-35b-a3b"},
                                            Case{"random:qwen3.6-35b-a3b-fp8"},
                                            Case{"random:qwen3-30b-a3b"},

@@ -47,7 +47,9 @@ TEST(CudaDeviceTest, Fp8GemmChoice) {
   const std::string cublaslt = Fp8GemmPathName(Fp8GemmPath::kCublasLt);
   const std::string hopper = Fp8GemmPathName(Fp8GemmPath::kHopper);
   const std::string portable = Fp8GemmPathName(Fp8GemmPath::kPortable);
-  EXPECT_EQ(choice(h200, false, true, Gemm::kAuto), cublaslt);
+  EXPECT_EQ(choice(h200, false, true, Gemm::kAuto), hopper);
+  // An sm_90 binary without sm_90a code runs no wgmma kernel: cuBLASLt's.
+  EXPECT_EQ(choice(h200, false, false, Gemm::kAuto), cublaslt);
   EXPECT_EQ(choice(h200, false, true, Gemm::kCublasLt), cublaslt);
   EXPECT_EQ(choice(h200, false, true, Gemm::kDraftfeed), hopper);
   // DRAFTFEED_PORTABLE_KERNELS on the H200: what the B200 or RTX PRO 6000 runs.
