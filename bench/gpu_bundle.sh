@@ -20,3 +20,15 @@ before_and_after() {
     done
   done
 }
+
+# run_goldens: the bundled goldens suites' CUDA cases (goldens_test,
+# fp8_goldens_test), each one's summary lines.
+run_goldens() {
+  local t
+  for t in goldens_test fp8_goldens_test; do
+    [[ -x .bundle/bin/$t ]] || continue
+    echo "== $t *Cuda*"
+    timeout 300 .bundle/bin/$t --gtest_filter='*Cuda*' 2>&1 |
+      grep -E "^\[  PASSED|^\[  FAILED|^\[  SKIPPED|Failure\$" | head -20
+  done
+}

@@ -34,12 +34,7 @@ if [[ $part == *,tests,* ]]; then
     timeout 300 .bundle/bin/kernel_batch_invariance_cuda_test --gtest_filter='*Gdn*:*DeltaRule*' 2>&1 |
       grep -E "^\[  PASSED|^\[  FAILED|Failure\$|differ" | grep -v " 0 rows differ" | head -20
   fi
-  for t in goldens_test fp8_goldens_test; do
-    [[ -x .bundle/bin/$t ]] || continue
-    echo "== $t *Cuda*"
-    timeout 300 .bundle/bin/$t --gtest_filter='*Cuda*' 2>&1 |
-      grep -E "^\[  PASSED|^\[  FAILED|^\[  SKIPPED|Failure\$" | head -20
-  done
+  run_goldens
 fi
 if [[ $part == *,kernels,* ]]; then
   before_and_after draftfeed-bench-kernels "${KFILTER:-GatedDeltaRule}" 3
