@@ -14,6 +14,7 @@ a blocking acquire by the thread already holding it (the deadlock, caught instea
 
 import gc
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -145,3 +146,34 @@ def test_a_feed_whose_results_die_in_cycles_inside_the_pools_lock(make_target):
     gc.collect()  # the last results' cycles, outside the lock
     # Every buffer the pool allocated came back to it: none was lost in a finalizer.
     assert len(pool._idle) == pool.allocations == stats["buffer_allocations"]
+
+
+def test_a_feed_dropped_on_a_thread_holding_its_lock_closes_without_deadlock(make_target):
+    """The grpcio Feed's __del__ closes the feed. Its last reference can die inside a thread's
+    `with cv:` (a collection runs wherever an allocation happens), and close() takes cv: run
+    there, it waited on the lock its own thread held, and that thread and the feed hung. The
+    close now runs on a thread of its own, once the lock is free."""
+    target = make_target()
+    feed = draftfeed.Feed(targets=[target.address], layers=[0, -1], transport="grpcio")
+    batch = (np.arange(7, dtype=np.int32), np.array([7], np.int32))
+    assert [r.batch_id for r in feed.map([batch])] == [1]
+    inner = feed._feed
+    impl = inner._impl
+    feed._feed = None  # the public wrapper's reference gone: `inner` is the last one
+    del feed
+    dropped = threading.Event()
+
+    def drop_holding_the_lock():
+        nonlocal inner
+        with impl.cv:
+            inner = None  # Feed.__del__ runs here
+        dropped.set()
+
+    t = threading.Thread(target=drop_holding_the_lock, daemon=True)
+    t.start()
+    assert dropped.wait(10), "Feed.__del__ blocked on the lock its own thread holds"
+    deadline = time.monotonic() + 30
+    while impl.final_stats is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert impl.final_stats is not None and impl.final_stats["closed"]
+    assert impl.final_stats["delivered"] == 1

@@ -487,12 +487,21 @@ class Feed:
     def __del__(self):
         # At interpreter exit the feed's (daemon) threads may be frozen: joining them would
         # hang, and the process ending closes the connections anyway.
-        if sys.is_finalizing():
+        if sys.is_finalizing() or self._impl.final_stats is not None:
             return
-        try:
-            self._impl.close()
-        except Exception:  # noqa: BLE001 - called from one of the feed's own threads
-            pass
+        # The last reference dies wherever the cyclic GC happens to run: on one of the feed's
+        # own threads (which close() joins), or on any thread while it holds the feed's lock
+        # (an allocation inside `with cv:` can collect), where close() would wait on that
+        # lock forever. So the close runs on a thread of its own, and this returns at once.
+        threading.Thread(target=_close_quietly, args=(self._impl,), name="draftfeed-close",
+                         daemon=True).start()
+
+
+def _close_quietly(impl) -> None:
+    try:
+        impl.close()
+    except Exception:  # noqa: BLE001 - nobody is left to hear it: the feed was dropped
+        pass
 
 
 __all__ = ["Feed", "INVALID_ARGUMENT"]
