@@ -69,8 +69,9 @@ def test_help_groups_every_flag_by_purpose():
 
 
 def test_fp8_experts_help_says_what_the_measurements_say():
-    """docs/performance.md: the 35B-A3B-FP8 shape runs 96,535 tokens/s with FP8 experts and 72,231
-    with --fp8_experts bf16 (bench/results); the help must not say bf16 is the faster."""
+    """docs/performance.md: the 35B-A3B-FP8 shape's tokens/s with FP8 experts and with
+    --fp8_experts bf16 (bench/results); the help quotes both and must not say bf16 is the
+    faster."""
     readme = (REPO / "docs" / "performance.md").read_text()
     m = re.search(r"\*\*([\d,]+) tokens/s\*\* \(FP8 experts[^|]*?; ([\d,]+) with `--fp8_experts "
                   r"bf16`", readme)
