@@ -165,7 +165,9 @@ void ExpectBlockScaledGemmMatchesTheExactSum(Which which, int64_t n, int64_t ldy
     std::vector<float> w = RandomBf16Values(n * k, 0.03f, 9);
     for (int64_t c = 0; c < k; ++c) w[7 * k + c] *= 40.0f;  // one row's blocks scale differently
     for (int64_t c = 0; c < k; ++c) w[(n - 40) * k + c] *= 9.0f;     // and one in the last block
-    for (int64_t j = 0; j < 128; ++j) x[2 * k + 256 + j] *= 100.0f;  // one activation group too
+    if (2 * k + 384 <= m * k) {
+      for (int64_t j = 0; j < 128; ++j) x[2 * k + 256 + j] *= 100.0f;  // one activation group too
+    }
     DeviceBuffer<__nv_bfloat16> dx(ToBf16(x)), dw(ToBf16(w));
     DeviceBuffer<uint8_t> xq(m_pad * k), wq(n * k);
     DeviceBuffer<float> xs(m_pad * kb), ws(w_blocks * stride);
@@ -242,6 +244,8 @@ TEST(Fp8GemmCudaTest, DraftfeedBlockScaledGemmMatchesTheExactSum) {
   // (rows 4-byte aligned) its 4-byte ones, here with a last tile of 144
   // columns (a partial 64-column block in the tile's second half).
   ExpectBlockScaledGemmMatchesTheExactSum(Which::kDraftfeed, 400, 578, 256);
+  // One K block, the shortest K (its loop runs once, its scales one block).
+  ExpectBlockScaledGemmMatchesTheExactSum(Which::kDraftfeed, 256, 256, 128);
 }
 
 TEST(Fp8GemmCudaTest, PortableBlockScaledGemmMatchesTheExactSum) {
