@@ -44,12 +44,12 @@
 // (issuing block kb + 1 before promoting kb) was slower: it reads twice the
 // shared memory per FLOP. Cutting L2 reads did not pay either: two-block
 // clusters that multicast the weight halves (a block's reads 48 -> 32 KB a
-// stage) ran 0.97x, the pair walking its stages together; and starting math warpgroup 1 two K
-// blocks behind 0, so that one stores while the other multiplies, ran
-// 0.81-0.89x (the lead takes stages from the leader's look-ahead). The
-// figures (dense, grouped, the clocks under the cap, those variants):
-// docs/performance.md, "Figures behind the code's choices"
-// (bench/micro/fp8_gemm_benchmark.cc).
+// stage) ran 0.97x, the pair walking its stages together. Starting math
+// warpgroup 1 two K blocks behind 0, so that one stores while the other
+// multiplies, ran 0.81-0.89x (likely: the lead takes stages from the
+// leader's look-ahead). The figures (dense, grouped, the clocks under the
+// cap, those variants): docs/performance.md, "Figures behind the code's
+// choices" (bench/micro/fp8_gemm_benchmark.cc).
 //
 // Edges: TMA zero-fills rows past the tensors' ends; the epilogue stores only
 // the item's rows and columns < n, and a weight half past n takes scale 0.
