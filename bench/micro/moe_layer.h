@@ -178,8 +178,16 @@ class MoeLayer {
           downs(int64_t{s.experts} * s.hidden / 128 * cuda::Fp8ScaleStride(s.inter)),
           actq(cuda::Fp8RowsPadded(rows) * s.inter),
           acts(s.inter / 128 * cuda::Fp8RowsPadded(rows)) {}
-    DeviceArray<uint8_t> xq, gate_upq, downq, actq;
-    DeviceArray<float> xs, gate_ups, downs, acts;
+    // Each operand's codes, then its scales: the order the constructor
+    // initialises them in.
+    DeviceArray<uint8_t> xq;
+    DeviceArray<float> xs;
+    DeviceArray<uint8_t> gate_upq;
+    DeviceArray<float> gate_ups;
+    DeviceArray<uint8_t> downq;
+    DeviceArray<float> downs;
+    DeviceArray<uint8_t> actq;
+    DeviceArray<float> acts;
     cudaError_t status = cudaSuccess;
   };
   std::unique_ptr<Fp8State> fp8_;
