@@ -1,6 +1,6 @@
 // draftfeed-bench's long-sequence mode (chunked prefill):
 //
-//   draftfeed-bench long --model random:qwen3.6-27b --sequence_tokens 131072 \
+//   draftfeed-bench long --model random:qwen3.6-27b --sequence_tokens 131072
 //       --forward_tokens 16384 [--one_pass]
 //
 // One sequence of --sequence_tokens run as the target runs it: forwards of

@@ -100,7 +100,9 @@ TEST(Fp8CaptureTest, AnAllZeroRowHasScaleOne) {
   std::vector<float> back(x.size());
   ASSERT_TRUE(DecodeFp8CaptureToFloat(out, T, K, H, back).ok());
   for (size_t i = 0; i < x.size(); ++i) {
-    if (x[i] == 0.0f) EXPECT_EQ(back[i], 0.0f) << i;
+    if (x[i] == 0.0f) {
+      EXPECT_EQ(back[i], 0.0f) << i;
+    }
   }
   // A magnitude so small that amax / 448 underflows to 0 gets scale 1 too
   // (and codes 0) instead of a division by zero.

@@ -73,7 +73,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       // Reads every byte handed out: a pointer past the mapping faults here.
       volatile uint8_t sink = 0;
       for (const auto* t : nonempty) {
-        for (size_t i = 0; i < t->nbytes; ++i) sink ^= static_cast<uint8_t>(t->data[i]);
+        for (size_t i = 0; i < t->nbytes; ++i) sink = sink ^ static_cast<uint8_t>(t->data[i]);
       }
       (void)sink;
     }

@@ -100,7 +100,8 @@ void ExpectOutputs(const Reference& ref, const TargetOutputs& o, const std::vect
     const std::byte* out = rows.data() + t * row + hidden;
     std::vector<int32_t> order(static_cast<size_t>(v));
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [lg](int32_t a, int32_t b) { return lg[a] > lg[b]; });
+    std::stable_sort(order.begin(), order.end(),
+                     [lg](int32_t a, int32_t b) { return lg[a] > lg[b]; });
     if (o.argmax && lg[order[0]] - lg[order[1]] > 1e-4) {
       EXPECT_EQ(Read<int32_t>(out + l.argmax), order[0]) << "token " << t;
       ++checked_argmax;
@@ -112,7 +113,8 @@ void ExpectOutputs(const Reference& ref, const TargetOutputs& o, const std::vect
       const double lse = m + std::log(sum);
       for (int32_t i = 0; i < o.top_k; ++i) {
         const auto id = Read<int32_t>(out + l.top_k_ids + 4 * i);
-        if (lg[order[i]] - lg[order[i + 1]] > 1e-4 && (i == 0 || lg[order[i - 1]] - lg[order[i]] > 1e-4)) {
+        if (lg[order[i]] - lg[order[i + 1]] > 1e-4 &&
+            (i == 0 || lg[order[i - 1]] - lg[order[i]] > 1e-4)) {
           EXPECT_EQ(id, order[i]) << "token " << t << " rank " << i;
         }
         ASSERT_GE(id, 0);
@@ -140,7 +142,9 @@ void ExpectOutputs(const Reference& ref, const TargetOutputs& o, const std::vect
       }
     }
   }
-  if (o.argmax) EXPECT_GT(checked_argmax, tokens / 2);
+  if (o.argmax) {
+    EXPECT_GT(checked_argmax, tokens / 2);
+  }
 }
 
 class CpuTargetOutputs : public ::testing::TestWithParam<std::string> {};
@@ -189,7 +193,8 @@ TEST_P(CpuTargetOutputs, MatchLmHeadOfTheFinalState) {
   const std::vector<std::byte> fp8 = Rows(**engine, k, layers, &o, CaptureEncoding::kFp8E4m3);
   const std::vector<std::byte> fp8_plain =
       Rows(**engine, k, layers, nullptr, CaptureEncoding::kFp8E4m3);
-  const int64_t fp8_hidden = CaptureBytesPerToken(CaptureEncoding::kFp8E4m3, 2, m.config.hidden_size);
+  const int64_t fp8_hidden =
+      CaptureBytesPerToken(CaptureEncoding::kFp8E4m3, 2, m.config.hidden_size);
   for (size_t t = 0; t < k.tokens.size(); ++t) {
     ASSERT_EQ(std::memcmp(fp8.data() + t * (fp8_hidden + 24), fp8_plain.data() + t * fp8_hidden,
                           size_t(fp8_hidden)),
@@ -198,12 +203,13 @@ TEST_P(CpuTargetOutputs, MatchLmHeadOfTheFinalState) {
   ExpectOutputs(ref, o, fp8, fp8_hidden);
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, CpuTargetOutputs,
-                         ::testing::Values("tiny-random", "tiny-random-qwen3", "tiny-random-moe",
-                                           "tiny-random-qwen3-moe",
-                                           (testing::TestDataDir() / "models/qwen3").string(),  // tied lm_head
-                                           (testing::TestDataDir() / "models/qwen35_text_fp8").string(),
-                                           (testing::TestDataDir() / "models/qwen3_moe_fp8").string()));
+INSTANTIATE_TEST_SUITE_P(
+    Models, CpuTargetOutputs,
+    ::testing::Values("tiny-random", "tiny-random-qwen3", "tiny-random-moe",
+                      "tiny-random-qwen3-moe",
+                      (testing::TestDataDir() / "models/qwen3").string(),  // tied lm_head
+                      (testing::TestDataDir() / "models/qwen35_text_fp8").string(),
+                      (testing::TestDataDir() / "models/qwen3_moe_fp8").string()));
 
 TEST(CpuTargetOutputsTest, ASequenceGetsTheSameBitsAloneAndPacked) {
   auto model = OpenModel("tiny-random:3");

@@ -166,7 +166,7 @@ TEST_P(CudaMoeEngineTest, RepeatsBitIdentically) {
   const ModelConfig& c = (*model)->config;
   const std::vector<int32_t> lens = {1500, 3, 300};
   const std::vector<int32_t> ids = RandomIds(1803, c.vocab_size, 9);
-  const std::vector<int32_t> layers = {0, c.num_layers / 2, kFinalLayerId};
+  const std::vector<int32_t> layers = {0, static_cast<int32_t>(c.num_layers / 2), kFinalLayerId};
   const size_t n = static_cast<size_t>(1803 * 3 * c.hidden_size);
   std::vector<uint16_t> a(n), b(n);
   ASSERT_TRUE((*gpu)->Forward({ids, lens, layers}, std::as_writable_bytes(std::span(a))).ok());
